@@ -1,0 +1,44 @@
+"""moe_eqx: expert-parallel Mixture-of-Experts layers for JAX, built from typed pure
+Equinox stages."""
+
+from ._combine import combine as combine, scatter_to_tokens as scatter_to_tokens
+from ._config import MoEConfig as MoEConfig
+from ._dispatch import (
+    SortedPairs as SortedPairs,
+    WireRows as WireRows,
+    dedup_rows as dedup_rows,
+    expand_rows as expand_rows,
+    send_counts as send_counts,
+    sort_by_expert as sort_by_expert,
+)
+from ._exchange import (
+    AbstractExchange as AbstractExchange,
+    DenseExchange as DenseExchange,
+    ExchangePlan as ExchangePlan,
+    RaggedExchange as RaggedExchange,
+    emulate_ragged_all_to_all as emulate_ragged_all_to_all,
+    make_exchange_plan as make_exchange_plan,
+)
+from ._experts import Experts as Experts, expert_ffn as expert_ffn
+from ._fallback import (
+    chunked_dropless as chunked_dropless,
+    fallback_chunking as fallback_chunking,
+)
+from ._gmm import AbstractGMMBackend as AbstractGMMBackend, gmm as gmm
+from ._layer import MoELayer as MoELayer, MoEStats as MoEStats, reference_moe as reference_moe
+from ._overflow import (
+    BufferSizes as BufferSizes,
+    buffer_sizes as buffer_sizes,
+    overflow_predicate as overflow_predicate,
+    required_buffer_factor as required_buffer_factor,
+)
+from ._router import (
+    Router as Router,
+    Routing as Routing,
+    load_balance_loss as load_balance_loss,
+    update_router_bias as update_router_bias,
+)
+from ._slots import gather_slot_weights as gather_slot_weights
+from ._trip import TripSpec as TripSpec, expert_parallel_trip as expert_parallel_trip
+
+__version__ = "0.1.0"

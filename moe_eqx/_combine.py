@@ -1,0 +1,55 @@
+"""Combine stage: weighted sums of expert outputs back to rows (wire rows or tokens)."""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._dispatch import SortedPairs
+
+
+def combine(
+    expert_out: Float[Array, "pairs d_model"],
+    pairs: SortedPairs,
+    num_rows: int,
+) -> Float[Array, "rows d_model"]:
+    """Weighted sum of each row's pair outputs: `y[r] = sum_{p: row(p)=r} w_p out_p`.
+
+    Used on one device (rows = tokens) and on an expert-parallel receiver (rows = wire
+    rows, so the return trip carries one row per wire row, not per pair).
+
+    **Arguments:**
+
+    - `expert_out`: `[P, d_model]` expert outputs in the order of `pairs`.
+    - `pairs`: the [`moe_eqx.SortedPairs`][] the outputs were computed from.
+    - `num_rows`: rows of the result.
+
+    **Returns:**
+
+    `[num_rows, d_model]` in `expert_out.dtype` (summed in float32).
+    """
+    with jax.named_scope("moe_eqx.combine"):
+        contrib = expert_out.astype(jnp.float32) * pairs.weight[:, None]
+        out = jnp.zeros((num_rows, expert_out.shape[1]), jnp.float32)
+        return out.at[pairs.row].add(contrib).astype(expert_out.dtype)
+
+
+def scatter_to_tokens(
+    rows: Float[Array, "rows d_model"],
+    token: Int[Array, " rows"],
+    num_tokens: int,
+) -> Float[Array, "tokens d_model"]:
+    """Sums returned wire rows into their source tokens (rows never sent are zero).
+
+    **Arguments:**
+
+    - `rows`: `[N, d_model]` rows in the sender's layout.
+    - `token`: `[N]` source token of each row.
+    - `num_tokens`: `T`.
+
+    **Returns:**
+
+    `[T, d_model]`.
+    """
+    with jax.named_scope("moe_eqx.combine"):
+        out = jnp.zeros((num_tokens, rows.shape[1]), jnp.float32)
+        return out.at[token].add(rows.astype(jnp.float32)).astype(rows.dtype)

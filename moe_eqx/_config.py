@@ -1,0 +1,122 @@
+"""`MoEConfig`: the static description of an MoE layer, validated at construction."""
+
+import math
+from typing import Literal
+
+import equinox as eqx
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+OnOverflow = Literal["fallback", "drop"]
+
+GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "dense", "mosaic_gpu")
+EXCHANGES = ("auto", "dense", "ragged")
+
+
+class MoEConfig(eqx.Module):
+    """Static configuration of an MoE layer.
+
+    **Arguments:**
+
+    - `d_model`: model width `H`.
+    - `d_ff`: hidden width `F` of each SwiGLU expert.
+    - `num_experts`: number of routed experts `E`.
+    - `top_k`: experts per token `k`.
+    - `score_func`: `"softmax"` (top-k of softmax, renormalised over the chosen k when
+        `norm_topk`) or `"sigmoid"` (sigmoid scores normalised over the chosen k).
+    - `norm_topk`: renormalise softmax top-k weights to sum to 1.
+    - `num_groups`, `top_groups`: group-limited routing (DeepSeek-V3): experts are split
+        into `num_groups` contiguous groups and each token may only choose among the
+        experts of its `top_groups` best groups.
+    - `use_router_bias`: add a selection-only bias (aux-loss-free balancing).
+    - `buffer_factor`: receive buffer rows per shard `B = ceil(buffer_factor * T * k)`;
+        `None` means the worst case, which never overflows.
+    - `on_overflow`: `"fallback"` (chunked dropless path; no token ever dropped) or
+        `"drop"` (pairs beyond the buffer are dropped, counted in `stats.dropped_pairs`).
+    - `num_slots`: spare expert slots per shard for dynamic duplication (0 = off).
+    - `dedup`: send a token once per destination shard rather than once per pair.
+    - `gmm_backend`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"` or `"mosaic_gpu"`.
+    - `exchange`: all-to-all backend, `"auto"`, `"dense"` or `"ragged"`.
+    - `axis_name`: the expert-parallel mesh axis.
+    """
+
+    d_model: int = eqx.field(static=True)
+    d_ff: int = eqx.field(static=True)
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    score_func: ScoreFunc = eqx.field(static=True, default="softmax")
+    norm_topk: bool = eqx.field(static=True, default=True)
+    num_groups: int = eqx.field(static=True, default=1)
+    top_groups: int = eqx.field(static=True, default=1)
+    use_router_bias: bool = eqx.field(static=True, default=False)
+    buffer_factor: float | None = eqx.field(static=True, default=2.0)
+    on_overflow: OnOverflow = eqx.field(static=True, default="fallback")
+    num_slots: int = eqx.field(static=True, default=0)
+    dedup: bool = eqx.field(static=True, default=True)
+    gmm_backend: str = eqx.field(static=True, default="auto")
+    exchange: str = eqx.field(static=True, default="auto")
+    axis_name: str = eqx.field(static=True, default="expert")
+
+    def __check_init__(self):
+        for name in ("d_model", "d_ff", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"`top_k` ({self.top_k}) must not exceed `num_experts` "
+                f"({self.num_experts})."
+            )
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"`score_func` must be 'softmax' or 'sigmoid', got {self.score_func!r}."
+            )
+        if not isinstance(self.num_groups, int) or self.num_groups < 1:
+            raise ValueError(f"`num_groups` must be >= 1, got {self.num_groups!r}.")
+        if self.num_experts % self.num_groups != 0:
+            raise ValueError(
+                f"`num_experts` ({self.num_experts}) must be divisible by `num_groups` "
+                f"({self.num_groups})."
+            )
+        if not isinstance(self.top_groups, int) or not (
+            1 <= self.top_groups <= self.num_groups
+        ):
+            raise ValueError(
+                f"`top_groups` must be in [1, num_groups={self.num_groups}], got "
+                f"{self.top_groups!r}."
+            )
+        if self.num_groups > 1:
+            per_group = self.num_experts // self.num_groups
+            if self.top_groups * per_group < self.top_k:
+                raise ValueError(
+                    f"`top_groups` ({self.top_groups}) groups of {per_group} experts "
+                    f"hold fewer than `top_k` ({self.top_k}) experts."
+                )
+        if self.buffer_factor is not None and not (
+            isinstance(self.buffer_factor, int | float)
+            and math.isfinite(self.buffer_factor)
+            and self.buffer_factor > 0
+        ):
+            raise ValueError(
+                f"`buffer_factor` must be a positive finite number or None, got "
+                f"{self.buffer_factor!r}."
+            )
+        if self.on_overflow not in ("fallback", "drop"):
+            raise ValueError(
+                f"`on_overflow` must be 'fallback' or 'drop', got {self.on_overflow!r}."
+            )
+        if not isinstance(self.num_slots, int) or self.num_slots < 0:
+            raise ValueError(f"`num_slots` must be an integer >= 0, got {self.num_slots!r}.")
+        if self.gmm_backend not in GMM_BACKENDS:
+            raise ValueError(
+                f"`gmm_backend` must be one of {GMM_BACKENDS}, got {self.gmm_backend!r}."
+            )
+        if self.exchange not in EXCHANGES:
+            raise ValueError(
+                f"`exchange` must be one of {EXCHANGES}, got {self.exchange!r}."
+            )
+        if not isinstance(self.axis_name, str) or not self.axis_name:
+            raise ValueError(f"`axis_name` must be a non-empty string, got {self.axis_name!r}.")
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.num_groups

@@ -1,0 +1,224 @@
+"""Dispatch stages: sort pairs by expert (one device), build deduplicated wire rows
+(sender), and expand received wire rows into pairs grouped by local expert (receiver).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+
+class SortedPairs(eqx.Module):
+    """Pairs sorted by group, ready for the grouped matmul.
+
+    **Fields:**
+
+    - `row`: `[P]` index of the source row (token, or wire row) of each sorted pair.
+    - `weight`: `[P]` float32 routing weight (0 for padding pairs).
+    - `group_sizes`: `[G]` pairs per group; pairs past `sum(group_sizes)` are padding.
+    """
+
+    row: Int[Array, " pairs"]
+    weight: Float[Array, " pairs"]
+    group_sizes: Int[Array, " groups"]
+
+
+def _sort_pairs(
+    groups: Int[Array, " candidates"],
+    weights: Float[Array, " candidates"],
+    valid: Bool[Array, " candidates"],
+    *,
+    num_groups: int,
+    capacity: int,
+    per_row: int,
+) -> tuple[SortedPairs, Int[Array, ""]]:
+    key = jnp.where(valid, groups, num_groups)
+    order = jnp.argsort(key, stable=True)[:capacity].astype(jnp.int32)
+    sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
+    total = jnp.sum(sizes)
+    # Keep the first `capacity` pairs in sorted order: trim the group sizes to match.
+    ends = jnp.minimum(jnp.cumsum(sizes), capacity)
+    kept = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    in_range = jnp.arange(capacity) < ends[-1]
+    pairs = SortedPairs(
+        row=order // per_row,
+        weight=jnp.where(in_range, weights[order], 0.0),
+        group_sizes=kept,
+    )
+    return pairs, total - ends[-1]
+
+
+def sort_by_expert(
+    experts: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    num_experts: int,
+) -> SortedPairs:
+    """Single-device dispatch: sort the `T * k` pairs by expert.
+
+    **Arguments:**
+
+    - `experts`: `[T, k]` chosen experts.
+    - `weights`: `[T, k]` routing weights.
+    - `num_experts`: `E`.
+
+    **Returns:**
+
+    [`moe_eqx.SortedPairs`][] with `T * k` pairs, `row` = token index.
+    """
+    with jax.named_scope("moe_eqx.dispatch"):
+        tokens, k = experts.shape
+        pairs, _ = _sort_pairs(
+            experts.ravel(),
+            weights.ravel(),
+            jnp.ones((tokens * k,), bool),
+            num_groups=num_experts,
+            capacity=tokens * k,
+            per_row=k,
+        )
+        return pairs
+
+
+class WireRows(eqx.Module):
+    """The sender's wire rows, sorted by destination shard.
+
+    One row per (token, destination shard) when deduplicating, else one per pair. Each
+    row carries the token's activation once plus `(local group, weight)` for each of the
+    token's pairs on that shard (`width = k` with dedup, 1 without; unused entries have
+    group -1 and weight 0).
+
+    **Fields:**
+
+    - `token`: `[N]` source token of each row.
+    - `groups`: `[N, width]` destination-local groups (-1 = unused entry).
+    - `weights`: `[N, width]` float32 weights (0 for unused entries).
+    - `send_counts`: `[R]` rows for each destination; rows past their sum are padding.
+    """
+
+    token: Int[Array, " rows"]
+    groups: Int[Array, "rows width"]
+    weights: Float[Array, "rows width"]
+    send_counts: Int[Array, " shards"]
+
+    @property
+    def num_pairs(self) -> Int[Array, " rows"]:
+        return jnp.sum(self.groups >= 0, axis=1).astype(jnp.int32)
+
+
+def dedup_rows(
+    dest_shard: Int[Array, "tokens k"],
+    dest_group: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    valid: Bool[Array, "tokens k"],
+    *,
+    num_shards: int,
+    dedup: bool,
+) -> WireRows:
+    """Dedup dispatcher (sender side): group a shard's pairs into wire rows.
+
+    **Arguments:**
+
+    - `dest_shard`, `dest_group`: `[T, k]` physical destination of each pair.
+    - `weights`: `[T, k]` routing weights.
+    - `valid`: `[T, k]` pairs to send (padding tokens are not sent).
+    - `num_shards`: `R`.
+    - `dedup`: one row per (token, shard) if True, else one row per pair.
+
+    **Returns:**
+
+    [`moe_eqx.WireRows`][] with `T * min(k, R)` rows if deduplicating, else `T * k`.
+    """
+    with jax.named_scope("moe_eqx.dedup_dispatch"):
+        tokens, k = dest_shard.shape
+        if dedup:
+            same = _same_shard(dest_shard, valid)
+            is_first = _first_of_shard(same, valid)
+            groups = jnp.where(same, dest_group[:, None, :], -1)
+            wts = jnp.where(same, weights[:, None, :], 0.0)
+            width, num_rows = k, tokens * min(k, num_shards)
+        else:
+            is_first = valid
+            groups = jnp.where(valid, dest_group, -1)[:, :, None]
+            wts = jnp.where(valid, weights, 0.0)[:, :, None]
+            width, num_rows = 1, tokens * k
+        dest = jnp.where(is_first, dest_shard, num_shards).ravel()
+        order = jnp.argsort(dest, stable=True)[:num_rows]
+        send_counts = jnp.zeros((num_shards + 1,), jnp.int32).at[dest].add(1)
+        return WireRows(
+            token=(order // k).astype(jnp.int32),
+            groups=groups.reshape(tokens * k, width)[order],
+            weights=wts.reshape(tokens * k, width)[order],
+            send_counts=send_counts[:num_shards],
+        )
+
+
+def _same_shard(dest_shard: Array, valid: Array) -> Array:
+    same = dest_shard[:, :, None] == dest_shard[:, None, :]  # [T, k, k]
+    return same & valid[:, None, :] & valid[:, :, None]
+
+
+def _first_of_shard(same: Array, valid: Array) -> Array:
+    k = same.shape[1]
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)
+    return valid & ~jnp.any(same & earlier[None], axis=2)
+
+
+def send_counts(
+    dest_shard: Int[Array, "tokens k"],
+    valid: Bool[Array, "tokens k"],
+    *,
+    num_shards: int,
+    dedup: bool,
+) -> Int[Array, " shards"]:
+    """Wire rows this shard sends to each shard (what [`moe_eqx.dedup_rows`][] would
+    produce), without building the rows: the input of the overflow predicate.
+
+    **Arguments:**
+
+    - `dest_shard`: `[T, k]` destination shard of each pair.
+    - `valid`: `[T, k]` pairs to send.
+    - `num_shards`: `R`.
+    - `dedup`: one row per (token, shard) if True, else one per pair.
+
+    **Returns:**
+
+    `[R]` int32 row counts.
+    """
+    first = _first_of_shard(_same_shard(dest_shard, valid), valid) if dedup else valid
+    dest = jnp.where(first, dest_shard, num_shards).ravel()
+    return jnp.zeros((num_shards + 1,), jnp.int32).at[dest].add(1)[:num_shards]
+
+
+def expand_rows(
+    groups: Int[Array, "rows width"],
+    weights: Float[Array, "rows width"],
+    num_rows: Int[Array, ""],
+    *,
+    num_groups: int,
+    capacity: int,
+) -> tuple[SortedPairs, Int[Array, ""]]:
+    """Receiver side: expand received wire rows into pairs grouped by local group.
+
+    **Arguments:**
+
+    - `groups`, `weights`: `[B, width]` metadata of the received rows.
+    - `num_rows`: how many leading rows are valid.
+    - `num_groups`: local groups `G` (home experts then slots).
+    - `capacity`: pair buffer size.
+
+    **Returns:**
+
+    `(pairs, dropped)`: [`moe_eqx.SortedPairs`][] with `capacity` pairs (`row` = wire row)
+    and the number of valid pairs that did not fit (deterministic: the last in group
+    order).
+    """
+    with jax.named_scope("moe_eqx.expand"):
+        rows, width = groups.shape
+        valid = (groups >= 0) & (jnp.arange(rows)[:, None] < num_rows)
+        return _sort_pairs(
+            groups.ravel(),
+            weights.ravel(),
+            valid.ravel(),
+            num_groups=num_groups,
+            capacity=capacity,
+            per_row=width,
+        )

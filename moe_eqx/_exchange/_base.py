@@ -1,0 +1,99 @@
+"""The all-to-all exchange interface and the offsets shared by every backend.
+
+Layout (identical for every backend): the sender's rows are sorted by destination
+shard; rows for shard `d` start at `send_offsets[d]`. On receiver `d` the rows from
+source `s` land at `recv_offsets[s, d] = sum_{s' < s} sizes[s', d]`, so the receive
+buffer holds the rows of source 0, then source 1, ... and its first
+`sum_s sizes[s, d]` rows are valid.
+"""
+
+import abc
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Int, Shaped
+
+
+def exclusive_cumsum(x: Int[Array, "..."], axis: int) -> Int[Array, "..."]:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+class ExchangePlan(eqx.Module):
+    """Everything a shard needs to run both trips of one exchange.
+
+    **Fields:**
+
+    - `sizes`: `[R, R]` rows sent from shard `s` (row) to shard `d` (column), already
+        clipped to the receive buffer (identical on all shards).
+    - `send_offsets`: `[R, R]` start of the rows for `d` in `s`'s send layout (from the
+        unclipped counts, since the sender's layout holds every row).
+    - `recv_offsets`: `[R, R]` where `s`'s rows start in `d`'s receive buffer.
+    - `me`: this shard's index on the axis.
+    """
+
+    sizes: Int[Array, "shards shards"]
+    send_offsets: Int[Array, "shards shards"]
+    recv_offsets: Int[Array, "shards shards"]
+    me: Int[Array, ""]
+
+
+def make_exchange_plan(
+    counts: Int[Array, "shards shards"], capacity: int, me: Int[Array, ""]
+) -> ExchangePlan:
+    """Builds the exchange plan from the all-gathered `[R, R]` row counts.
+
+    Rows that would land at or beyond `capacity` on their receiver are not sent
+    (deterministic order: lower source shards first, then send order); the caller
+    counts them as dropped.
+    """
+    counts = counts.astype(jnp.int32)
+    recv_start = exclusive_cumsum(counts, axis=0)
+    sizes = jnp.clip(capacity - recv_start, 0, counts)
+    return ExchangePlan(
+        sizes=sizes,
+        send_offsets=exclusive_cumsum(counts, axis=1),
+        recv_offsets=exclusive_cumsum(sizes, axis=0),
+        me=me,
+    )
+
+
+class AbstractExchange(eqx.Module):
+    """One all-to-all exchange of variable-sized row blocks, and its return trip."""
+
+    axis_name: eqx.AbstractVar[str]
+
+    @abc.abstractmethod
+    def dispatch(
+        self, send: Shaped[Array, "send_rows ..."], plan: ExchangePlan, capacity: int
+    ) -> Shaped[Array, "recv_rows ..."]:
+        """Sends row blocks to their destinations.
+
+        **Arguments:**
+
+        - `send`: rows sorted by destination (see the module docstring).
+        - `plan`: the [`ExchangePlan`][].
+        - `capacity`: receive buffer rows `B`.
+
+        **Returns:**
+
+        `[B, ...]`: rows from source 0, then source 1, ...; rows past the received
+        count are zero.
+        """
+
+    @abc.abstractmethod
+    def combine(
+        self, recv: Shaped[Array, "recv_rows ..."], plan: ExchangePlan, send_rows: int
+    ) -> Shaped[Array, "send_rows ..."]:
+        """The return trip: each received row goes back to its source, to the position
+        it was sent from. Rows that were never sent come back as zero.
+
+        **Arguments:**
+
+        - `recv`: `[B, ...]` in the receive layout of `dispatch`.
+        - `plan`: the same [`ExchangePlan`][].
+        - `send_rows`: rows of the sender's layout.
+
+        **Returns:**
+
+        `[send_rows, ...]` in the sender's layout.
+        """

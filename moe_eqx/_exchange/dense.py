@@ -1,0 +1,75 @@
+"""`lax.all_to_all` of fixed-size per-destination blocks. Runs on every platform.
+
+A block must hold what one sender may send one receiver, so the exchanged buffers are
+`R * block_rows` rows instead of `B` (reported as `stats.block_rows`); rows are
+compacted into the common `[B, ...]` receive layout afterwards.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Shaped
+
+from ._base import AbstractExchange, ExchangePlan
+
+
+class DenseExchange(AbstractExchange):
+    """All-to-all through dense `[R, block_rows, ...]` blocks."""
+
+    axis_name: str = eqx.field(static=True)
+    block_rows: int = eqx.field(static=True)
+
+    def dispatch(
+        self, send: Shaped[Array, "send_rows ..."], plan: ExchangePlan, capacity: int
+    ) -> Shaped[Array, "recv_rows ..."]:
+        num_shards = plan.sizes.shape[0]
+        me = plan.me
+        i = jnp.arange(self.block_rows, dtype=jnp.int32)
+        # Blocks to each destination d: my rows [send_offsets[me, d], + sizes[me, d]).
+        src = plan.send_offsets[me][:, None] + i[None, :]
+        ok = i[None, :] < plan.sizes[me][:, None]
+        src = jnp.clip(src, 0, send.shape[0] - 1)
+        blocks = _masked_take(send, src, ok)
+        blocks = jax.lax.all_to_all(blocks, self.axis_name, 0, 0, tiled=False)
+        # blocks[s] now holds the rows shard s sent me; compact them into [B, ...].
+        row = jnp.arange(capacity, dtype=jnp.int32)
+        starts = plan.recv_offsets[:, me]
+        sizes = plan.sizes[:, me]
+        s = jnp.clip(
+            jnp.searchsorted(starts + sizes, row, side="right"), 0, num_shards - 1
+        ).astype(jnp.int32)
+        within = row - starts[s]
+        ok = (within < sizes[s]) & (within >= 0)
+        flat = blocks.reshape(num_shards * self.block_rows, *blocks.shape[2:])
+        idx = jnp.clip(s * self.block_rows + within, 0, flat.shape[0] - 1)
+        return _masked_take(flat, idx, ok)
+
+    def combine(
+        self, recv: Shaped[Array, "recv_rows ..."], plan: ExchangePlan, send_rows: int
+    ) -> Shaped[Array, "send_rows ..."]:
+        num_shards = plan.sizes.shape[0]
+        me = plan.me
+        i = jnp.arange(self.block_rows, dtype=jnp.int32)
+        # Block for source s: rows [recv_offsets[s, me], + sizes[s, me]) of my buffer.
+        idx = plan.recv_offsets[:, me][:, None] + i[None, :]
+        ok = i[None, :] < plan.sizes[:, me][:, None]
+        idx = jnp.clip(idx, 0, recv.shape[0] - 1)
+        blocks = _masked_take(recv, idx, ok)
+        blocks = jax.lax.all_to_all(blocks, self.axis_name, 0, 0, tiled=False)
+        # blocks[d] holds my rows returned by destination d, in send order.
+        row = jnp.arange(send_rows, dtype=jnp.int32)
+        starts = plan.send_offsets[me]
+        d = jnp.clip(
+            jnp.searchsorted(starts, row, side="right") - 1, 0, num_shards - 1
+        ).astype(jnp.int32)
+        within = row - starts[d]
+        ok = within < plan.sizes[me, d]
+        flat = blocks.reshape(num_shards * self.block_rows, *blocks.shape[2:])
+        idx = jnp.clip(d * self.block_rows + within, 0, flat.shape[0] - 1)
+        return _masked_take(flat, idx, ok)
+
+
+def _masked_take(x: Array, idx: Array, ok: Array) -> Array:
+    out = jnp.take(x, idx, axis=0)
+    mask = ok.reshape(ok.shape + (1,) * (out.ndim - ok.ndim))
+    return jnp.where(mask, out, jnp.zeros((), out.dtype))

@@ -1,0 +1,88 @@
+"""Expert stage: SwiGLU experts with fused gate/up weights, applied as grouped matmuls."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._config import MoEConfig
+from ._gmm import AbstractGMMBackend, gmm
+
+
+class Experts(eqx.Module):
+    """`E` SwiGLU experts: `expert_e(x) = (silu(x @ Wg_e) * (x @ Wu_e)) @ Wd_e`.
+
+    **Fields:**
+
+    - `w_gate_up`: `[E, d_model, 2 * d_ff]`, gate = first half, up = second half.
+    - `w_down`: `[E, d_ff, d_model]`.
+    """
+
+    w_gate_up: Float[Array, "experts d_model two_d_ff"]
+    w_down: Float[Array, "experts d_ff d_model"]
+
+    def __init__(self, config: MoEConfig, *, key: PRNGKeyArray, dtype=jnp.float32):
+        gu_key, down_key = jr.split(key)
+        e, h, f = config.num_experts, config.d_model, config.d_ff
+        self.w_gate_up = (jr.normal(gu_key, (e, h, 2 * f), jnp.float32) / h**0.5).astype(
+            dtype
+        )
+        self.w_down = (jr.normal(down_key, (e, f, h), jnp.float32) / f**0.5).astype(dtype)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_gate_up.shape[0]
+
+    def __call__(
+        self,
+        x: Float[Array, "rows d_model"],
+        group_sizes: Int[Array, " experts"],
+        *,
+        backend: str | AbstractGMMBackend = "auto",
+    ) -> Float[Array, "rows d_model"]:
+        """Applies expert `g` to the `g`-th consecutive group of rows of `x`.
+
+        **Arguments:**
+
+        - `x`: `[M, d_model]` rows sorted by expert.
+        - `group_sizes`: `[E]` rows per expert, `sum <= M`.
+        - `backend`: the [`moe_eqx.gmm`][] backend.
+
+        **Returns:**
+
+        `[M, d_model]`; rows beyond `sum(group_sizes)` are zero.
+        """
+        return expert_ffn(x, self.w_gate_up, self.w_down, group_sizes, backend=backend)
+
+
+def expert_ffn(
+    x: Float[Array, "rows d_model"],
+    w_gate_up: Float[Array, "groups d_model two_d_ff"],
+    w_down: Float[Array, "groups d_ff d_model"],
+    group_sizes: Int[Array, " groups"],
+    *,
+    backend: str | AbstractGMMBackend = "auto",
+) -> Float[Array, "rows d_model"]:
+    """SwiGLU over consecutive groups of rows: two grouped matmuls.
+
+    **Arguments:**
+
+    - `x`: `[M, d_model]` rows sorted by group.
+    - `w_gate_up`: `[G, d_model, 2 * d_ff]`.
+    - `w_down`: `[G, d_ff, d_model]`.
+    - `group_sizes`: `[G]` int32.
+    - `backend`: the [`moe_eqx.gmm`][] backend.
+
+    **Returns:**
+
+    `[M, d_model]` in `x.dtype`; rows beyond `sum(group_sizes)` are zero.
+    """
+    with jax.named_scope("moe_eqx.experts"):
+        d_ff = w_down.shape[1]
+        gate_up = gmm(x, w_gate_up.astype(x.dtype), group_sizes, backend=backend)
+        gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
+        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(
+            x.dtype
+        )
+        return gmm(act, w_down.astype(x.dtype), group_sizes, backend=backend)

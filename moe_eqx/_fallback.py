@@ -1,0 +1,163 @@
+"""Chunked dropless fallback (DESIGN.md step 8), an explicit `custom_vjp`.
+
+The local tokens are split into `n` chunks small enough that one chunk's worst case
+(`R * c` wire rows, `R * c * min(k, G)` pairs) fits the capped buffers, and the chunks run
+in a `lax.scan`, so no pair is ever dropped and peak memory stays that of the capped
+path. The forward keeps only its inputs as residuals; the backward re-runs one chunk at
+a time and accumulates the expert-weight gradients in the scan carry (an unrolled loop
+would keep every chunk's weight gradient alive at once).
+"""
+
+import functools as ft
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._overflow import BufferSizes, buffer_sizes
+from ._trip import TripSpec, expert_parallel_trip
+
+
+def fallback_chunking(
+    *,
+    tokens: int,
+    top_k: int,
+    num_shards: int,
+    num_groups: int,
+    dedup: bool,
+    capped: BufferSizes,
+) -> tuple[int, BufferSizes]:
+    """The smallest chunk count whose per-chunk worst case fits the capped buffers.
+
+    **Arguments:**
+
+    - `tokens`: `T`, tokens per shard.
+    - `top_k`, `num_shards`, `num_groups`, `dedup`: as for [`moe_eqx.buffer_sizes`][].
+    - `capped`: the capped path's [`moe_eqx.BufferSizes`][].
+
+    **Returns:**
+
+    `(num_chunks, chunk_buffers)`; `chunk_buffers` are worst-case buffers for one chunk,
+    each no larger than the capped ones.
+    """
+    per_token_pairs = min(top_k, num_groups)
+    per_token_rows = 1 if dedup else per_token_pairs
+    chunk = min(
+        tokens,
+        capped.rows // (num_shards * per_token_rows),
+        capped.pairs // (num_shards * per_token_pairs),
+    )
+    if chunk < 1:
+        need = num_shards * per_token_pairs / (tokens * top_k)
+        raise ValueError(
+            f"`buffer_factor` is too small for the dropless fallback: its buffers "
+            f"({capped.rows} rows, {capped.pairs} pairs) cannot hold one token from "
+            f"each of {num_shards} shards; use buffer_factor >= {need:.3g} or "
+            f"on_overflow='drop'."
+        )
+    num_chunks = math.ceil(tokens / chunk)
+    chunk = math.ceil(tokens / num_chunks)  # same chunk count, least padding
+    bufs = buffer_sizes(
+        tokens=chunk,
+        top_k=top_k,
+        num_shards=num_shards,
+        num_groups=num_groups,
+        dedup=dedup,
+        buffer_factor=None,
+    )
+    return num_chunks, bufs
+
+
+def _split(a: Array, num_chunks: int, fill) -> Array:
+    tokens = a.shape[0]
+    chunk = math.ceil(tokens / num_chunks)
+    pad = num_chunks * chunk - tokens
+    a = jnp.concatenate([a, jnp.full((pad, *a.shape[1:]), fill, a.dtype)])
+    return a.reshape(num_chunks, chunk, *a.shape[1:])
+
+
+def _merge(a: Array, tokens: int) -> Array:
+    return a.reshape(-1, *a.shape[2:])[:tokens]
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def chunked_dropless(
+    x: Float[Array, "tokens d_model"],
+    weights: Float[Array, "tokens k"],
+    dest_shard: Int[Array, "tokens k"],
+    dest_group: Int[Array, "tokens k"],
+    valid: Bool[Array, "tokens k"],
+    w_gate_up: Float[Array, "groups d_model two_d_ff"],
+    w_down: Float[Array, "groups d_ff d_model"],
+    spec: TripSpec,
+    num_chunks: int,
+) -> Float[Array, "tokens d_model"]:
+    """The dropless expert-parallel layer over `num_chunks` chunks of the local tokens.
+
+    Same arguments as [`moe_eqx.expert_parallel_trip`][], with `spec` holding the
+    per-chunk (worst-case) buffers from [`moe_eqx.fallback_chunking`][].
+
+    **Returns:**
+
+    `[T, d_model]`, with every pair processed.
+    """
+    tokens = x.shape[0]
+    xs = _chunks(x, weights, dest_shard, dest_group, valid, num_chunks)
+
+    def body(_, c):
+        y, _ = expert_parallel_trip(*c, w_gate_up, w_down, spec)
+        return None, y
+
+    _, ys = jax.lax.scan(body, None, xs)
+    return _merge(ys, tokens)
+
+
+def _chunks(x, weights, dest_shard, dest_group, valid, num_chunks):
+    return (
+        _split(x, num_chunks, 0),
+        _split(weights, num_chunks, 0),
+        _split(dest_shard, num_chunks, 0),
+        _split(dest_group, num_chunks, 0),
+        _split(valid, num_chunks, False),  # padding tokens send nothing
+    )
+
+
+def _fwd(x, weights, dest_shard, dest_group, valid, w_gate_up, w_down, spec, n):
+    y = chunked_dropless(
+        x, weights, dest_shard, dest_group, valid, w_gate_up, w_down, spec, n
+    )
+    return y, (x, weights, dest_shard, dest_group, valid, w_gate_up, w_down)
+
+
+def _bwd(spec, num_chunks, res, dy):
+    x, weights, dest_shard, dest_group, valid, w_gate_up, w_down = res
+    tokens = x.shape[0]
+    xs = _chunks(x, weights, dest_shard, dest_group, valid, num_chunks)
+    dys = _split(dy, num_chunks, 0)
+
+    def body(carry, c):
+        (x_c, w_c, ds_c, dg_c, v_c), dy_c = c
+
+        def f(x_, w_, gu_, dn_):
+            return expert_parallel_trip(x_, w_, ds_c, dg_c, v_c, gu_, dn_, spec)[0]
+
+        _, vjp = jax.vjp(f, x_c, w_c, w_gate_up, w_down)
+        dx_c, dw_c, dgu, ddn = vjp(dy_c)
+        g_gu, g_dn = carry
+        return (g_gu + dgu, g_dn + ddn), (dx_c, dw_c)
+
+    zeros = (jnp.zeros_like(w_gate_up), jnp.zeros_like(w_down))
+    (g_gu, g_dn), (dxs, dws) = jax.lax.scan(body, zeros, (xs, dys))
+    return (
+        _merge(dxs, tokens),
+        _merge(dws, tokens),
+        None,
+        None,
+        None,
+        g_gu,
+        g_dn,
+    )
+
+
+chunked_dropless.defvjp(_fwd, _bwd)

@@ -1,0 +1,125 @@
+"""Receive-buffer sizing and the exact overflow predicate."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+
+class BufferSizes(eqx.Module):
+    """Static buffer sizes of one expert-parallel trip on one shard.
+
+    **Fields:**
+
+    - `rows`: receive buffer wire rows.
+    - `pairs`: receive buffer pairs (rows of the grouped matmul).
+    - `block_rows`: rows of one per-destination block of the dense exchange (what one
+        sender may send one receiver); the dense exchange moves `R * block_rows` rows.
+    - `send_rows`: rows of the sender's layout.
+    - `worst_case`: True when nothing can overflow (buffers hold the worst case).
+    """
+
+    rows: int = eqx.field(static=True)
+    pairs: int = eqx.field(static=True)
+    block_rows: int = eqx.field(static=True)
+    send_rows: int = eqx.field(static=True)
+    worst_case: bool = eqx.field(static=True)
+
+
+def buffer_sizes(
+    *,
+    tokens: int,
+    top_k: int,
+    num_shards: int,
+    num_groups: int,
+    dedup: bool,
+    buffer_factor: float | None,
+) -> BufferSizes:
+    """Receive buffers for `tokens` local tokens per shard.
+
+    `B = ceil(buffer_factor * tokens * top_k)` rows and pairs, never more than the worst
+    case (every token of every shard sending all the pairs it can to one shard: one wire
+    row and `min(k, G)` pairs per token when deduplicating). `None` = the worst case.
+
+    **Arguments:**
+
+    - `tokens`: `T`, tokens per shard.
+    - `top_k`: `k`.
+    - `num_shards`: `R`.
+    - `num_groups`: local groups `G = L + S`.
+    - `dedup`: one wire row per (token, shard) or per pair.
+    - `buffer_factor`: the config's factor, or None.
+
+    **Returns:**
+
+    A [`moe_eqx.BufferSizes`][].
+    """
+    per_token_pairs = min(top_k, num_groups)
+    per_token_rows = 1 if dedup else per_token_pairs
+    worst_pairs = num_shards * tokens * per_token_pairs
+    worst_rows = num_shards * tokens * per_token_rows
+    if buffer_factor is None:
+        rows, pairs = worst_rows, worst_pairs
+    else:
+        b = math.ceil(buffer_factor * tokens * top_k)
+        rows, pairs = min(b, worst_rows), min(b, worst_pairs)
+    return BufferSizes(
+        rows=rows,
+        pairs=pairs,
+        block_rows=min(rows, tokens * per_token_rows),
+        send_rows=tokens * (min(top_k, num_shards) if dedup else top_k),
+        worst_case=(rows == worst_rows and pairs == worst_pairs),
+    )
+
+
+def overflow_predicate(
+    wire_counts: Int[Array, "shards shards"],
+    pair_counts: Int[Array, "shards groups"],
+    buffers: BufferSizes,
+) -> Bool[Array, ""]:
+    """Exact overflow predicate: True iff some shard would receive more wire rows or more
+    pairs than its buffers hold. Computed from all-gathered counts, so every shard gets
+    the same answer.
+
+    **Arguments:**
+
+    - `wire_counts`: `[R, R]` wire rows from shard `s` (row) to shard `d` (column).
+    - `pair_counts`: `[R, G]` pairs each shard receives per local group.
+    - `buffers`: the [`moe_eqx.BufferSizes`][].
+
+    **Returns:**
+
+    A boolean scalar.
+    """
+    with jax.named_scope("moe_eqx.overflow"):
+        recv_rows = jnp.sum(wire_counts, axis=0)
+        recv_pairs = jnp.sum(pair_counts, axis=1)
+        return jnp.any(recv_rows > buffers.rows) | jnp.any(recv_pairs > buffers.pairs)
+
+
+def required_buffer_factor(
+    wire_counts: Int[Array, "shards shards"],
+    pair_counts: Int[Array, "shards groups"],
+    *,
+    tokens: int,
+    top_k: int,
+) -> Float[Array, ""]:
+    """The smallest `buffer_factor` with which this step would not have overflowed.
+
+    **Arguments:**
+
+    - `wire_counts`: `[R, R]` wire rows between shards.
+    - `pair_counts`: `[R, G]` pairs received per shard and local group.
+    - `tokens`: `T`, tokens per shard.
+    - `top_k`: `k`.
+
+    **Returns:**
+
+    A float32 scalar: `max(max recv rows, max recv pairs) / (T * k)`.
+    """
+    need = jnp.maximum(
+        jnp.max(jnp.sum(wire_counts, axis=0)), jnp.max(jnp.sum(pair_counts, axis=1))
+    )
+    return need.astype(jnp.float32) / jnp.asarray(tokens * top_k, jnp.float32)

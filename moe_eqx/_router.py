@@ -1,0 +1,176 @@
+"""Router stage: scores, top-k selection, routing weights and auxiliary losses."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._config import MoEConfig
+
+
+class Routing(eqx.Module):
+    """The router's decision for the tokens of one shard.
+
+    **Fields:**
+
+    - `weights`: `[T, k]` float32 routing weights of the chosen experts.
+    - `experts`: `[T, k]` int32 chosen experts, distinct per token.
+    - `counts`: `[E]` int32 pairs routed to each expert from these tokens.
+    - `mean_probs`: `[E]` float32 mean normalised score per expert (for the balance loss).
+    - `load_balance_loss`: scalar `E * sum_e f_e * P_e` over these tokens.
+    - `router_z_loss`: scalar `mean(logsumexp(logits)^2)` over these tokens.
+    """
+
+    weights: Float[Array, "tokens k"]
+    experts: Int[Array, "tokens k"]
+    counts: Int[Array, " experts"]
+    mean_probs: Float[Array, " experts"]
+    load_balance_loss: Float[Array, ""]
+    router_z_loss: Float[Array, ""]
+
+
+def load_balance_loss(
+    counts: Int[Array, " experts"], mean_probs: Float[Array, " experts"], top_k: int
+) -> Float[Array, ""]:
+    """Switch/DeepSeek balance loss `E * sum_e f_e * P_e`, with `f_e` the fraction of
+    pairs routed to expert `e` and `P_e` its mean normalised score.
+
+    **Arguments:**
+
+    - `counts`: `[E]` pairs per expert.
+    - `mean_probs`: `[E]` mean normalised score per expert.
+    - `top_k`: experts per token (the pair count is `tokens * top_k`).
+
+    **Returns:**
+
+    A float32 scalar, 1.0 for perfectly uniform routing.
+    """
+    num_experts = counts.shape[0]
+    total = jnp.maximum(jnp.sum(counts), 1).astype(jnp.float32)
+    frac = jax.lax.stop_gradient(counts.astype(jnp.float32) / total)
+    return jnp.asarray(num_experts, jnp.float32) * jnp.sum(frac * mean_probs)
+
+
+class Router(eqx.Module):
+    """Linear router with softmax or sigmoid scores and (group-limited) top-k selection.
+
+    `logits = x @ weight` in float32. The optional `bias` only changes which experts are
+    selected (aux-loss-free balancing), never the weights; it receives no gradient, and
+    [`moe_eqx.update_router_bias`][] is the rule to update it.
+
+    Group-limited routing (`num_groups > 1`): a group's score is the sum of its best
+    `min(2, experts per group)` selection scores (DeepSeek-V3); each token chooses its
+    `top_k` experts among the experts of its `top_groups` best groups.
+    """
+
+    weight: Float[Array, "d_model experts"]
+    bias: Float[Array, " experts"] | None
+    top_k: int = eqx.field(static=True)
+    score_func: str = eqx.field(static=True)
+    norm_topk: bool = eqx.field(static=True)
+    num_groups: int = eqx.field(static=True)
+    top_groups: int = eqx.field(static=True)
+
+    def __init__(self, config: MoEConfig, *, key: PRNGKeyArray):
+        scale = 1.0 / (config.d_model**0.5)
+        self.weight = scale * jr.normal(
+            key, (config.d_model, config.num_experts), jnp.float32
+        )
+        self.bias = (
+            jnp.zeros((config.num_experts,), jnp.float32)
+            if config.use_router_bias
+            else None
+        )
+        self.top_k = config.top_k
+        self.score_func = config.score_func
+        self.norm_topk = config.norm_topk
+        self.num_groups = config.num_groups
+        self.top_groups = config.top_groups
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[1]
+
+    def _group_mask(self, select: Float[Array, "tokens experts"]) -> Array:
+        tokens, num_experts = select.shape
+        per_group = num_experts // self.num_groups
+        grouped = select.reshape(tokens, self.num_groups, per_group)
+        best = jax.lax.top_k(grouped, min(2, per_group))[0]
+        group_scores = jnp.sum(best, axis=-1)
+        _, top_group_idx = jax.lax.top_k(group_scores, self.top_groups)
+        group_ok = jnp.zeros((tokens, self.num_groups), bool)
+        group_ok = group_ok.at[jnp.arange(tokens)[:, None], top_group_idx].set(True)
+        return jnp.repeat(group_ok, per_group, axis=1)
+
+    def __call__(self, x: Float[Array, "tokens d_model"]) -> Routing:
+        """Routes tokens to experts.
+
+        **Arguments:**
+
+        - `x`: `[T, d_model]` token activations.
+
+        **Returns:**
+
+        A [`moe_eqx.Routing`][].
+        """
+        with jax.named_scope("moe_eqx.router"):
+            logits = jnp.dot(
+                x.astype(jnp.float32),
+                self.weight.astype(jnp.float32),
+                precision=jax.lax.Precision.HIGHEST,
+            )
+            if self.score_func == "softmax":
+                scores = jax.nn.softmax(logits, axis=-1)
+                probs = scores
+            else:
+                scores = jax.nn.sigmoid(logits)
+                probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+            select = jax.lax.stop_gradient(scores)
+            if self.bias is not None:
+                select = select + jax.lax.stop_gradient(self.bias)
+            if self.num_groups > 1:
+                select = jnp.where(self._group_mask(select), select, -jnp.inf)
+            _, experts = jax.lax.top_k(select, self.top_k)
+            experts = experts.astype(jnp.int32)
+            chosen = jnp.take_along_axis(scores, experts, axis=-1)
+            if self.score_func == "sigmoid" or self.norm_topk:
+                weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+            else:
+                weights = chosen
+            num_experts = self.num_experts
+            counts = jnp.zeros((num_experts,), jnp.int32).at[experts.ravel()].add(1)
+            mean_probs = jnp.mean(probs, axis=0)
+            lb = load_balance_loss(counts, mean_probs, self.top_k)
+            z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+            return Routing(
+                weights=weights,
+                experts=experts,
+                counts=counts,
+                mean_probs=mean_probs,
+                load_balance_loss=lb,
+                router_z_loss=z,
+            )
+
+
+def update_router_bias(
+    bias: Float[Array, " experts"],
+    counts: Int[Array, " experts"],
+    *,
+    rate: float = 1e-3,
+) -> Float[Array, " experts"]:
+    """Aux-loss-free balancing update (DeepSeek-V3): raise the selection bias of
+    underloaded experts and lower that of overloaded ones by `rate`.
+
+    **Arguments:**
+
+    - `bias`: `[E]` current selection bias (`layer.router.bias`).
+    - `counts`: `[E]` pairs per expert in the last step (e.g. from `stats.expert_counts`).
+    - `rate`: step size.
+
+    **Returns:**
+
+    The new `[E]` bias; apply it with `eqx.tree_at(lambda l: l.router.bias, layer, new)`.
+    """
+    load = counts.astype(jnp.float32)
+    return bias + jnp.asarray(rate, jnp.float32) * jnp.sign(jnp.mean(load) - load)

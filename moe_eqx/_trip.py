@@ -1,0 +1,116 @@
+"""One expert-parallel round trip on one shard (the capped path, DESIGN.md step 7):
+dedup dispatch -> exchange -> expand to pairs -> expert GMM -> combine per wire row ->
+exchange back -> sum per token. Runs inside `shard_map`.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._combine import combine, scatter_to_tokens
+from ._dispatch import dedup_rows, expand_rows
+from ._exchange import make_exchange_plan, resolve_exchange
+from ._experts import expert_ffn
+from ._overflow import BufferSizes
+
+
+class TripSpec(eqx.Module):
+    """Static settings of a round trip."""
+
+    num_shards: int = eqx.field(static=True)
+    num_groups: int = eqx.field(static=True)
+    buffers: BufferSizes
+    dedup: bool = eqx.field(static=True)
+    exchange: str = eqx.field(static=True)
+    gmm_backend: str = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+
+
+class TripStats(eqx.Module):
+    """Per-shard counts of one trip (summed over chunks by the fallback)."""
+
+    dropped_pairs: Int[Array, ""]
+
+
+def expert_parallel_trip(
+    x: Float[Array, "tokens d_model"],
+    weights: Float[Array, "tokens k"],
+    dest_shard: Int[Array, "tokens k"],
+    dest_group: Int[Array, "tokens k"],
+    valid: Bool[Array, "tokens k"],
+    w_gate_up: Float[Array, "groups d_model two_d_ff"],
+    w_down: Float[Array, "groups d_ff d_model"],
+    spec: TripSpec,
+) -> tuple[Float[Array, "tokens d_model"], TripStats]:
+    """Sends each token to the shards holding its experts and brings the results back.
+
+    **Arguments:**
+
+    - `x`: `[T, d_model]` this shard's tokens.
+    - `weights`: `[T, k]` routing weights.
+    - `dest_shard`, `dest_group`: `[T, k]` physical destination (shard, local group) of
+        each pair.
+    - `valid`: `[T, k]` pairs to process.
+    - `w_gate_up`, `w_down`: this shard's local expert weights, `G` groups (home experts
+        then slots).
+    - `spec`: static [`TripSpec`][].
+
+    **Returns:**
+
+    `(y, stats)`: `[T, d_model]` and this shard's [`TripStats`][]. Pairs that do not fit
+    the buffers contribute zero and are counted in `stats.dropped_pairs`.
+    """
+    tokens = x.shape[0]
+    bufs = spec.buffers
+    me = jax.lax.axis_index(spec.axis_name).astype(jnp.int32)
+    wire = dedup_rows(
+        dest_shard,
+        dest_group,
+        weights,
+        valid,
+        num_shards=spec.num_shards,
+        dedup=spec.dedup,
+    )
+    counts = jax.lax.all_gather(wire.send_counts, spec.axis_name)  # [R, R]
+    plan = make_exchange_plan(counts, bufs.rows, me)
+    exchange = resolve_exchange(
+        spec.exchange, axis_name=spec.axis_name, block_rows=bufs.block_rows
+    )
+    # Rows not sent because their receiver is full (only possible when overflow is
+    # allowed): counted here, on the sender, which knows how many pairs each row carries.
+    row = jnp.arange(bufs.send_rows, dtype=jnp.int32)
+    starts = plan.send_offsets[me]
+    row_dest = jnp.clip(
+        jnp.searchsorted(starts, row, side="right") - 1, 0, spec.num_shards - 1
+    )
+    is_real = row < jnp.sum(wire.send_counts)
+    unsent = is_real & (row - starts[row_dest] >= plan.sizes[me, row_dest])
+    dropped_at_sender = jnp.sum(jnp.where(unsent, wire.num_pairs, 0))
+
+    with jax.named_scope("moe_eqx.exchange"):
+        recv_x = exchange.dispatch(x[wire.token], plan, bufs.rows)
+        recv_groups = exchange.dispatch(wire.groups, plan, bufs.rows)
+        recv_weights = exchange.dispatch(wire.weights, plan, bufs.rows)
+
+    num_recv = jnp.sum(plan.sizes[:, me])
+    pairs, dropped_at_receiver = expand_rows(
+        recv_groups,
+        recv_weights,
+        num_recv,
+        num_groups=spec.num_groups,
+        capacity=bufs.pairs,
+    )
+    expert_out = expert_ffn(
+        recv_x[pairs.row],
+        w_gate_up,
+        w_down,
+        pairs.group_sizes,
+        backend=spec.gmm_backend,
+    )
+    y_rows = combine(expert_out, pairs, bufs.rows)
+    with jax.named_scope("moe_eqx.exchange"):
+        back = exchange.combine(y_rows, plan, bufs.send_rows)
+    y = scatter_to_tokens(back, wire.token, tokens)
+    return y, TripStats(dropped_pairs=dropped_at_sender + dropped_at_receiver)
+
