@@ -1,12 +1,7 @@
 """`MoEConfig`: the static description of an MoE layer, validated at construction."""
 
 import math
-from typing import Literal
-
 import equinox as eqx
-
-ScoreFunc = Literal["softmax", "sigmoid"]
-OnOverflow = Literal["fallback", "drop"]
 
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "dense", "mosaic_gpu")
 EXCHANGES = ("auto", "dense", "ragged")
@@ -43,13 +38,15 @@ class MoEConfig(eqx.Module):
     d_ff: int = eqx.field(static=True)
     num_experts: int = eqx.field(static=True)
     top_k: int = eqx.field(static=True)
-    score_func: ScoreFunc = eqx.field(static=True, default="softmax")
+    # Plain `str`/`float` annotations so that bad values reach `__check_init__` and raise
+    # a ValueError naming the field, rather than a type-check error.
+    score_func: str = eqx.field(static=True, default="softmax")
     norm_topk: bool = eqx.field(static=True, default=True)
     num_groups: int = eqx.field(static=True, default=1)
     top_groups: int = eqx.field(static=True, default=1)
     use_router_bias: bool = eqx.field(static=True, default=False)
-    buffer_factor: float | None = eqx.field(static=True, default=2.0)
-    on_overflow: OnOverflow = eqx.field(static=True, default="fallback")
+    buffer_factor: float | int | None = eqx.field(static=True, default=2.0)
+    on_overflow: str = eqx.field(static=True, default="fallback")
     num_slots: int = eqx.field(static=True, default=0)
     dedup: bool = eqx.field(static=True, default=True)
     gmm_backend: str = eqx.field(static=True, default="auto")

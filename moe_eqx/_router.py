@@ -128,7 +128,7 @@ class Router(eqx.Module):
                 probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
             select = jax.lax.stop_gradient(scores)
             if self.bias is not None:
-                select = select + jax.lax.stop_gradient(self.bias)
+                select = select + jax.lax.stop_gradient(self.bias)[None, :]
             if self.num_groups > 1:
                 select = jnp.where(self._group_mask(select), select, -jnp.inf)
             _, experts = jax.lax.top_k(select, self.top_k)

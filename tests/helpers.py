@@ -1,0 +1,117 @@
+"""Shared test helpers: meshes, forced routing, oracle comparisons."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+import moe_eqx as me
+
+
+def mesh(num_shards: int):
+    return jax.make_mesh(
+        (num_shards,), ("expert",), devices=jax.devices()[:num_shards]
+    )
+
+
+def auto_mesh(num_shards: int):
+    """A mesh with Auto axes, for calling `jax.shard_map` directly on unsharded inputs."""
+    return jax.make_mesh(
+        (num_shards,),
+        ("expert",),
+        devices=jax.devices()[:num_shards],
+        axis_types=(jax.sharding.AxisType.Auto,),
+    )
+
+
+def with_bias(layer: me.MoELayer, bias) -> me.MoELayer:
+    return eqx.tree_at(lambda l: l.router.bias, layer, jnp.asarray(bias, jnp.float32))
+
+
+def routing_bias(kind: str, num_experts: int, top_k: int, num_shards: int, seed=0):
+    """A selection bias that forces a routing pattern on the router.
+
+    - uniform: no bias.
+    - zipf: Zipf(1.2) preference over a fixed random permutation of the experts.
+    - one_expert: every token picks experts 0..k-1 (expert 0 and its neighbours on
+      shard 0 get every token).
+    - one_shard: every token picks among shard 0's experts only.
+    """
+    rng = np.random.default_rng(seed)
+    bias = np.zeros(num_experts, np.float32)
+    if kind == "zipf":
+        p = 1.0 / np.arange(1, num_experts + 1) ** 1.2
+        bias[rng.permutation(num_experts)] = np.log(p / p.sum()) * 0.5
+    elif kind == "one_expert":
+        bias[:top_k] = 10.0 + np.arange(top_k, 0, -1)
+    elif kind == "one_shard":
+        per_shard = num_experts // num_shards
+        bias[:per_shard] = 10.0
+    elif kind != "uniform":
+        raise ValueError(kind)
+    return bias
+
+
+def loss_fn(y):
+    # Every output element gets its own cotangent; mildly non-linear, and not so
+    # non-linear that float32 rounding of large outputs is amplified.
+    c = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+    return jnp.sum(y.astype(jnp.float32) * c) + 0.05 * jnp.sum(jnp.square(y))
+
+
+@eqx.filter_jit
+def layer_value_and_grad(layer, x, mesh):
+    def f(args):
+        layer, x = args
+        y, stats = layer(x, mesh=mesh)
+        return loss_fn(y), (y, stats)
+
+    (_, (y, stats)), (grads, gx) = eqx.filter_value_and_grad(f, has_aux=True)(
+        (layer, x)
+    )
+    return y, stats, grads, gx
+
+
+@eqx.filter_jit
+def oracle_value_and_grad(layer, x):
+    def f(args):
+        layer, x = args
+        y = me.reference_moe(layer, x)
+        return loss_fn(y), y
+
+    (_, y), (grads, gx) = eqx.filter_value_and_grad(f, has_aux=True)((layer, x))
+    return y, grads, gx
+
+
+def assert_matches_oracle(layer, x, mesh, *, atol=2e-5, rtol=2e-5):
+    y, stats, grads, gx = layer_value_and_grad(layer, x, mesh)
+    y_ref, grads_ref, gx_ref = oracle_value_and_grad(layer, x)
+    np.testing.assert_allclose(y, y_ref, atol=atol, rtol=rtol, err_msg="output")
+    np.testing.assert_allclose(gx, gx_ref, atol=atol, rtol=rtol, err_msg="d/dx")
+    names = ["router.weight", "experts.w_gate_up", "experts.w_down"]
+    for name in names:
+        get = lambda t, name=name: eval("t." + name)  # noqa: E731
+        np.testing.assert_allclose(
+            get(grads), get(grads_ref), atol=atol, rtol=rtol, err_msg=f"d/d{name}"
+        )
+    return stats
+
+
+def make_layer(key, *, mesh_size=1, bias_kind=None, **overrides):
+    cfg = dict(d_model=16, d_ff=24, num_experts=8, top_k=2)
+    cfg.update(overrides)
+    if bias_kind is not None:
+        cfg["use_router_bias"] = True
+    config = me.MoEConfig(**cfg)
+    layer = me.MoELayer(config, key=key)
+    if bias_kind is not None:
+        layer = with_bias(
+            layer,
+            routing_bias(bias_kind, config.num_experts, config.top_k, mesh_size),
+        )
+    return layer
+
+
+def tokens(key, n, d_model=16):
+    return jr.normal(key, (n, d_model), jnp.float32)

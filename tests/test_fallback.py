@@ -1,0 +1,206 @@
+"""On overflow: drop (counted) or the chunked dropless fallback (exact)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import assert_matches_oracle, auto_mesh, make_layer, mesh, tokens, with_bias
+
+import moe_eqx as me
+
+
+def test_drop_is_counted_and_differs(getkey):
+    layer = make_layer(getkey(), mesh_size=4, buffer_factor=0.1, on_overflow="drop")
+    x = tokens(getkey(), 128)
+    y, stats = jax.jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
+    y_ref = me.reference_moe(layer, x)
+    assert bool(stats.overflow) and not bool(stats.fallback_used)
+    dropped = int(stats.dropped_pairs)
+    assert dropped > 0
+    # Rows whose pairs were all kept match the oracle; every token differs by at most
+    # its dropped contributions, and the total difference is not zero.
+    assert float(jnp.max(jnp.abs(y - y_ref))) > 1e-3
+    # Dropped pairs contribute exactly zero: y is the oracle with some (t, j) removed.
+    r = layer.router(x)
+    per_pair = jnp.stack(
+        [
+            me.reference_moe(_single_pair(layer, r, j), x)
+            for j in range(layer.config.top_k)
+        ],
+        axis=1,
+    )  # [T, k, H]: each pair's weighted contribution
+    residual = np.asarray(y_ref - y)
+    contrib = np.asarray(per_pair)
+    n_dropped = 0
+    for t in range(x.shape[0]):
+        # Find the subset of this token's pairs whose sum explains the residual.
+        k = contrib.shape[1]
+        ok = False
+        for mask in range(1 << k):
+            sel = [j for j in range(k) if mask >> j & 1]
+            if np.allclose(contrib[t, sel].sum(0), residual[t], atol=1e-5):
+                ok, n = True, len(sel)
+                break
+        assert ok, f"token {t}: output is not the oracle minus whole pairs"
+        n_dropped += n
+    assert n_dropped == dropped
+
+
+def _single_pair(layer, routing, j):
+    """A layer whose oracle output is only pair j of each token (others weight 0)."""
+
+    class _OnePair(eqx.Module):
+        inner: me.Router
+
+        def __call__(self, x):
+            r = self.inner(x)
+            w = jnp.zeros_like(r.weights).at[:, j].set(r.weights[:, j])
+            return eqx.tree_at(lambda r: r.weights, r, w)
+
+    return eqx.tree_at(lambda l: l.router, layer, _OnePair(layer.router))
+
+
+def test_drop_mode_without_overflow_matches(getkey):
+    layer = make_layer(getkey(), mesh_size=2, on_overflow="drop", buffer_factor=4.0)
+    x = tokens(getkey(), 64)
+    stats = assert_matches_oracle(layer, x, mesh(2))
+    assert not bool(stats.overflow) and int(stats.dropped_pairs) == 0
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_forced_fallback_matches_oracle(getkey, dedup):
+    layer = make_layer(getkey(), mesh_size=4, buffer_factor=0.6, dedup=dedup, top_k=3)
+    x = tokens(getkey(), 128)
+    stats = assert_matches_oracle(layer, x, mesh(4))
+    assert bool(stats.overflow) and bool(stats.fallback_used)
+    assert int(stats.num_chunks) > 1
+    assert int(stats.dropped_pairs) == 0
+
+
+def test_one_shard_overflow_triggers_fallback_everywhere(getkey):
+    # Only shard 0's tokens all go to expert 0 (and 1): shard 0 receives too much.
+    layer = make_layer(getkey(), mesh_size=4, top_k=2, buffer_factor=1.0)
+    x = tokens(getkey(), 128)
+    w = layer.router.weight
+    # Tokens of shard 0 (the first 32) get a large component along a direction that
+    # the router maps to experts 0 and 1.
+    direction = jnp.linalg.pinv(w)[0] + jnp.linalg.pinv(w)[1]
+    x = x.at[:32].add(12.0 * direction[None, :])
+    r = layer.router(x)
+    assert np.all(np.isin(np.asarray(r.experts[:32]), [0, 1]))
+    assert not np.all(np.isin(np.asarray(r.experts[32:]), [0, 1]))
+    stats = assert_matches_oracle(layer, x, mesh(4), atol=2e-4, rtol=2e-4)
+    assert bool(stats.overflow) and bool(stats.fallback_used)
+    _, stats = jax.jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
+    for leaf in (stats.overflow, stats.fallback_used):
+        vals = [bool(s.data) for s in leaf.addressable_shards]
+        assert all(vals), "every shard takes the fallback"
+
+
+def test_worst_case_buffer_never_falls_back(getkey):
+    layer = make_layer(getkey(), mesh_size=4, bias_kind="one_expert", buffer_factor=None)
+    x = tokens(getkey(), 64)
+    _, stats = eqx.filter_jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
+    assert not bool(stats.overflow) and not bool(stats.fallback_used)
+    assert int(stats.num_chunks) == 1
+
+
+def test_buffer_too_small_for_fallback_is_an_error(getkey):
+    layer = make_layer(getkey(), mesh_size=8, buffer_factor=0.01)
+    with pytest.raises(ValueError, match="buffer_factor"):
+        layer(tokens(getkey(), 64), mesh=mesh(8))
+
+
+def _trip_inputs(key, num_shards, tokens_per_shard, k, num_local, d=8, f=12):
+    keys = jr.split(key, 5)
+    t = num_shards * tokens_per_shard
+    x = jr.normal(keys[0], (t, d))
+    w = jax.nn.softmax(jr.normal(keys[1], (t, k)), -1)
+    experts = jax.vmap(lambda kk: jr.permutation(kk, num_shards * num_local)[:k])(
+        jr.split(keys[2], t)
+    ).astype(jnp.int32)
+    gu = jr.normal(keys[3], (num_shards * num_local, d, 2 * f)) / d**0.5
+    dn = jr.normal(keys[4], (num_shards * num_local, f, d)) / f**0.5
+    return x, w, experts, gu, dn
+
+
+def _run_chunked(num_shards, num_chunks, x, w, experts, gu, dn, num_local, k, chunked):
+    from jax.sharding import PartitionSpec as P
+
+    m = auto_mesh(num_shards)
+    bufs = me.buffer_sizes(
+        tokens=-(-(x.shape[0] // num_shards) // (num_chunks if chunked else 1)),
+        top_k=k,
+        num_shards=num_shards,
+        num_groups=num_local,
+        dedup=True,
+        buffer_factor=None,
+    )
+    spec = me.TripSpec(
+        num_shards=num_shards,
+        num_groups=num_local,
+        buffers=bufs,
+        dedup=True,
+        exchange="dense",
+        gmm_backend="auto",
+        axis_name="expert",
+    )
+
+    def body(x, w, e, gu, dn):
+        args = (x, w, e // num_local, e % num_local, jnp.ones(e.shape, bool), gu, dn)
+        if chunked:
+            return me.chunked_dropless(*args, spec, num_chunks)
+        return me.expert_parallel_trip(*args, spec)[0]
+
+    f = jax.shard_map(
+        body,
+        mesh=m,
+        in_specs=(P("expert"),) * 5,
+        out_specs=P("expert"),
+        check_vma=False,
+    )
+    return f(x, w, experts, gu, dn)
+
+
+def test_chunked_custom_vjp_matches_unchunked_autodiff(getkey):
+    r, tps, k, local = 2, 12, 2, 2
+    x, w, e, gu, dn = _trip_inputs(getkey(), r, tps, k, local)
+    ct = jr.normal(getkey(), x.shape)
+
+    def loss(chunked):
+        def f(x, w, gu, dn):
+            y = _run_chunked(r, 5, x, w, e, gu, dn, local, k, chunked)
+            return jnp.sum(y * ct)
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, w, gu, dn)
+
+    (v1, g1), (v0, g0) = loss(True), loss(False)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_custom_vjp_finite_differences(getkey):
+    r, tps, k, local = 2, 6, 2, 2
+    x, w, e, gu, dn = _trip_inputs(getkey(), r, tps, k, local)
+    ct = jr.normal(getkey(), x.shape)
+
+    @jax.jit
+    def f(x, w, gu, dn):
+        return jnp.sum(_run_chunked(r, 3, x, w, e, gu, dn, local, k, True) * ct)
+
+    grads = jax.grad(f, argnums=(0, 1, 2, 3))(x, w, gu, dn)
+    with jax.enable_x64(False):
+        for i, arg in enumerate((x, w, gu, dn)):
+            direction = jr.normal(getkey(), arg.shape)
+            eps = 1e-2
+            args = [x, w, gu, dn]
+            plus = list(args)
+            minus = list(args)
+            plus[i] = arg + eps * direction
+            minus[i] = arg - eps * direction
+            fd = (f(*plus) - f(*minus)) / (2 * eps)
+            an = jnp.sum(grads[i] * direction)
+            np.testing.assert_allclose(fd, an, rtol=2e-2, atol=2e-3)

@@ -1,0 +1,430 @@
+"""Grouped matmul backends on CPU: every backend against independent references."""
+
+import json
+import os
+import runpy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from moe_eqx._gmm import (
+    auto_backend_name,
+    DenseGMM,
+    gmm,
+    MosaicGPUGMM,
+    MosaicTileConfig,
+    RaggedDotGMM,
+    resolve_backend,
+    TiledGMM,
+)
+from moe_eqx._gmm import mosaic_gpu as mosaic
+from moe_eqx._gmm.tiled import window_ladder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# All cases share one shape, so that each backend compiles once (the sizes are traced):
+# uniform, skewed, empty groups, padding rows past the groups, nothing routed at all,
+# one group larger than the small tiles, single rows.
+M, K, N = 80, 8, 12
+CASES = {
+    "uniform": [20, 20, 20, 20],
+    "skewed": [1, 70, 3, 6],
+    "empty_groups": [0, 37, 0, 43],
+    "padding_rows": [7, 0, 20, 4],
+    "all_empty": [0, 0, 0, 0],
+    "one_big_group": [0, 0, 80, 0],
+    "single_rows": [1, 1, 0, 1],
+}
+
+# Small tiles so that the tests cover full windows, several ladder sizes and clamping.
+BACKENDS = {
+    "tiled": TiledGMM(),
+    "tiled_small": TiledGMM(tile_rows=16, min_tile_rows=2),
+    "tiled_odd": TiledGMM(tile_rows=7, min_tile_rows=3),
+    "dense": DenseGMM(),
+    "ragged_dot": RaggedDotGMM(),
+}
+
+
+def _data(case, dtype=jnp.float32, seed=0):
+    sizes = CASES[case]
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.standard_normal((M, K)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), K, N)), dtype)
+    d_out = jnp.asarray(rng.standard_normal((M, N)), dtype)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32), d_out
+
+
+def _close(got, want, tol=1e-5):
+    want = np.asarray(want)
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol * scale)
+
+
+def _numpy_gmm(lhs, rhs, sizes):
+    """A per-group loop in float64 numpy: independent of every backend."""
+    lhs = np.asarray(lhs, np.float64)
+    rhs = np.asarray(rhs, np.float64)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    start = 0
+    for g, size in enumerate(np.asarray(sizes)):
+        out[start : start + size] = lhs[start : start + size] @ rhs[g]
+        start += size
+    return out
+
+
+def _numpy_grads(lhs, rhs, sizes, d_out):
+    lhs, rhs, d_out = (np.asarray(a, np.float64) for a in (lhs, rhs, d_out))
+    d_lhs = np.zeros_like(lhs)
+    d_rhs = np.zeros_like(rhs)
+    start = 0
+    for g, size in enumerate(np.asarray(sizes)):
+        rows = slice(start, start + size)
+        d_lhs[rows] = d_out[rows] @ rhs[g].T
+        d_rhs[g] = lhs[rows].T @ d_out[rows]
+        start += size
+    return d_lhs, d_rhs
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_forward_and_grads(backend):
+    impl = BACKENDS[backend]
+
+    @jax.jit
+    def run(lhs, rhs, sizes, d_out):
+        out, vjp = jax.vjp(lambda a, b: gmm(a, b, sizes, backend=impl), lhs, rhs)
+        return out, *vjp(d_out)
+
+    for seed, case in enumerate(CASES):
+        lhs, rhs, sizes, d_out = _data(case, seed=seed)
+        out, d_lhs, d_rhs = run(lhs, rhs, sizes, d_out)
+        assert out.dtype == jnp.float32 and out.shape == (M, N)
+        _close(out, _numpy_gmm(lhs, rhs, sizes))
+        ref_lhs, ref_rhs = _numpy_grads(lhs, rhs, sizes, d_out)
+        _close(d_lhs, ref_lhs)
+        _close(d_rhs, ref_rhs)
+        # Exact zeros, not just small: padding rows and empty groups.
+        total = int(sizes.sum())
+        assert np.all(np.asarray(out)[total:] == 0), case
+        assert np.all(np.asarray(d_lhs)[total:] == 0), case
+        for g in np.flatnonzero(np.asarray(sizes) == 0):
+            assert np.all(np.asarray(d_rhs)[g] == 0), case
+    assert run._cache_size() == 1
+
+
+@pytest.mark.parametrize("backend", ["tiled", "tiled_small"])
+def test_matches_autodiff_of_dense(backend):
+    lhs, rhs, sizes, d_out = _data("empty_groups", seed=3)
+    impl = BACKENDS[backend]
+
+    def loss(impl, a, b):
+        return jnp.sum(gmm(a, b, sizes, backend=impl) * d_out)
+
+    grads = jax.grad(loss, argnums=(1, 2))(impl, lhs, rhs)
+    ref = jax.grad(loss, argnums=(1, 2))(DenseGMM(), lhs, rhs)
+    for a, b in zip(grads, ref):
+        _close(a, b)
+
+
+@pytest.mark.parametrize("tiles", [(512, 8), (4, 2)])
+def test_tiled_finite_differences(tiles):
+    # float64 so that central differences are accurate to ~1e-8.
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(5)
+        lhs = jnp.asarray(rng.standard_normal((13, 3)), jnp.float64)
+        rhs = jnp.asarray(rng.standard_normal((3, 3, 4)), jnp.float64)
+        sizes = jnp.asarray([5, 0, 6], jnp.int32)
+        w = jnp.asarray(rng.standard_normal((13, 4)), jnp.float64)
+        impl = TiledGMM(*tiles)
+
+        def f(a, b):
+            return jnp.sum(jnp.sin(impl(a, b, sizes)) * w)
+
+        grads = jax.grad(f, argnums=(0, 1))(lhs, rhs)
+        for arg, grad in zip((0, 1), grads):
+            base = (lhs, rhs)
+            direction = jnp.asarray(rng.standard_normal(base[arg].shape), jnp.float64)
+            eps = 1e-6
+
+            def shifted(s, arg=arg, direction=direction):
+                args = list(base)
+                args[arg] = args[arg] + s * direction
+                return f(*args)
+
+            numeric = (shifted(eps) - shifted(-eps)) / (2 * eps)
+            analytic = jnp.sum(grad * direction)
+            np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_tiled_finite_differences_float32():
+    lhs, rhs, sizes, d_out = _data("skewed", seed=7)
+    impl = TiledGMM(tile_rows=8, min_tile_rows=2)
+
+    def f(b):
+        return jnp.sum(impl(lhs, b, sizes) * d_out)
+
+    direction = jnp.asarray(np.random.default_rng(8).standard_normal(rhs.shape), jnp.float32)
+    eps = 1e-2  # f is linear in b, so only rounding limits the difference quotient.
+    numeric = (f(rhs + eps * direction) - f(rhs - eps * direction)) / (2 * eps)
+    analytic = jnp.sum(jax.grad(f)(rhs) * direction)
+    np.testing.assert_allclose(analytic, numeric, rtol=2e-3)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "tiled_small", "dense"])
+def test_bfloat16(backend):
+    lhs, rhs, sizes, d_out = _data("padding_rows", jnp.bfloat16, seed=11)
+    impl = BACKENDS[backend]
+    out, vjp = jax.vjp(lambda a, b: impl(a, b, sizes), lhs, rhs)
+    d_lhs, d_rhs = vjp(d_out)
+    assert out.dtype == d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
+    f32 = [a.astype(jnp.float32) for a in (lhs, rhs, d_out)]
+    ref = _numpy_gmm(f32[0], f32[1], sizes)
+    ref_lhs, ref_rhs = _numpy_grads(f32[0], f32[1], sizes, f32[2])
+    # float32 accumulation: only the final rounding to bfloat16 (2^-8 relative).
+    for got, want in ((out, ref), (d_lhs, ref_lhs), (d_rhs, ref_rhs)):
+        got = np.asarray(got.astype(jnp.float32))
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    assert np.all(np.asarray(out.astype(jnp.float32))[int(sizes.sum()) :] == 0)
+
+
+def test_window_ladder():
+    assert window_ladder(512, 8, 4096) == (
+        8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128,
+        160, 192, 224, 256, 320, 384, 448, 512,
+    )  # fmt: skip
+    assert window_ladder(512, 8, 100)[-1] == 100
+    assert window_ladder(4, 8, 100) == (4,)
+    assert window_ladder(512, 8, 1) == (1,)
+    for ladder in (window_ladder(512, 8, 4096), window_ladder(96, 3, 50)):
+        ratios = np.asarray(ladder[1:]) / np.asarray(ladder[:-1])
+        assert np.all(ratios > 1) and np.all(ratios <= 2)
+
+
+def test_bad_tile_rows():
+    with pytest.raises(ValueError, match="tile_rows"):
+        TiledGMM(tile_rows=0)
+    with pytest.raises(ValueError, match="min_tile_rows"):
+        TiledGMM(tile_rows=8, min_tile_rows=16)
+
+
+def test_resolve_backend():
+    assert jax.default_backend() == "cpu"
+    assert auto_backend_name() == "tiled"
+    assert isinstance(resolve_backend("auto"), TiledGMM)
+    assert not isinstance(resolve_backend("auto"), RaggedDotGMM)
+    assert isinstance(resolve_backend("tiled"), TiledGMM)
+    assert isinstance(resolve_backend("dense"), DenseGMM)
+    assert isinstance(resolve_backend("ragged_dot"), RaggedDotGMM)
+    assert isinstance(resolve_backend("mosaic_gpu"), MosaicGPUGMM)
+    for bad in ("megablox", "", "Tiled"):
+        with pytest.raises(ValueError, match="gmm_backend"):
+            resolve_backend(bad)
+    lhs, rhs, sizes, _ = _data("uniform")
+    with pytest.raises(ValueError, match="gmm_backend"):
+        gmm(lhs, rhs, sizes, backend="nope")
+
+
+def test_bad_inputs():
+    lhs, rhs, sizes, _ = _data("uniform")
+    with pytest.raises(ValueError, match="dtype"):
+        gmm(lhs.astype(jnp.bfloat16), rhs, sizes)
+    with pytest.raises(ValueError, match="group_sizes"):
+        gmm(lhs, rhs, sizes[:2])
+
+
+def test_jit_traced_sizes_compile_once():
+    lhs, rhs, _, _ = _data("uniform")
+    traces = []
+
+    @jax.jit
+    def f(a, b, sizes):
+        traces.append(None)
+        return gmm(a, b, sizes)
+
+    for sizes in ([12, 12, 12, 12], [0, 48, 0, 0], [1, 2, 3, 4]):
+        sizes = jnp.asarray(sizes, jnp.int32)
+        _close(f(lhs, rhs, sizes), _numpy_gmm(lhs, rhs, sizes))
+    assert len(traces) == 1
+
+
+def test_inside_scan_cond_and_custom_vjp():
+    lhs, rhs, _, d_out = _data("uniform")
+    all_sizes = jnp.asarray([[12, 12, 12, 12], [0, 40, 0, 3]], jnp.int32)
+
+    def step(carry, sizes):
+        out = lax.cond(
+            sizes[0] > 0,
+            lambda: gmm(carry, rhs, sizes),
+            lambda: gmm(carry, rhs, sizes, backend="tiled") * 2.0,
+        )
+        return carry, jnp.sum(out * d_out)
+
+    def loss(a, b):
+        del b
+        return jnp.sum(lax.scan(step, a, all_sizes)[1])
+
+    got = jax.jit(jax.grad(loss))(lhs, rhs)
+    ref = sum(
+        scale * _numpy_grads(lhs, rhs, sizes, d_out)[0]
+        for scale, sizes in ((1.0, all_sizes[0]), (2.0, all_sizes[1]))
+    )
+    _close(got, ref)
+
+    # gmm inside the backward of a custom_vjp, as the MoE layer's fallback does.
+    sizes = all_sizes[1]
+
+    @jax.custom_vjp
+    def layer(a, b):
+        return gmm(a, b, sizes)
+
+    def layer_fwd(a, b):
+        return layer(a, b), (a, b)
+
+    def layer_bwd(res, ct):
+        a, b = res
+        return jax.vjp(lambda x, y: gmm(x, y, sizes), a, b)[1](ct)
+
+    layer.defvjp(layer_fwd, layer_bwd)
+    got = jax.jit(jax.grad(lambda a, b: jnp.sum(layer(a, b) * d_out), (0, 1)))(lhs, rhs)
+    for a, b in zip(got, _numpy_grads(lhs, rhs, sizes, d_out)):
+        _close(a, b)
+
+
+def test_shard_map():
+    devices = np.asarray(jax.devices()[:4])
+    mesh = jax.sharding.Mesh(devices, ("expert",))
+    rng = np.random.default_rng(2)
+    rows, k, n, g = 24, 4, 6, 3
+    lhs = jnp.asarray(rng.standard_normal((4 * rows, k)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)
+    sizes = jnp.asarray([[8, 8, 8], [0, 20, 1], [3, 0, 0], [0, 0, 24]], jnp.int32)
+    d_out = jnp.asarray(rng.standard_normal((4 * rows, n)), jnp.float32)
+
+    def per_shard(a, b, s):
+        return gmm(a, b, s[0], backend="auto")
+
+    sharded = jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(P("expert"), P(), P("expert")),
+        out_specs=P("expert"),
+    )
+
+    def loss(a, b):
+        return jnp.sum(sharded(a, b, sizes) * d_out)
+
+    lhs = jax.device_put(lhs, NamedSharding(mesh, P("expert")))
+    out = jax.jit(sharded)(lhs, rhs, sizes)
+    d_lhs, d_rhs = jax.jit(jax.grad(loss, (0, 1)))(lhs, rhs)
+    ref_d_rhs = np.zeros(rhs.shape)
+    for r in range(4):
+        block = slice(r * rows, (r + 1) * rows)
+        _close(out[block], _numpy_gmm(lhs[block], rhs, sizes[r]))
+        shard_lhs, shard_rhs = _numpy_grads(lhs[block], rhs, sizes[r], d_out[block])
+        _close(d_lhs[block], shard_lhs)
+        ref_d_rhs += shard_rhs
+    _close(d_rhs, ref_d_rhs)
+
+
+# --- mosaic_gpu backend pieces that run without a GPU ------------------------------
+
+
+def test_mosaic_falls_back_for_float32():
+    lhs, rhs, sizes, d_out = _data("empty_groups")
+    out, vjp = jax.vjp(lambda a, b: MosaicGPUGMM()(a, b, sizes), lhs, rhs)
+    _close(out, _numpy_gmm(lhs, rhs, sizes))
+    for a, b in zip(vjp(d_out), _numpy_grads(lhs, rhs, sizes, d_out)):
+        _close(a, b)
+
+
+@pytest.mark.parametrize("kernel", mosaic.KERNELS)
+@pytest.mark.parametrize(
+    "shape", [(131072, 2048, 1536, 128), (32768, 7168, 4096, 16), (100, 64, 192, 3)]
+)
+def test_mosaic_default_configs_valid(kernel, shape):
+    m, k, n, g = shape
+    config = mosaic.default_tile_config(kernel, m, k, n, g)
+    assert mosaic.config_is_valid(kernel, config, m, k, n)
+    assert mosaic._smem_bytes(kernel, config, 2) <= 227 * 1024
+
+
+def test_mosaic_config_validity():
+    ok = MosaicTileConfig(128, 128, 64, 4, 1)
+    assert mosaic.config_is_valid("fwd", ok, 1000, 512, 1024)
+    assert not mosaic.config_is_valid("fwd", ok, 1000, 512, 1000)  # N % block_n
+    assert not mosaic.config_is_valid("dlhs", ok, 1000, 512, 1000)  # N % block_k
+    assert not mosaic.config_is_valid("fwd", MosaicTileConfig(128, 256, 64, 6, 1), 8, 64, 256)
+    assert not mosaic.config_is_valid("drhs", MosaicTileConfig(192, 64, 64, 2, 1), 8, 192, 64)
+
+
+def test_mosaic_tuning_table(tmp_path, monkeypatch):
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv("MOE_EQX_GMM_TUNING", str(path))
+    assert mosaic.tuning_path() == str(path)
+    kind = mosaic._device_kind()
+    tuned = MosaicTileConfig(64, 64, 64, 2, 1)
+    key = mosaic._table_key("fwd", kind, jnp.bfloat16, 4096, 512, 1024, 8)
+    path.write_text(json.dumps({"version": 1, "entries": {key: tuned.as_dict()}}))
+    # Exact shape, and the nearest row count for the same (K, N, G).
+    for m in (4096, 5000):
+        assert mosaic.lookup_tile_config("fwd", m, 512, 1024, 8, jnp.bfloat16) == tuned
+    heuristic = mosaic.default_tile_config("fwd", 4096, 512, 1024, 16)
+    assert mosaic.lookup_tile_config("fwd", 4096, 512, 1024, 16, jnp.bfloat16) == heuristic
+    assert MosaicGPUGMM().configs(4096, 512, 1024, 8, jnp.bfloat16)[0] == tuned
+
+
+def _interpret_mode():
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import params
+    except ImportError:  # pragma: no cover - older/newer jax
+        pytest.skip("no Mosaic GPU interpreter in this jax")
+    return params.force_gpu_interpret_mode(params.InterpretGPUParams())
+
+
+def test_mosaic_forward_in_interpreter():
+    """The real forward kernel, run by Pallas's Mosaic GPU interpreter on CPU: checks
+    the padding of M, K, N, the row mask and empty groups. (The `d_rhs` kernel uses
+    layout casts that the interpreter lacks; it is tested in test_gmm_gpu.py.)"""
+    rng = np.random.default_rng(4)
+    m, k, n = 150, 40, 72
+    sizes = jnp.asarray([30, 0, 70, 20], jnp.int32)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((4, k, n)), jnp.bfloat16)
+    d_out = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    f32 = [a.astype(jnp.float32) for a in (lhs, rhs, d_out)]
+    config = MosaicTileConfig(64, 64, 64, 2, 1)
+    with _interpret_mode():
+        out = jax.jit(lambda a, b: MosaicGPUGMM()(a, b, sizes))(lhs, rhs)
+        # d_lhs as the backward computes it without the in-kernel transpose.
+        d_lhs = jax.jit(
+            lambda d, b: mosaic._ragged(
+                d, jnp.swapaxes(jnp.pad(b, ((0, 0), (0, 24), (0, 56))), 1, 2),
+                sizes, config, False,
+            )
+        )(jnp.pad(d_out, ((0, 0), (0, 56))), rhs)
+    assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
+    ref = _numpy_gmm(f32[0], f32[1], sizes)
+    got = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+    assert np.all(got[120:] == 0)
+    ref_lhs = _numpy_grads(f32[0], f32[1], sizes, f32[2])[0]
+    got_lhs = np.asarray(d_lhs.astype(jnp.float32))[:, :k]
+    np.testing.assert_allclose(got_lhs, ref_lhs, rtol=1e-2, atol=1e-2 * np.abs(ref_lhs).max())
+    assert np.all(got_lhs[120:] == 0)
+
+
+# --- benchmarks' smoke runs -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "script, flags",
+    [("gmm.py", ["--quick"]), ("gmm_gpu.py", ["--dry-run"])],
+)
+def test_benchmark_smoke(script, flags, tmp_path):
+    module = runpy.run_path(os.path.join(ROOT, "benchmarks", script), run_name="bench")
+    out = tmp_path / "out.json"
+    results = module["main"]([*flags, "--out", str(out)])
+    assert results["rows"] and json.loads(out.read_text())["rows"]

@@ -1,0 +1,399 @@
+"""Duplication planner and token diversion: invariants, exactness, balance."""
+
+import functools
+
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import moe_eqx.workloads as wl
+from moe_eqx._planner import (
+    DuplicationPlan,
+    assign_destinations,
+    plan_duplication,
+    slot_pair_counts,
+)
+
+# A few static shapes (each costs a compilation); hypothesis varies the counts.
+# (R, L, S) covers R in {1, 2, 4, 8} and S in {0, 1, 2, 3}.
+SHAPES = [
+    (1, 4, 2),
+    (2, 3, 0),
+    (2, 2, 3),
+    (4, 2, 1),
+    (4, 1, 3),
+    (8, 2, 2),
+    (8, 1, 1),
+    (8, 3, 3),
+]
+
+
+@functools.cache
+def _jitted_plan(num_slots: int):
+    return jax.jit(functools.partial(plan_duplication, num_slots=num_slots))
+
+
+def _plan(counts: np.ndarray, num_slots: int) -> DuplicationPlan:
+    return _jitted_plan(num_slots)(jnp.asarray(counts, jnp.int32))
+
+
+def check_plan(plan: DuplicationPlan, counts: np.ndarray, num_slots: int) -> None:
+    """Asserts every invariant of a plan, in NumPy."""
+    num_shards, num_experts = counts.shape
+    local = num_experts // num_shards
+    q = np.asarray(plan.expert_shard_pairs)
+    slots = np.asarray(plan.slot_expert)
+    assert q.shape == (num_experts, num_shards) and q.dtype == np.int32
+    assert slots.shape == (num_shards, num_slots) and slots.dtype == np.int32
+    assert (q >= 0).all()
+    # Conservation: every pair of every expert is processed exactly once.
+    np.testing.assert_array_equal(q.sum(axis=1), counts.sum(axis=0))
+    home = np.arange(num_experts) // local
+    for r in range(num_shards):
+        filled = slots[r][slots[r] >= 0]
+        # Filled slots first, then empties marked -1.
+        assert (slots[r, len(filled) :] == -1).all()
+        assert ((filled >= 0) & (filled < num_experts)).all()
+        # Never two copies of an expert on a shard, never a home expert in a slot.
+        assert len(set(filled.tolist())) == len(filled)
+        assert (home[filled] != r).all()
+        # A filled slot does work; pairs only where a copy lives.
+        assert (q[filled, r] > 0).all()
+        holds = (home == r) | np.isin(np.arange(num_experts), filled)
+        assert (q[~holds, r] == 0).all()
+    np.testing.assert_array_equal(np.asarray(plan.shard_load), q.sum(axis=0))
+    home_load = counts.sum(axis=0).reshape(num_shards, local).sum(axis=1)
+    # Never worse than no duplication, never better than the mean allows.
+    assert q.sum(axis=0).max() <= home_load.max()
+    assert q.sum(axis=0).max() >= -(-counts.sum() // num_shards)
+    if num_slots == 0 or num_shards == 1:
+        np.testing.assert_array_equal(
+            q,
+            np.where(home[:, None] == np.arange(num_shards), counts.sum(0)[:, None], 0),
+        )
+        assert (slots == -1).all()
+
+
+@st.composite
+def counts_strategy(draw):
+    num_shards, local, num_slots = draw(st.sampled_from(SHAPES))
+    num_experts = num_shards * local
+    shape = (num_shards, num_experts)
+    kind = draw(
+        st.sampled_from(["random", "zeros", "one_expert", "one_shard", "skewed"])
+    )
+    if kind == "random":
+        high = draw(st.integers(0, 60))
+        counts = draw(hnp.arrays(np.int32, shape, elements=st.integers(0, high)))
+    elif kind == "zeros":
+        counts = np.zeros(shape, np.int32)
+    elif kind == "one_expert":
+        counts = np.zeros(shape, np.int32)
+        expert = draw(st.integers(0, num_experts - 1))
+        counts[:, expert] = draw(st.integers(1, 10_000))
+    elif kind == "one_shard":
+        counts = np.zeros(shape, np.int32)
+        shard = draw(st.integers(0, num_shards - 1))
+        block = hnp.arrays(np.int32, (num_shards, local), elements=st.integers(0, 5000))
+        counts[:, shard * local : (shard + 1) * local] = draw(block)
+    else:
+        weights = draw(
+            hnp.arrays(np.float64, (num_experts,), elements=st.floats(0.0, 8.0))
+        )
+        scale = draw(st.integers(1, 2000))
+        counts = np.broadcast_to(
+            (scale * np.exp2(weights)).astype(np.int32), shape
+        ).copy()
+    return counts, num_slots
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(counts_strategy())
+def test_plan_invariants(case):
+    counts, num_slots = case
+    check_plan(_plan(counts, num_slots), counts, num_slots)
+
+
+def test_plan_deterministic():
+    counts = wl.counts_from_choices(
+        wl.sample_workload(
+            "zipf", num_shards=4, tokens=64, num_experts=8, top_k=2, s=1.2, seed=3
+        ),
+        8,
+    )
+    first = _plan(counts, 1)
+    check_plan(first, counts, 1)
+    assert (np.asarray(first.slot_expert) >= 0).any()
+    for again in (_plan(counts.copy(), 1), _plan(counts, 1)):
+        np.testing.assert_array_equal(again.slot_expert, first.slot_expert)
+        np.testing.assert_array_equal(
+            again.expert_shard_pairs, first.expert_shard_pairs
+        )
+
+
+def test_plan_traces_once():
+    traces = 0
+
+    @jax.jit
+    def plan(counts):
+        nonlocal traces
+        traces += 1
+        return plan_duplication(counts, num_slots=2)
+
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        plan(jnp.asarray(rng.integers(0, 50, (4, 8)), jnp.int32))
+    assert traces == 1
+
+
+def test_hot_expert_gets_many_replicas():
+    # All pairs to expert 0: it must be spread over every shard, evenly.
+    counts = np.zeros((8, 8), np.int32)
+    counts[:, 0] = 1000
+    plan = _plan(counts, 1)
+    check_plan(plan, counts, 1)
+    q = np.asarray(plan.expert_shard_pairs)
+    assert (q[0] > 0).sum() == 8
+    assert q.sum(axis=0).max() == 1000
+
+
+def test_one_shard_extreme_is_balanced():
+    # Every pair to the 3 experts of shard 0; the slots suffice to balance.
+    counts = np.zeros((8, 24), np.int32)
+    counts[:, :3] = [[300, 200, 100]] * 8
+    plan = _plan(counts, 3)
+    check_plan(plan, counts, 3)
+    load = np.asarray(plan.shard_load)
+    assert load.max() == 600
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_experts"):
+        plan_duplication(jnp.zeros((3, 8), jnp.int32), num_slots=1)
+    with pytest.raises(ValueError, match="num_slots"):
+        plan_duplication(jnp.zeros((2, 8), jnp.int32), num_slots=-1)
+    plan = DuplicationPlan(
+        slot_expert=jnp.full((2, 1), -1, jnp.int32),
+        expert_shard_pairs=jnp.zeros((8, 2), jnp.int32),
+    )
+    with pytest.raises(ValueError, match="num_local_experts"):
+        slot_pair_counts(plan, num_local_experts=3)
+    experts = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        assign_destinations(
+            plan, jnp.zeros((2, 8), jnp.int32), experts, 0, num_local_experts=3
+        )
+
+
+def _max_over_mean(load) -> float:
+    load = np.asarray(load, np.float64)
+    return float(load.max() / load.mean())
+
+
+@pytest.mark.parametrize("hot", ["spread", "contiguous"])
+def test_zipf_balance_r8(hot):
+    num_shards, num_experts = 8, 32
+    counts = wl.counts_from_choices(
+        wl.sample_workload(
+            "zipf",
+            num_shards=num_shards,
+            tokens=512,
+            num_experts=num_experts,
+            top_k=4,
+            s=1.2,
+            hot=hot,
+            seed=0,
+        ),
+        num_experts,
+    )
+    home = counts.sum(0).reshape(num_shards, -1).sum(1)
+    before = _max_over_mean(home)
+    after = {s: _max_over_mean(_plan(counts, s).shard_load) for s in (1, 2)}
+    assert before > 2
+    assert after[1] < min(before, 1.2)
+    assert after[2] <= 1.01
+
+
+@pytest.mark.parametrize("hot", ["spread", "contiguous"])
+def test_zipf_balance_target_r64(hot):
+    # The headline target: R=64, E=256, k=8, Zipf(1.2), S=2 -> max/mean <= 1.01.
+    num_shards, num_experts = 64, 256
+    counts = wl.counts_from_choices(
+        wl.sample_workload(
+            "zipf",
+            num_shards=num_shards,
+            tokens=512,
+            num_experts=num_experts,
+            top_k=8,
+            s=1.2,
+            hot=hot,
+            seed=1,
+        ),
+        num_experts,
+    )
+    plan = _plan(counts, 2)
+    check_plan(plan, counts, 2)
+    home = counts.sum(0).reshape(num_shards, -1).sum(1)
+    assert _max_over_mean(home) > 5
+    assert _max_over_mean(plan.shard_load) <= 1.01
+
+
+# ---------------------------------------------------------------------------------
+# assign_destinations
+
+
+def reference_destinations(plan, choices, num_local_experts):
+    """Slow NumPy statement of the rule: one global order of the pairs of each expert
+    (source shard, then token, then j); replicas in shard order take consecutive
+    ranges of it of lengths `expert_shard_pairs[e]`."""
+    q = np.asarray(plan.expert_shard_pairs)
+    slots = np.asarray(plan.slot_expert)
+    cum = np.cumsum(q, axis=1)
+    position = np.zeros(q.shape[0], np.int64)
+    dest = np.empty_like(choices)
+    group = np.empty_like(choices)
+    num_shards, tokens, top_k = choices.shape
+    for src in range(num_shards):
+        for t in range(tokens):
+            for j in range(top_k):
+                e = choices[src, t, j]
+                d = int(np.searchsorted(cum[e], position[e], side="right"))
+                position[e] += 1
+                dest[src, t, j] = d
+                if d == e // num_local_experts:
+                    group[src, t, j] = e % num_local_experts
+                else:
+                    group[src, t, j] = num_local_experts + list(slots[d]).index(e)
+    return dest, group
+
+
+@functools.cache
+def _jitted_assign(num_local_experts: int):
+    return jax.jit(
+        functools.partial(assign_destinations, num_local_experts=num_local_experts)
+    )
+
+
+def _assign_all(plan, counts, choices, num_local_experts):
+    fn = _jitted_assign(num_local_experts)
+    out = [
+        fn(plan, jnp.asarray(counts), jnp.asarray(choices[r]), jnp.int32(r))
+        for r in range(choices.shape[0])
+    ]
+    return (
+        np.stack([np.asarray(d) for d, _ in out]),
+        np.stack([np.asarray(g) for _, g in out]),
+    )
+
+
+ASSIGN_CASES = [
+    # (workload, R, E, k, S); plan shapes reuse SHAPES to share compilations.
+    ("zipf", 8, 16, 2, 2),
+    ("zipf", 4, 8, 2, 1),
+    ("uniform", 2, 4, 2, 3),
+    ("same_experts", 8, 8, 2, 1),
+    ("one_shard", 8, 24, 2, 3),
+    ("one_shard", 4, 4, 3, 3),
+    ("zipf", 1, 4, 2, 2),
+    ("zipf", 2, 6, 2, 0),
+]
+
+
+@pytest.mark.parametrize(
+    "workload, num_shards, num_experts, top_k, num_slots", ASSIGN_CASES
+)
+def test_assign_matches_reference(workload, num_shards, num_experts, top_k, num_slots):
+    tokens = 24
+    local = num_experts // num_shards
+    choices = wl.sample_workload(
+        workload,
+        num_shards=num_shards,
+        tokens=tokens,
+        num_experts=num_experts,
+        top_k=top_k,
+        hot="contiguous",
+        seed=5,
+    )
+    counts = wl.counts_from_choices(choices, num_experts)
+    plan = _plan(counts, num_slots)
+    check_plan(plan, counts, num_slots)
+    dest, group = _assign_all(plan, counts, choices, local)
+    ref_dest, ref_group = reference_destinations(plan, choices, local)
+    np.testing.assert_array_equal(dest, ref_dest)
+    np.testing.assert_array_equal(group, ref_group)
+
+    # Each replica d of e receives exactly expert_shard_pairs[e, d] pairs ...
+    q = np.asarray(plan.expert_shard_pairs)
+    received = np.zeros_like(q)
+    np.add.at(received, (choices.ravel(), dest.ravel()), 1)
+    np.testing.assert_array_equal(received, q)
+    # ... and each (shard, local group) exactly its GMM group size.
+    sizes = np.asarray(slot_pair_counts(plan, num_local_experts=local))
+    assert sizes.shape == (num_shards, local + num_slots)
+    per_group = np.zeros_like(sizes)
+    np.add.at(per_group, (dest.ravel(), group.ravel()), 1)
+    np.testing.assert_array_equal(per_group, sizes)
+    np.testing.assert_array_equal(sizes.sum(axis=1), plan.shard_load)
+
+    if num_slots == 0 or num_shards == 1:
+        np.testing.assert_array_equal(dest, choices // local)
+        np.testing.assert_array_equal(group, choices % local)
+
+
+def test_assign_diverts_to_replicas():
+    # The diversion really happens: slots receive pairs.
+    choices = wl.sample_workload(
+        "same_experts", num_shards=8, tokens=24, num_experts=8, top_k=2
+    )
+    counts = wl.counts_from_choices(choices, 8)
+    plan = _plan(counts, 1)
+    dest, group = _assign_all(plan, counts, choices, 1)
+    assert (group >= 1).sum() > 0
+    assert len(np.unique(dest)) == 8
+
+
+def test_assign_inside_shard_map():
+    num_shards, num_experts, top_k, tokens, num_slots = 8, 16, 2, 16, 2
+    local = num_experts // num_shards
+    choices = wl.sample_workload(
+        "zipf",
+        num_shards=num_shards,
+        tokens=tokens,
+        num_experts=num_experts,
+        top_k=top_k,
+        hot="contiguous",
+        seed=11,
+    )
+    mesh = jax.make_mesh((num_shards,), ("expert",))
+
+    def per_shard(experts):
+        local_counts = jnp.zeros((num_experts,), jnp.int32).at[experts.ravel()].add(1)
+        counts = jax.lax.all_gather(local_counts, "expert")
+        plan = plan_duplication(counts, num_slots=num_slots)
+        index = jax.lax.axis_index("expert")
+        return assign_destinations(
+            plan, counts, experts, index, num_local_experts=local
+        )
+
+    fn = jax.jit(
+        jax.shard_map(
+            per_shard,
+            mesh=mesh,
+            in_specs=P("expert"),
+            out_specs=(P("expert"), P("expert")),
+        )
+    )
+    experts = jax.device_put(
+        jnp.asarray(choices.reshape(-1, top_k)), NamedSharding(mesh, P("expert"))
+    )
+    dest, group = fn(experts)
+    counts = wl.counts_from_choices(choices, num_experts)
+    plan = _plan(counts, num_slots)
+    ref_dest, ref_group = reference_destinations(plan, choices, local)
+    np.testing.assert_array_equal(np.asarray(dest).reshape(choices.shape), ref_dest)
+    np.testing.assert_array_equal(np.asarray(group).reshape(choices.shape), ref_group)

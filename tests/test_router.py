@@ -1,0 +1,81 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import moe_eqx as me
+
+
+def _router(key, **kw):
+    cfg = me.MoEConfig(d_model=8, d_ff=8, num_experts=8, top_k=3, **kw)
+    return me.Router(cfg, key=key)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_topk_distinct_and_normalised(getkey, score_func):
+    router = _router(getkey(), score_func=score_func)
+    x = jr.normal(getkey(), (32, 8))
+    r = router(x)
+    assert r.weights.dtype == jnp.float32 and r.experts.dtype == jnp.int32
+    np.testing.assert_allclose(jnp.sum(r.weights, -1), 1.0, rtol=1e-6)
+    assert all(len(set(row)) == 3 for row in np.asarray(r.experts).tolist())
+    counts = np.bincount(np.asarray(r.experts).ravel(), minlength=8)
+    np.testing.assert_array_equal(r.counts, counts)
+    # The chosen experts are the top-3 scores.
+    logits = np.asarray(x) @ np.asarray(router.weight)
+    top = np.argsort(-logits, axis=-1)[:, :3]
+    np.testing.assert_array_equal(np.sort(r.experts, -1), np.sort(top, -1))
+
+
+def test_softmax_weights_are_renormalised_probs(getkey):
+    router = _router(getkey())
+    x = jr.normal(getkey(), (16, 8))
+    r = router(x)
+    probs = jax.nn.softmax(x @ router.weight, -1)
+    chosen = jnp.take_along_axis(probs, r.experts, -1)
+    np.testing.assert_allclose(r.weights, chosen / chosen.sum(-1, keepdims=True), rtol=1e-5)
+
+
+def test_bias_changes_selection_not_weights(getkey):
+    router = _router(getkey(), use_router_bias=True)
+    x = jr.normal(getkey(), (16, 8))
+    biased = eqx.tree_at(lambda r: r.bias, router, jnp.zeros(8).at[5].set(100.0))
+    r = biased(x)
+    assert np.all(np.any(np.asarray(r.experts) == 5, axis=1))
+    probs = jax.nn.softmax(x @ router.weight, -1)
+    chosen = jnp.take_along_axis(probs, r.experts, -1)
+    np.testing.assert_allclose(r.weights, chosen / chosen.sum(-1, keepdims=True), rtol=1e-5)
+    g = jax.grad(lambda rt: jnp.sum(rt(x).weights ** 2))(biased)
+    np.testing.assert_array_equal(g.bias, 0.0)
+
+
+def test_group_limited_routing(getkey):
+    router = _router(getkey(), num_groups=4, top_groups=2)
+    x = jr.normal(getkey(), (64, 8))
+    r = router(x)
+    groups = np.asarray(r.experts) // 2
+    assert all(len(set(g)) <= 2 for g in groups.tolist())
+    # The chosen groups are the two with the largest sum of their (two) scores.
+    scores = np.asarray(jax.nn.softmax(x @ router.weight, -1)).reshape(64, 4, 2).sum(-1)
+    best = np.sort(np.argsort(-scores, -1)[:, :2], -1)
+    for row, b in zip(groups.tolist(), best.tolist()):
+        assert set(row) <= set(b)
+
+
+def test_aux_losses(getkey):
+    router = _router(getkey())
+    x = jr.normal(getkey(), (64, 8))
+    r = router(x)
+    frac = np.asarray(r.counts) / (64 * 3)
+    probs = np.asarray(jax.nn.softmax(x @ router.weight, -1)).mean(0)
+    np.testing.assert_allclose(r.load_balance_loss, 8 * np.sum(frac * probs), rtol=1e-5)
+    lse = np.log(np.exp(np.asarray(x @ router.weight)).sum(-1))
+    np.testing.assert_allclose(r.router_z_loss, np.mean(lse**2), rtol=1e-5)
+
+
+def test_update_router_bias():
+    bias = jnp.zeros(4)
+    new = me.update_router_bias(bias, jnp.array([10, 0, 5, 5], jnp.int32), rate=0.1)
+    np.testing.assert_allclose(new, [-0.1, 0.1, 0.0, 0.0])
