@@ -132,8 +132,9 @@ def dedup_rows(
         if dedup:
             same = _same_shard(dest_shard, valid)
             is_first = _first_of_shard(same, valid)
-            groups = jnp.where(same, dest_group[:, None, :], -1)
-            wts = jnp.where(same, weights[:, None, :], 0.0)
+            carry = same & is_first[:, :, None]  # rows that are not sent carry nothing
+            groups = jnp.where(carry, dest_group[:, None, :], -1)
+            wts = jnp.where(carry, weights[:, None, :], 0.0)
             width, num_rows = k, tokens * min(k, num_shards)
         else:
             is_first = valid

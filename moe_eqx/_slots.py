@@ -57,11 +57,13 @@ def gather_slot_weights(
 
 def _fwd(w_home, slot_expert, num_local, axis_name):
     out = gather_slot_weights(w_home, slot_expert, num_local, axis_name)
-    return out, (slot_expert, w_home.shape, w_home.dtype)
+    # `w_home` is a parameter that is alive anyway; it only provides shape and dtype.
+    return out, (slot_expert, w_home)
 
 
 def _bwd(num_local, axis_name, res, g_slots):
-    slot_expert, shape, dtype = res
+    slot_expert, w_home = res
+    shape, dtype = w_home.shape, w_home.dtype
     g_all = jax.lax.all_gather(g_slots, axis_name)  # [R, S, ...]
     owned, local = _owned(slot_expert, num_local, axis_name)
     g_all = jnp.where(_bcast(owned, g_all), g_all, 0)
