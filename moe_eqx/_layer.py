@@ -274,7 +274,7 @@ def _expert_parallel(
             y = chunked_dropless(*args, spec(chunk_bufs), num_chunks)
             return y, jnp.array(0, jnp.int32)
 
-        y, dropped = jax.lax.cond(overflow, fallback, capped)
+        y, dropped = jax.lax.cond(overflow, fallback, jax.checkpoint(capped))
         fallback_used = overflow
 
     # 9. Stats, identical on all shards.
