@@ -24,7 +24,19 @@ from ._fallback import (
     chunked_dropless as chunked_dropless,
     fallback_chunking as fallback_chunking,
 )
-from ._gmm import AbstractGMMBackend as AbstractGMMBackend, gmm as gmm
+from ._gmm import (
+    AbstractGMMBackend as AbstractGMMBackend,
+    DenseGMM as DenseGMM,
+    MosaicGPUGMM as MosaicGPUGMM,
+    MosaicTileConfig as MosaicTileConfig,
+    RaggedDotGMM as RaggedDotGMM,
+    TiledGMM as TiledGMM,
+    auto_backend_name as auto_backend_name,
+    autotune_gmm as autotune_gmm,
+    gmm as gmm,
+    mosaic_gpu_available as mosaic_gpu_available,
+    resolve_backend as resolve_gmm_backend,
+)
 from ._layer import MoELayer as MoELayer, MoEStats as MoEStats, reference_moe as reference_moe
 from ._overflow import (
     BufferSizes as BufferSizes,

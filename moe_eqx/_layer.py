@@ -274,6 +274,9 @@ def _expert_parallel(
             y = chunked_dropless(*args, spec(chunk_bufs), num_chunks)
             return y, jnp.array(0, jnp.int32)
 
+        # Under autodiff a cond keeps the union of both branches' residuals alive. The
+        # fallback keeps only its inputs; rematerialising the capped branch too keeps
+        # the union at the inputs (measured: 1.9x -> 1.09x the capped-only peak).
         y, dropped = jax.lax.cond(overflow, fallback, jax.checkpoint(capped))
         fallback_used = overflow
 

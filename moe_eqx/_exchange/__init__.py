@@ -20,5 +20,10 @@ def resolve_exchange(name: str, *, axis_name: str, block_rows: int) -> AbstractE
     if name == "dense":
         return DenseExchange(axis_name=axis_name, block_rows=block_rows)
     if name == "ragged":
+        if jax.default_backend() == "cpu":
+            raise ValueError(
+                "`exchange='ragged'` needs a GPU or TPU: XLA:CPU has no lowering of "
+                "`lax.ragged_all_to_all`. Use exchange='dense' or 'auto' on CPU."
+            )
         return RaggedExchange(axis_name=axis_name)
     raise ValueError(f"Unknown `exchange` {name!r}; expected 'auto', 'dense' or 'ragged'.")

@@ -4,23 +4,57 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from ._base import AbstractGMMBackend as AbstractGMMBackend
+from .dense import DenseGMM as DenseGMM
+from .mosaic_gpu import (
+    MosaicGPUGMM as MosaicGPUGMM,
+    MosaicTileConfig as MosaicTileConfig,
+    autotune_gmm as autotune_gmm,
+    mosaic_gpu_available as mosaic_gpu_available,
+)
 from .ragged_dot import RaggedDotGMM as RaggedDotGMM
+from .tiled import TiledGMM as TiledGMM
 
 _BACKENDS = {
+    "tiled": TiledGMM,
     "ragged_dot": RaggedDotGMM,
+    "dense": DenseGMM,
+    "mosaic_gpu": MosaicGPUGMM,
 }
 
 
+def auto_backend_name() -> str:
+    """The backend `"auto"` resolves to on the default device.
+
+    TPU: `"ragged_dot"` (native there). Hopper GPU (compute capability 9.x) with the
+    Mosaic GPU kernels importable: `"mosaic_gpu"`. Anything else: `"tiled"`. Never
+    `"ragged_dot"` on CPU or GPU, where it lowers to a dense masked product.
+    """
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "ragged_dot"
+    if platform == "gpu" and mosaic_gpu_available():
+        return "mosaic_gpu"
+    return "tiled"
+
+
 def resolve_backend(name: str) -> AbstractGMMBackend:
-    """Returns the backend instance for `name` (`"auto"` picks by platform)."""
+    """Returns the backend instance for `name` (`"auto"` picks by platform).
+
+    **Arguments:**
+
+    - `name`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"` or `"mosaic_gpu"`.
+
+    **Returns:**
+
+    An `AbstractGMMBackend`. Raises `ValueError` for any other name.
+    """
     if name == "auto":
-        name = "ragged_dot"
+        name = auto_backend_name()
     try:
         return _BACKENDS[name]()
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(
-            f"Unknown `gmm_backend` {name!r}; expected one of "
-            f"{('auto', *_BACKENDS)}."
+            f"Unknown `gmm_backend` {name!r}; expected one of {('auto', *_BACKENDS)}."
         ) from None
 
 
@@ -31,20 +65,21 @@ def gmm(
     *,
     backend: str | AbstractGMMBackend = "auto",
 ) -> Float[Array, "rows n_dim"]:
-    """Grouped matrix multiply: row `i` of `lhs` (rows sorted by group) times `rhs[g(i)]`.
+    """Grouped matmul: row `i` of `lhs` (rows sorted by group) times `rhs[g(i)]`.
 
     **Arguments:**
 
     - `lhs`: `[M, K]`.
-    - `rhs`: `[G, K, N]`.
-    - `group_sizes`: `[G]` int32, `sum(group_sizes) <= M`.
+    - `rhs`: `[G, K, N]`, same dtype as `lhs`.
+    - `group_sizes`: `[G]` int32, `sum(group_sizes) <= M`; may be traced.
     - `backend`: a backend name or an `AbstractGMMBackend` instance. `"auto"` picks the
-        fastest available backend for the current platform, never `lax.ragged_dot` on
-        CPU or GPU.
+        fastest available backend for the current platform (`resolve_backend`), never
+        `lax.ragged_dot` on CPU or GPU.
 
     **Returns:**
 
-    `[M, N]`; rows at or beyond `sum(group_sizes)` are zero.
+    `[M, N]` in `lhs.dtype` (float32 accumulation); rows at or beyond
+    `sum(group_sizes)` are zero. Differentiable with respect to `lhs` and `rhs`.
     """
     if lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
@@ -55,6 +90,13 @@ def gmm(
             f"gmm: `group_sizes` has shape {group_sizes.shape}, expected "
             f"({rhs.shape[0]},)."
         )
-    impl = backend if isinstance(backend, AbstractGMMBackend) else resolve_backend(backend)
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(
+            f"gmm: `lhs` ({lhs.dtype}) and `rhs` ({rhs.dtype}) must have the same "
+            "dtype."
+        )
+    impl = (
+        backend if isinstance(backend, AbstractGMMBackend) else resolve_backend(backend)
+    )
     with jax.named_scope("moe_eqx.gmm"):
         return impl(lhs, rhs, group_sizes)

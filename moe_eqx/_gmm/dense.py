@@ -46,10 +46,6 @@ class DenseGMM(AbstractGMMBackend):
             expanded = jnp.where(
                 one_hot[:, :, None], lhs[:, None, :], jnp.zeros((), lhs.dtype)
             )
-            out = jnp.einsum(
-                "mgk,gkn->mn",
-                expanded,
-                rhs.astype(lhs.dtype),
-                preferred_element_type=jnp.float32,
-            )
+            acc = jnp.float64 if lhs.dtype == jnp.float64 else jnp.float32
+            out = jnp.einsum("mgk,gkn->mn", expanded, rhs, preferred_element_type=acc)
             return out.astype(lhs.dtype)

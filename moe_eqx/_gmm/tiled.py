@@ -1,18 +1,18 @@
-"""A tiled grouped matmul in pure JAX: the fast backend on CPU (and the fallback on GPU).
+"""A tiled grouped matmul in pure JAX: the fast CPU backend (and the GPU fallback).
 
 Each group is cut into row windows that never straddle a group boundary, so every
 window is one dense `[rows, K] @ [K, N]` product with its group's matrix. A group of
 `s` rows takes `s // T` full windows of the largest size `T`, then one window for the
-remainder `r`, whose size is the smallest entry `>= r` of a static ladder
-(`8, 12, 16, 24, 32, 48, ...` up to `T`), picked with 0-or-1-trip `lax.fori_loop`s. So there are at most
-`s // T + 1` products per group and at most a third of the remainder's rows is wasted.
-All trip counts and branch choices come from the traced `group_sizes`, so one compiled
-program serves every routing.
+remainder `r`: the smallest entry `>= r` of a static ladder (`8, 16, 24, 32, 48, 64,
+96, ...`: multiples of 8, two steps per doubling). So each group costs at most
+`s // T + 1` products, and a window for more than 16 rows is under a third padding.
+All trip counts come from the traced `group_sizes`: one compiled program serves every
+routing.
 
-Few, large products matter on CPU: measured on 2 cores (M=4096, K=512, N=1024), a loop
-of 64-row products runs at ~70% of one big matmul and 16-row ones at ~35%, and in the
-`d_rhs` pass every extra product also costs a `[K, N]` float32 accumulation, which at
-these sizes takes as long as the product itself.
+Why few, large products: on a 2-core CPU (M=4096, K=512, N=1024, float32) a loop of
+64-row products runs at ~70% of one big matmul and 16-row ones at ~35%. Each ladder
+entry is one more loop to compile (~0.2 s on that CPU), which is why small problems
+(`M < 2048`) use a coarser, power-of-two ladder.
 """
 
 import equinox as eqx
@@ -24,21 +24,28 @@ from jaxtyping import Array, Float, Int
 
 from ._base import AbstractGMMBackend
 
-# Picked with benchmarks/gmm.py on a 2-core x86 CPU.
+# On a 2-core x86 CPU (benchmarks/gmm.py shapes) 512- and 256-row windows measured
+# within noise of each other; 8-row granularity keeps remainder waste small.
 DEFAULT_TILE_ROWS = 512
 DEFAULT_MIN_TILE_ROWS = 8
+# Below this many rows, compile time (~0.2 s per ladder size) matters more than the
+# FLOPs a finer ladder saves: a judgement call, not a measured crossover.
+_FINE_LADDER_ROWS = 2048
 
 
-def window_ladder(tile_rows: int, min_tile_rows: int, num_rows: int) -> tuple[int, ...]:
-    """The static window sizes: multiples of `min_tile_rows` with four steps per
-    doubling (`8, 16, 24, ..., 64, 80, 96, 112, 128, 160, ...` for 8) up to
-    `tile_rows`, capped at `num_rows`.
+def window_ladder(
+    tile_rows: int, min_tile_rows: int, num_rows: int, steps: int = 2
+) -> tuple[int, ...]:
+    """The static window sizes: multiples of `min_tile_rows` with `steps` steps per
+    doubling (`8, 16, 24, 32, 48, 64, 96, ...` for 8 and 2 steps) up to `tile_rows`,
+    capped at `num_rows`.
 
     **Arguments:**
 
     - `tile_rows`: the largest window `T`.
     - `min_tile_rows`: the smallest window and the granularity.
     - `num_rows`: `M`; no window may be larger.
+    - `steps`: sizes per doubling (1: powers of two).
 
     **Returns:**
 
@@ -50,9 +57,42 @@ def window_ladder(tile_rows: int, min_tile_rows: int, num_rows: int) -> tuple[in
     size = unit
     while size < top:
         sizes.append(size)
-        size += max(unit, (1 << (size.bit_length() - 1)) // 4)
+        size += max(unit, (1 << (size.bit_length() - 1)) // steps)
     sizes.append(top)
     return tuple(sizes)
+
+
+def _acc_dtype(dtype):
+    # float32 accumulation, except that float64 inputs (x64 mode) keep float64.
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older jax
+
+
+def match_varying(*xs):
+    """Casts arrays to vary over the union of their `shard_map` manual axes.
+
+    Inside `jax.shard_map`, loop carries and `custom_vjp` inputs must agree on which
+    mesh axes they vary over: a zero-initialised carry does not vary, while a carry
+    computed from sharded rows does. Outside `shard_map` this is the identity.
+    """
+    axes = frozenset().union(*(_varying_axes(x) for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        if not missing:
+            out.append(x)
+        elif hasattr(lax, "pcast"):
+            out.append(lax.pcast(x, missing, to="varying"))
+        else:  # jax < 0.8
+            out.append(lax.pvary(x, missing))
+    return tuple(out)
 
 
 def _row_mask(size, start, row_start, group_end):
@@ -60,14 +100,14 @@ def _row_mask(size, start, row_start, group_end):
     return (rows >= row_start) & (rows < group_end)
 
 
-def _for_each_window(ladder, group_sizes, num_rows, body, init, prepare, finish):
-    """Folds `body(carry, aux, size, start, row_start, group_end, full)` over windows.
+def _for_each_window(ladder, group_sizes, num_rows, body, init):
+    """Folds `body(carry, g, size, start, row_start, group_end, full)` over windows.
 
-    Per group `g`: `aux = prepare(carry, g)`, the full windows of `ladder[-1]` rows,
-    one remainder window (if any), then `carry = finish(carry, aux, g)`. `start` is
-    where a window is read (clamped into `[0, num_rows - size]`), `row_start` the first
-    row it owns, `group_end` one past its group's last row; `full` (static) says the
-    window lies inside its group with `start == row_start`, so needs no mask.
+    Per group `g`: the full windows of `ladder[-1]` rows, then one remainder window
+    (if any). `start` is where a window is read (clamped into `[0, num_rows - size]`),
+    `row_start` the first row it owns, `group_end` one past its group's last row;
+    `full` (static) says the window lies inside its group with `start == row_start`,
+    so it needs no mask.
     """
     group_sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(group_sizes)
@@ -76,22 +116,21 @@ def _for_each_window(ladder, group_sizes, num_rows, body, init, prepare, finish)
     ladder_arr = jnp.asarray(np.asarray(ladder, np.int32))
 
     def group_body(g, carry):
-        aux = prepare(carry, g)
         size = group_sizes[g]
         num_full = size // big
         end = ends[g]
 
         def full_body(i, c):
             row_start = starts[g] + i * big
-            return body(c, aux, big, row_start, row_start, end, True)
+            return body(c, g, big, row_start, row_start, end, True)
 
         carry = lax.fori_loop(0, num_full, full_body, carry)
         rest = size - num_full * big
         row_start = starts[g] + num_full * big
 
-        # The remainder window is the smallest ladder entry >= rest. Selected with
-        # 0-or-1-trip loops, not `lax.switch`: XLA:CPU copies a conditional's operands
-        # (the whole output here) on every call, measured 3-4x slower at G=64.
+        # The remainder window is the smallest ladder entry >= rest, selected with
+        # 0-or-1-trip loops. `lax.switch` was measured 6x (forward) to 13x (`d_rhs`)
+        # slower at G=64 on XLA:CPU: the conditional copies the carried output.
         choice = jnp.searchsorted(ladder_arr, rest, side="left")
         for j, w in enumerate(ladder):
 
@@ -100,27 +139,28 @@ def _for_each_window(ladder, group_sizes, num_rows, body, init, prepare, finish)
                 # hoists it out of the loop, running every ladder size for every group.
                 first = row_start + i
                 start = jnp.minimum(first, num_rows - w)
-                return body(c, aux, w, start, first, end, False)
+                return body(c, g, w, start, first, end, False)
 
             trips = ((rest > 0) & (choice == j)).astype(jnp.int32)
             carry = lax.fori_loop(0, trips, window_body, carry)
-        return finish(carry, aux, g)
+        return carry
 
     return lax.fori_loop(0, group_sizes.shape[0], group_body, init)
 
 
 def _grouped_product(lhs, rhs, group_sizes, ladder, transpose_rhs):
-    """`out[i] = lhs[i] @ rhs[g(i)]` (or `@ rhs[g(i)].T`); rows past the groups are 0."""
+    """`out[i] = lhs[i] @ rhs[g(i)]` (or `rhs[g(i)].T`); rows past the groups are 0."""
     num_rows = lhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
 
-    def prepare(out, g):
-        # Sliced (and transposed) once per group, not once per window.
-        return g
-
     def body(out, g, size, start, row_start, group_end, full):
         x = lax.dynamic_slice_in_dim(lhs, start, size)
-        y = lax.dot_general(x, rhs[g], (((1,), (1 if transpose_rhs else 0,)), ((), ())), preferred_element_type=jnp.float32).astype(out.dtype)
+        y = lax.dot_general(
+            x,
+            rhs[g],
+            (((1,), (1 if transpose_rhs else 0,)), ((), ())),
+            preferred_element_type=_acc_dtype(lhs.dtype),
+        ).astype(out.dtype)
         if not full:
             # A clamped or partial window overlaps rows owned by other windows (or by
             # no group, which stay zero): keep what is there.
@@ -128,10 +168,8 @@ def _grouped_product(lhs, rhs, group_sizes, ladder, transpose_rhs):
             y = jnp.where(keep, y, lax.dynamic_slice_in_dim(out, start, size))
         return lax.dynamic_update_slice_in_dim(out, y, start, 0)
 
-    out = jnp.zeros((num_rows, n), lhs.dtype)
-    return _for_each_window(
-        ladder, group_sizes, num_rows, body, out, prepare, lambda c, a, g: c
-    )
+    (out, _) = match_varying(jnp.zeros((num_rows, n), lhs.dtype), lhs)
+    return _for_each_window(ladder, group_sizes, num_rows, body, out)
 
 
 def _grouped_outer(lhs, d_out, group_sizes, ladder, rhs_dtype):
@@ -139,32 +177,21 @@ def _grouped_outer(lhs, d_out, group_sizes, ladder, rhs_dtype):
     num_rows, k = lhs.shape
     n = d_out.shape[1]
     num_groups = group_sizes.shape[0]
+    acc_dtype = _acc_dtype(lhs.dtype)
 
-    def prepare(carry, g):
-        return None
-
-    def body(carry, aux, size, start, row_start, group_end, full):
-        d_rhs, acc = carry
+    def body(d_rhs, g, size, start, row_start, group_end, full):
         x = lax.dynamic_slice_in_dim(lhs, start, size)
         if not full:
             keep = _row_mask(size, start, row_start, group_end)[:, None]
             x = jnp.where(keep, x, jnp.zeros((), x.dtype))
         dy = lax.dynamic_slice_in_dim(d_out, start, size)
-        prod = lax.dot_general(
-            x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        return d_rhs, acc + prod
+        prod = jnp.matmul(x.T, dy, preferred_element_type=acc_dtype)
+        total = lax.dynamic_index_in_dim(d_rhs, g, 0, keepdims=False) + prod
+        return lax.dynamic_update_index_in_dim(d_rhs, total, g, 0)
 
-    def finish(carry, aux, g):
-        d_rhs, acc = carry
-        d_rhs = lax.dynamic_update_index_in_dim(d_rhs, acc.astype(rhs_dtype), g, 0)
-        return d_rhs, jnp.zeros_like(acc)
-
-    init = (jnp.zeros((num_groups, k, n), rhs_dtype), jnp.zeros((k, n), jnp.float32))
-    d_rhs, _ = _for_each_window(
-        ladder, group_sizes, num_rows, body, init, prepare, finish
-    )
-    return d_rhs
+    (init, _) = match_varying(jnp.zeros((num_groups, k, n), acc_dtype), lhs)
+    d_rhs = _for_each_window(ladder, group_sizes, num_rows, body, init)
+    return d_rhs.astype(rhs_dtype)
 
 
 def _make_tiled_gmm(ladder: tuple[int, ...]):
@@ -199,34 +226,45 @@ def tiled_gmm(
     group_sizes: Int[Array, " groups"],
     tile_rows: int = DEFAULT_TILE_ROWS,
     min_tile_rows: int = DEFAULT_MIN_TILE_ROWS,
+    ladder_steps: int | None = None,
 ) -> Float[Array, "rows n_dim"]:
-    """The tiled grouped matmul as a function; see `TiledGMM`."""
-    ladder = window_ladder(tile_rows, min_tile_rows, lhs.shape[0])
+    """The tiled grouped matmul as a function; see `TiledGMM` for the arguments."""
+    num_rows = lhs.shape[0]
+    if ladder_steps is None:
+        ladder_steps = 2 if num_rows >= _FINE_LADDER_ROWS else 1
+    ladder = window_ladder(tile_rows, min_tile_rows, num_rows, ladder_steps)
     fn = _CACHE.get(ladder)
     if fn is None:
         # One custom_vjp per ladder, so that traces are cached by JAX.
         fn = _CACHE[ladder] = _make_tiled_gmm(ladder)
-    return fn(lhs, rhs, group_sizes.astype(jnp.int32))
+    # Under shard_map the primals must share their varying axes; the transpose of the
+    # cast (a psum) then sums `d_rhs` over shards for a replicated `rhs`.
+    lhs, rhs, group_sizes = match_varying(lhs, rhs, group_sizes.astype(jnp.int32))
+    return fn(lhs, rhs, group_sizes)
 
 
 class TiledGMM(AbstractGMMBackend):
     """Grouped matmul as a loop of dense row windows that never straddle a group.
 
-    Pure JAX (`lax.fori_loop`/`lax.switch` driven by the traced `group_sizes`), with
-    its own backward (`jax.custom_vjp`): `d_lhs = gmm(d_out, rhs^T)` over the same
-    windows and `d_rhs[g] = lhs_g^T @ d_out_g` accumulated in float32. Memory beyond
-    inputs and outputs: one window and, in the backward, one `[K, N]` accumulator.
+    Pure JAX (`lax.fori_loop`s whose trip counts come from the traced `group_sizes`),
+    with its own backward (`jax.custom_vjp`): `d_lhs = gmm(d_out, rhs^T)` over the same
+    windows, and `d_rhs[g] = lhs_g^T @ d_out_g` summed window by window in float32.
+    Extra memory: one window's product, plus a float32 `d_rhs` in the backward when
+    `rhs` is not float32.
 
     **Arguments:**
 
-    - `tile_rows`: the largest window, in rows (groups are covered by full windows of
-        this size plus one smaller window).
-    - `min_tile_rows`: the smallest window; the ladder between them grows by 1.5x/1.33x,
-        so a remainder window wastes at most a third of its rows.
+    - `tile_rows`: the largest window in rows: groups are covered by full windows of
+        this size plus one smaller window.
+    - `min_tile_rows`: the smallest window and the granularity of the ladder.
+    - `ladder_steps`: window sizes per doubling between them (2: a window for more
+        than `2 * min_tile_rows` rows is under a third padding; 1: under half, with
+        fewer loops to compile); `None` picks 2 for `M >= 2048` rows and 1 below.
     """
 
     tile_rows: int = eqx.field(static=True, default=DEFAULT_TILE_ROWS)
     min_tile_rows: int = eqx.field(static=True, default=DEFAULT_MIN_TILE_ROWS)
+    ladder_steps: int | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         if self.tile_rows < 1 or self.min_tile_rows < 1:
@@ -239,6 +277,8 @@ class TiledGMM(AbstractGMMBackend):
                 f"`min_tile_rows` ({self.min_tile_rows}) must not exceed `tile_rows` "
                 f"({self.tile_rows})."
             )
+        if self.ladder_steps is not None and self.ladder_steps < 1:
+            raise ValueError(f"`ladder_steps` must be >= 1, got {self.ladder_steps}.")
 
     def __call__(
         self,
@@ -248,5 +288,10 @@ class TiledGMM(AbstractGMMBackend):
     ) -> Float[Array, "rows n_dim"]:
         with jax.named_scope("moe_eqx.gmm.tiled"):
             return tiled_gmm(
-                lhs, rhs, group_sizes, self.tile_rows, self.min_tile_rows
+                lhs,
+                rhs,
+                group_sizes,
+                self.tile_rows,
+                self.min_tile_rows,
+                self.ladder_steps,
             )

@@ -1,0 +1,216 @@
+"""The `mosaic_gpu` grouped-matmul backend on a Hopper GPU (skipped elsewhere).
+
+tests/conftest.py defaults `JAX_PLATFORMS` to cpu, so run these with the GPU visible:
+
+    JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/test_gmm_gpu.py -q
+
+(add `-o addopts=""` where beartype is not installed). All checks compare against a
+float32 numpy reference computed from the same (bf16/f16-rounded) random inputs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from moe_eqx._gmm import (
+    MosaicGPUGMM,
+    MosaicTileConfig,
+    auto_backend_name,
+    gmm,
+    mosaic_gpu as mosaic,
+    mosaic_gpu_available,
+    resolve_backend,
+)
+
+
+def _hopper() -> bool:
+    try:
+        return mosaic_gpu_available()
+    except Exception:
+        return False
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU"),
+]
+
+# (M, K, N, group sizes): aligned; unaligned M/K/N (padding paths) with empty groups
+# and rows past the groups; Zipf-skewed with many groups; every row in one group.
+CASES = {
+    "aligned": (1024, 256, 384, [128] * 8),
+    "unaligned_empty": (777, 200, 300, [0, 311, 0, 5, 400, 0]),
+    "zipf": (2048, 128, 256, None),
+    "one_group": (512, 128, 128, [0, 512, 0, 0]),
+}
+
+
+def _sizes(case, rng):
+    m, _, _, sizes = CASES[case]
+    if sizes is None:
+        weights = 1.0 / np.arange(1, 33) ** 1.2
+        sizes = rng.multinomial(m - 37, weights / weights.sum())  # 37 padding rows
+    return np.asarray(sizes, np.int32)
+
+
+def _data(case, dtype, seed=0):
+    m, k, n, _ = CASES[case]
+    rng = np.random.default_rng(seed)
+    sizes = _sizes(case, rng)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), k, n)) / np.sqrt(k), dtype)
+    d_out = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    return lhs, rhs, sizes, d_out
+
+
+def _reference(lhs, rhs, sizes, d_out):
+    lhs, rhs, d_out = (
+        np.asarray(a.astype(jnp.float32), np.float64) for a in (lhs, rhs, d_out)
+    )
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    d_lhs = np.zeros_like(lhs)
+    d_rhs = np.zeros_like(rhs)
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        out[rows] = lhs[rows] @ rhs[g]
+        d_lhs[rows] = d_out[rows] @ rhs[g].T
+        d_rhs[g] = lhs[rows].T @ d_out[rows]
+        start += size
+    return out, d_lhs, d_rhs
+
+
+def _check(got, want):
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    scale = max(np.abs(want).max(), 1e-6)
+    # Inputs are exact in both; only float32 accumulation order and the final rounding
+    # to 16 bits differ (bf16: 2^-8 relative).
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * scale)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want) + 1e-6
+
+
+def _run(backend, lhs, rhs, sizes, d_out):
+    @jax.jit
+    def run(a, b, s, d):
+        out, vjp = jax.vjp(lambda x, y: gmm(x, y, s, backend=backend), a, b)
+        return out, *vjp(d)
+
+    return run(lhs, rhs, jnp.asarray(sizes), d_out)
+
+
+def test_auto_is_mosaic():
+    assert auto_backend_name() == "mosaic_gpu"
+    assert isinstance(resolve_backend("auto"), MosaicGPUGMM)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_grads(case, dtype):
+    lhs, rhs, sizes, d_out = _data(case, dtype)
+    out, d_lhs, d_rhs = _run(MosaicGPUGMM(), lhs, rhs, sizes, d_out)
+    assert out.dtype == d_lhs.dtype == d_rhs.dtype == dtype
+    ref_out, ref_lhs, ref_rhs = _reference(lhs, rhs, sizes, d_out)
+    _check(out, ref_out)
+    _check(d_lhs, ref_lhs)
+    _check(d_rhs, ref_rhs)
+    total = int(sizes.sum())
+    assert np.all(np.asarray(out.astype(jnp.float32))[total:] == 0)
+    assert np.all(np.asarray(d_lhs.astype(jnp.float32))[total:] == 0)
+    for g in np.flatnonzero(sizes == 0):
+        assert np.all(np.asarray(d_rhs[g].astype(jnp.float32)) == 0)
+
+
+def test_materialised_transpose_matches_in_kernel():
+    lhs, rhs, sizes, d_out = _data("unaligned_empty", jnp.bfloat16, seed=1)
+    a = _run(MosaicGPUGMM(transpose_in_kernel=True), lhs, rhs, sizes, d_out)
+    b = _run(MosaicGPUGMM(transpose_in_kernel=False), lhs, rhs, sizes, d_out)
+    ref = _reference(lhs, rhs, sizes, d_out)
+    for x, y, want in zip(a, b, ref, strict=True):
+        _check(x, want)
+        _check(y, want)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [MosaicTileConfig(64, 64, 64, 2, 1), MosaicTileConfig(128, 128, 64, 4, 2)],
+)
+def test_explicit_configs(config):
+    lhs, rhs, sizes, d_out = _data("aligned", jnp.bfloat16, seed=2)
+    backend = MosaicGPUGMM(fwd_config=config, dlhs_config=config, drhs_config=config)
+    for got, want in zip(
+        _run(backend, lhs, rhs, sizes, d_out),
+        _reference(lhs, rhs, sizes, d_out),
+        strict=True,
+    ):
+        _check(got, want)
+
+
+def test_float32_falls_back_to_tiled():
+    lhs, rhs, sizes, d_out = _data("unaligned_empty", jnp.float32, seed=3)
+    got = _run(MosaicGPUGMM(), lhs, rhs, sizes, d_out)
+    for x, want in zip(got, _reference(lhs, rhs, sizes, d_out), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(x), want, rtol=1e-4, atol=1e-4 * np.abs(want).max()
+        )
+
+
+def test_scan_cond_and_traced_sizes():
+    lhs, rhs, sizes, d_out = _data("aligned", jnp.bfloat16, seed=4)
+    other = np.asarray([0, 1000, 0, 0, 0, 0, 24, 0], np.int32)
+    all_sizes = jnp.asarray(np.stack([sizes, other]))
+
+    def step(carry, s):
+        out = lax.cond(
+            s[0] > 0,
+            lambda: gmm(carry, rhs, s, backend="mosaic_gpu"),
+            lambda: -gmm(carry, rhs, s, backend="mosaic_gpu"),
+        )
+        return carry, jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+    def loss(a):
+        return jnp.sum(lax.scan(step, a, all_sizes)[1])
+
+    got = jax.jit(jax.grad(loss))(lhs)
+    want = _reference(lhs, rhs, sizes, d_out)[1] - _reference(lhs, rhs, other, d_out)[1]
+    _check(got, want)
+
+
+def test_shard_map_single_gpu():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]), ("expert",))
+    lhs, rhs, sizes, d_out = _data("aligned", jnp.bfloat16, seed=5)
+    spec = jax.sharding.PartitionSpec
+
+    @jax.jit
+    def run(a, b, s):
+        return jax.shard_map(
+            lambda x, y, z: gmm(x, y, z, backend="mosaic_gpu"),
+            mesh=mesh,
+            in_specs=(spec("expert"), spec(), spec()),
+            out_specs=spec("expert"),
+        )(a, b, s)
+
+    _check(run(lhs, rhs, jnp.asarray(sizes)), _reference(lhs, rhs, sizes, d_out)[0])
+
+
+def test_autotune_writes_table_the_backend_reads(tmp_path, monkeypatch):
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv("MOE_EQX_GMM_TUNING", str(path))
+    candidates = [
+        MosaicTileConfig(64, 64, 64, 2, 1),
+        MosaicTileConfig(64, 128, 64, 2, 1),
+    ]
+    entries = mosaic.autotune_gmm(
+        [(1024, 256, 384, 8)], candidates=candidates, iters=2, verbose=False
+    )
+    assert len(entries) == 3 and path.exists()
+    configs = MosaicGPUGMM().configs(1024, 256, 384, 8, jnp.bfloat16)
+    assert all(c in candidates for c in configs)
+    lhs, rhs, sizes, d_out = _data("aligned", jnp.bfloat16, seed=6)
+    for got, want in zip(
+        _run(MosaicGPUGMM(), lhs, rhs, sizes, d_out),
+        _reference(lhs, rhs, sizes, d_out),
+        strict=True,
+    ):
+        _check(got, want)
