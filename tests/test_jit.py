@@ -7,7 +7,7 @@ from helpers import make_layer, mesh, tokens, with_bias
 
 
 def test_one_trace_across_values_and_branches(getkey):
-    layer = make_layer(getkey(), mesh_size=4, bias_kind="uniform", buffer_factor=1.0)
+    layer = make_layer(getkey(), mesh_size=4, bias_kind="uniform", buffer_factor=2.0)
     m = mesh(4)
     traces = 0
 
