@@ -44,6 +44,12 @@ from ._overflow import (
     overflow_predicate as overflow_predicate,
     required_buffer_factor as required_buffer_factor,
 )
+from ._planner import (
+    DuplicationPlan as DuplicationPlan,
+    assign_destinations as assign_destinations,
+    plan_duplication as plan_duplication,
+    slot_pair_counts as slot_pair_counts,
+)
 from ._router import (
     Router as Router,
     Routing as Routing,
@@ -52,5 +58,6 @@ from ._router import (
 )
 from ._slots import gather_slot_weights as gather_slot_weights
 from ._trip import TripSpec as TripSpec, expert_parallel_trip as expert_parallel_trip
+from . import workloads as workloads
 
 __version__ = "0.1.0"

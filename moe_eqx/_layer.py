@@ -12,6 +12,7 @@ from ._config import MoEConfig
 from ._dispatch import send_counts, sort_by_expert
 from ._experts import Experts, expert_ffn
 from ._fallback import chunked_dropless, fallback_chunking
+from ._planner import assign_destinations, plan_duplication, slot_pair_counts
 from ._overflow import buffer_sizes, overflow_predicate, required_buffer_factor
 from ._router import Router, load_balance_loss
 from ._slots import gather_slot_weights
@@ -205,8 +206,6 @@ def _expert_parallel(
 
     # 3. Duplication plan, applied: each pair gets a physical (shard, local group).
     if num_slots > 0:
-        from ._planner import assign_destinations, plan_duplication, slot_pair_counts
-
         plan = plan_duplication(counts, num_slots=num_slots)
         dest_shard, dest_group = assign_destinations(
             plan, counts, routing.experts, me, num_local_experts=num_local

@@ -11,7 +11,7 @@ identical on every shard because their input is.
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Int
 
 __all__ = [
     "DuplicationPlan",
@@ -58,10 +58,12 @@ def _check_layout(num_shards: int, num_experts: int) -> int:
 # Candidate levels of the coarse search, as fractions of the mean load above the mean.
 # Dense near the mean, where a plan with S >= 2 usually lands; the refinement then
 # searches linearly inside the bracket that the coarse search found.
+# fmt: off
 _COARSE_STEPS = (
     0.0, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.045, 0.065, 0.09,
     0.125, 0.175, 0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0, 5.0, 8.0,
 )
+# fmt: on
 _FINE_LEVELS = 16
 
 
@@ -74,7 +76,9 @@ def _piece_ends(
     """End of each piece on the line of every candidate level, padded by `S` copies of
     the line's total so that looking `S` pieces past the last one is harmless."""
     zero = jnp.zeros((), jnp.int32)
-    sizes = jnp.minimum(jnp.maximum(threshold[None, :] - levels[:, None], zero), pairs)
+    sizes = jnp.minimum(
+        jnp.maximum(threshold[None, :] - levels[:, None], zero), pairs[None, :]
+    )
     ends = jnp.cumsum(sizes, axis=1)
     pad = jnp.broadcast_to(ends[:, -1:], (levels.shape[0], num_slots))
     return jnp.concatenate([ends, pad], axis=1)
@@ -107,9 +111,10 @@ def _wrap_around(
         passed = (ends <= stop[:, None]).sum(axis=1, dtype=jnp.int32)
         return (stop, first + passed), ((start, first) if record else None)
 
-    zeros = jnp.zeros(piece_end.shape[:1], jnp.int32)
+    # zeros_like keeps the varying-manual-axes type of the input inside shard_map.
+    zeros = jnp.zeros_like(piece_end[:, 0])
     # Without per-step outputs this loop costs next to nothing on CPU; the outputs
-    # (dynamic-update-slices) dominate, so only the final single level records them.
+    # (dynamic-update-slices) dominate, so the coarse search does not record them.
     (end, _), history = jax.lax.scan(step, (zeros, zeros), deficit)
     done = end >= piece_end[:, -1]
     return (done, history) if record else done
@@ -135,12 +140,17 @@ def plan_duplication(
     **Arguments:**
 
     - `counts`: `[R, E]` integer pairs routed by each source shard to each expert
-        (all-gathered, so identical on every shard). `E` must be a multiple of `R`.
+        (all-gathered, so identical on every shard). `E` must be a multiple of `R`;
+        the total must stay below `2**30` (int32 arithmetic).
     - `num_slots`: `S`, spare slots per shard (static). `0` gives the home-only plan.
 
     **Returns:**
 
     A `DuplicationPlan`; `plan.shard_load` is the resulting load per shard.
+
+    Cost: two `lax.scan`s of `R` tiny steps (each vectorised over the candidate
+    levels), a few sorts of `E` or `R` integers and `O(E R)` element-wise work. On CPU
+    at `R=64, E=256` this is a few hundred microseconds.
     """
     num_shards, num_experts = counts.shape
     local = _check_layout(num_shards, num_experts)
@@ -164,12 +174,23 @@ def plan_duplication(
         by_shard = pairs.reshape(num_shards, local)
         load = by_shard.sum(axis=1)
         # Pairs of the hotter experts of the same shard (ties: lower id is hotter).
-        ids = experts.reshape(num_shards, local)
-        hotter = (by_shard[:, None, :] > by_shard[:, :, None]) | (
-            (by_shard[:, None, :] == by_shard[:, :, None])
-            & (ids[:, None, :] < ids[:, :, None])
-        )
-        before = jnp.where(hotter, by_shard[:, None, :], zero).sum(axis=2)
+        if local <= 64:
+            # Pairwise comparisons fuse into one cheap op; a sort costs more on CPU.
+            ids = experts.reshape(num_shards, local)
+            hotter = (by_shard[:, None, :] > by_shard[:, :, None]) | (
+                (by_shard[:, None, :] == by_shard[:, :, None])
+                & (ids[:, None, :] < ids[:, :, None])
+            )
+            before = jnp.where(hotter, by_shard[:, None, :], zero).sum(axis=2)
+        else:
+            order = jnp.argsort(-by_shard, axis=1, stable=True)
+            hot_first = jnp.take_along_axis(by_shard, order, axis=1)
+            rows = jnp.arange(num_shards)[:, None]
+            before = (
+                jnp.zeros_like(by_shard)
+                .at[rows, order]
+                .set(jnp.cumsum(hot_first, axis=1) - hot_first)
+            )
         # At level c, expert e sheds min(max(threshold_e - c, 0), pairs_e). Ordering
         # the pieces by decreasing threshold keeps the non-empty ones a prefix of the
         # line at every level (no compaction), sources by decreasing load and each
@@ -191,7 +212,11 @@ def plan_duplication(
         highest = load.max()
         mean = load.astype(jnp.float32).mean()
         steps = jnp.asarray(_COARSE_STEPS, jnp.float32)
-        coarse = jnp.minimum(lowest + (steps * mean).astype(jnp.int32), highest)
+        # Clip in float32 before the cast so that no step overflows int32.
+        room = jnp.maximum(highest - lowest, zero).astype(jnp.float32)
+        coarse = jnp.minimum(
+            lowest + jnp.minimum(steps * mean, room).astype(jnp.int32), highest
+        )
         # The home-only level is always feasible (nothing to shed).
         coarse = jnp.concatenate([coarse, highest[None]])
         found = jnp.argmax(feasible(coarse)[1])
@@ -201,10 +226,10 @@ def plan_duplication(
         span = (top - bottom).astype(jnp.float32)
         fine = jnp.minimum(bottom + (fractions * span).astype(jnp.int32), top)
         fine = jnp.concatenate([bottom[None], fine])
-        best = fine[jnp.argmax(feasible(fine)[1])]
-
-        piece_end, (_, (lo, first)) = feasible(best[None], record=True)
-        piece_end, lo, first = piece_end[0], lo[:, 0], first[:, 0]
+        fine_end, (fine_done, (fine_lo, fine_first)) = feasible(fine, record=True)
+        pick = jnp.argmax(fine_done)
+        best = fine[pick]
+        piece_end, lo, first = fine_end[pick], fine_lo[:, pick], fine_first[:, pick]
         hi = jnp.concatenate([lo[1:], piece_end[-1:]])
         piece_start = jnp.concatenate([zero[None], piece_end[:-1]])
         piece_expert = jnp.concatenate(
@@ -286,7 +311,7 @@ def assign_destinations(
     - `plan`: the `DuplicationPlan` made from `counts`.
     - `counts`: `[R, E]` the all-gathered counts; row `shard_index` must be the
         histogram of `experts`.
-    - `experts`: `[T, k]` this shard's routed experts.
+    - `experts`: `[T, k]` this shard's routed experts, in `[0, E)`.
     - `shard_index`: this shard's index (e.g. `lax.axis_index(axis_name)`).
     - `num_local_experts`: `L = E / R`.
 
@@ -314,12 +339,24 @@ def assign_destinations(
         flat = experts.reshape(-1)
         num_pairs = flat.shape[0]
 
-        # Rank of each pair among this shard's pairs of the same expert.
-        perm = jnp.argsort(flat, stable=True)
+        # Rank of each pair among this shard's pairs of the same expert, from one
+        # sort by (expert, position).
+        index = jnp.arange(num_pairs, dtype=jnp.int32)
+        if num_experts * num_pairs < 2**31:
+            # A single int32 key sorts ~5x faster than a stable argsort on CPU.
+            key = jnp.sort(flat * num_pairs + index)
+            perm, sorted_experts = key % num_pairs, key // num_pairs
+        else:
+            perm = jnp.argsort(flat, stable=True).astype(jnp.int32)
+            sorted_experts = flat[perm]
         local_counts = counts[shard_index]
         start = jnp.cumsum(local_counts) - local_counts
-        rank_sorted = jnp.arange(num_pairs, dtype=jnp.int32) - start[flat[perm]]
-        rank = jnp.zeros((num_pairs,), jnp.int32).at[perm].set(rank_sorted)
+        rank_sorted = index - start[sorted_experts]
+        rank = (
+            jnp.zeros((num_pairs,), jnp.int32)
+            .at[perm]
+            .set(rank_sorted, unique_indices=True)
+        )
         offset = (jnp.cumsum(counts, axis=0) - counts)[shard_index]
         position = offset[flat] + rank
 

@@ -23,7 +23,6 @@ the given experts) or `preference_bias` (a soft, Zipf-like skew).
 
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 import numpy as np
 from jaxtyping import Bool, Float, Int
@@ -45,7 +44,6 @@ __all__ = [
     "zipf_probs",
 ]
 
-HotLayout = Literal["spread", "contiguous", "random"]
 HOT_LAYOUTS = ("spread", "contiguous", "random")
 WORKLOADS = (
     "uniform",
@@ -58,7 +56,7 @@ WORKLOADS = (
 )
 
 
-def _check_positive(name: str, value: int) -> None:
+def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
 
@@ -111,7 +109,7 @@ def zipf_probs(
     num_experts: int,
     s: float,
     *,
-    hot: HotLayout = "spread",
+    hot: str = "spread",
     num_shards: int | None = None,
     seed: int = 0,
 ) -> Float[np.ndarray, " experts"]:
@@ -206,8 +204,8 @@ def drifting_zipf_probs(
     step: int,
     *,
     s: float = 1.2,
-    drift: float = 0.3,
-    hot: HotLayout = "random",
+    drift: float = 0.1,
+    hot: str = "random",
     num_shards: int | None = None,
     seed: int = 0,
 ) -> Float[np.ndarray, " experts"]:
@@ -264,7 +262,11 @@ def sample_choices(
     `[R, T, k]` int32 expert ids; the `k` of a token are distinct and ordered by
     decreasing sampled score (the router's top choice first).
     """
-    for name, value in (("num_shards", num_shards), ("tokens", tokens), ("top_k", top_k)):
+    for name, value in (
+        ("num_shards", num_shards),
+        ("tokens", tokens),
+        ("top_k", top_k),
+    ):
         _check_positive(name, value)
     probs = np.asarray(probs, dtype=np.float64)
     if probs.ndim == 1:
@@ -390,8 +392,9 @@ def sample_workload(
     seed: int = 0,
     step: int = 0,
     s: float = 1.2,
-    hot: HotLayout = "spread",
+    hot: str = "spread",
     sigma: float = 1.0,
+    drift: float = 0.1,
 ) -> Int[np.ndarray, "shards tokens k"]:
     """Expert choices of a named workload (one of `WORKLOADS`).
 
@@ -402,7 +405,8 @@ def sample_workload(
         `step`), `"same_experts"` (`adversarial_choices`) or `"one_shard"`.
     - `num_shards`, `tokens`, `num_experts`, `top_k`: `R`, `T`, `E`, `k`.
     - `seed`: seed of the draw (and of random layouts).
-    - `step`, `s`, `hot`, `sigma`: workload parameters, ignored where irrelevant.
+    - `step`, `s`, `hot`, `sigma`, `drift`: workload parameters, ignored where
+        irrelevant.
 
     **Returns:**
 
@@ -419,7 +423,13 @@ def sample_workload(
         probs = rotating_hotspot_probs(num_experts, step)
     elif name == "drifting_zipf":
         probs = drifting_zipf_probs(
-            num_experts, step, s=s, hot=hot, num_shards=num_shards, seed=seed
+            num_experts,
+            step,
+            s=s,
+            drift=drift,
+            hot=hot,
+            num_shards=num_shards,
+            seed=seed,
         )
     elif name == "same_experts":
         return adversarial_choices(
@@ -443,19 +453,20 @@ def forcing_bias(
     chosen: Sequence[int] | Bool[np.ndarray, " experts"] | Int[np.ndarray, " chosen"],
     num_experts: int,
     *,
-    magnitude: float = 1e4,
+    magnitude: float = 100.0,
 ) -> Float[np.ndarray, " experts"]:
     """A selection-only router bias that makes every token pick among `chosen`.
 
-    A top-k router with a selection-only bias (DeepSeek-V3's aux-loss-free balancing,
-    `MoEConfig(use_router_bias=True)`) selects the top-k of `score + bias` but weights
-    by the unbiased scores. `magnitude` on the chosen experts and `0` elsewhere wins over
-    any score difference smaller than `magnitude` (softmax and sigmoid scores lie in
-    `[0, 1]`; if a bias were added to raw logits, their range must stay below
-    `magnitude`). With exactly `k` chosen experts every token selects exactly them
-    (e.g. `forcing_bias(range(k), E)` is the "same experts" adversary); with more,
-    the router's own scores pick among them (e.g. all experts of shard 0 gives the
-    "one shard" adversary when `k <= E / R`).
+    A top-k router with a selection-only bias (DeepSeek-V3's aux-loss-free
+    balancing, `MoEConfig(use_router_bias=True)`) selects the top-k of `score + bias`
+    but weights by the unbiased scores. `magnitude` on the chosen experts and `0`
+    elsewhere wins over any score difference smaller than `magnitude` (softmax and
+    sigmoid scores lie in `[0, 1]`; if a bias were added to raw logits, their range
+    must stay below `magnitude`). With exactly `k` chosen experts every token selects
+    exactly them (e.g. `forcing_bias(range(k), E)` is the "same experts" adversary);
+    with more, the router's own scores pick among them (all experts of shard 0 give
+    the "one shard" adversary when `k <= E / R`). The default `magnitude` keeps
+    float32 resolution (~1e-5) among the chosen experts.
 
     **Arguments:**
 

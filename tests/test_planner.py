@@ -1,6 +1,10 @@
 """Duplication planner and token diversion: invariants, exactness, balance."""
 
 import functools
+import json
+import pathlib
+import subprocess
+import sys
 
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
@@ -397,3 +401,22 @@ def test_assign_inside_shard_map():
     ref_dest, ref_group = reference_destinations(plan, choices, local)
     np.testing.assert_array_equal(np.asarray(dest).reshape(choices.shape), ref_dest)
     np.testing.assert_array_equal(np.asarray(group).reshape(choices.shape), ref_group)
+
+
+def test_benchmark_quick_smoke(tmp_path):
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "planner.py"
+    out = tmp_path / "planner.json"
+    subprocess.run(
+        [sys.executable, str(script), "--quick", "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    result = json.loads(out.read_text())
+    assert result["config"]["quick"]
+    for row in result["balance"]:
+        assert row["after"] <= row["before"]
+    assert {row["workload"] for row in result["static_vs_dynamic"]} == {
+        "rotating_hotspot",
+        "drifting_zipf",
+    }

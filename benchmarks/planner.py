@@ -1,0 +1,392 @@
+"""Benchmark of the dynamic-duplication planner.
+
+Measures, on synthetic routing (`moe_eqx.workloads`):
+
+1. Balance: rank load max/mean with home placement only ("before") and after
+   `plan_duplication` ("after"), for R in {8, 16, 32, 64}, Zipf s in {0.8, 1.0, 1.2},
+   hot experts "spread" (round-robin over shards), "contiguous" (hottest = experts
+   0, 1, ...) or "random", S in {1, 2, 4} spare slots per shard; slot
+   copies used per shard; the planner's jitted time (median after warm-up) on this
+   machine's CPU; and `assign_destinations` time for one shard.
+2. Backward communication of the slot-expert gradients at DeepSeek-like sizes
+   (d_model 7168, d_ff 2048, bf16): the all-gather of `[R, S, ...]` slot gradients and
+   their indices (the design), a targeted send of each slot gradient to its home shard
+   only, and the naive psum of a global `[E, ...]` gradient.
+3. Per-step planning vs a periodic static placement (replicas chosen from the experts
+   hot in the previous window of W steps and kept for the next W steps), on a rotating
+   hotspot and a drifting Zipf workload. The static placement is scored twice: with
+   the window's split fractions (as static redundancy does) and with the best possible
+   per-step split over its stale replicas (a linear program): even that loses.
+
+Every ratio is measured against a baseline computed in the same process.
+
+    python3 benchmarks/planner.py            # full run, a few minutes on 2 CPU cores
+    python3 benchmarks/planner.py --quick    # seconds; used by the smoke test
+
+Writes `benchmarks/results/planner.json` (or `--out`).
+"""
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy.optimize import linprog
+
+import moe_eqx.workloads as wl
+from moe_eqx._planner import assign_destinations, plan_duplication
+
+NUM_EXPERTS = 256
+TOP_K = 8
+D_MODEL = 7168
+D_FF = 2048
+BYTES_BF16 = 2
+BYTES_INDEX = 4
+
+
+@functools.cache
+def _jitted_plan(num_slots: int):
+    return jax.jit(functools.partial(plan_duplication, num_slots=num_slots))
+
+
+def _time(fn, *args, reps: int) -> dict:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    times = np.asarray(times) * 1e6
+    return {"median_us": float(np.median(times)), "min_us": float(times.min())}
+
+
+def _max_over_mean(load) -> float:
+    load = np.asarray(load, np.float64)
+    return float(load.max() / load.mean())
+
+
+def _home_load(counts: np.ndarray) -> np.ndarray:
+    num_shards = counts.shape[0]
+    return counts.sum(axis=0).reshape(num_shards, -1).sum(axis=1)
+
+
+def balance(args) -> list[dict]:
+    rows = []
+    for num_shards in args.shards:
+        for hot in args.hot:
+            for s in args.zipf:
+                choices = wl.sample_workload(
+                    "zipf",
+                    num_shards=num_shards,
+                    tokens=args.tokens,
+                    num_experts=NUM_EXPERTS,
+                    top_k=TOP_K,
+                    s=s,
+                    hot=hot,
+                    seed=args.seed,
+                )
+                counts = wl.counts_from_choices(choices, NUM_EXPERTS)
+                before = _max_over_mean(_home_load(counts))
+                for num_slots in args.slots:
+                    fn = _jitted_plan(num_slots)
+                    counts_j = jnp.asarray(counts)
+                    timing = _time(fn, counts_j, reps=args.reps)
+                    plan = fn(counts_j)
+                    used = (np.asarray(plan.slot_expert) >= 0).sum(axis=1)
+                    rows.append(
+                        dict(
+                            shards=num_shards,
+                            hot=hot,
+                            zipf_s=s,
+                            slots=num_slots,
+                            before=before,
+                            after=_max_over_mean(plan.shard_load),
+                            copies_mean=float(used.mean()),
+                            copies_max=int(used.max()),
+                            plan_median_us=timing["median_us"],
+                            plan_min_us=timing["min_us"],
+                        )
+                    )
+                    print(
+                        f"R={num_shards:3d} {hot:10s} s={s:.1f} S={num_slots}  "
+                        f"max/mean {before:7.3f} -> {rows[-1]['after']:.4f}  "
+                        f"copies/shard {used.mean():.2f} (max {used.max()})  "
+                        f"plan {timing['median_us']:7.0f} us",
+                        flush=True,
+                    )
+    return rows
+
+
+def assign_timing(args) -> dict:
+    num_shards, num_slots = max(args.shards), 2
+    choices = wl.sample_workload(
+        "zipf",
+        num_shards=num_shards,
+        tokens=args.tokens,
+        num_experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        s=1.2,
+        hot="contiguous",
+        seed=args.seed,
+    )
+    counts = jnp.asarray(wl.counts_from_choices(choices, NUM_EXPERTS))
+    plan = _jitted_plan(num_slots)(counts)
+    fn = jax.jit(
+        functools.partial(
+            assign_destinations, num_local_experts=NUM_EXPERTS // num_shards
+        )
+    )
+    experts = jnp.asarray(choices[0])
+    timing = _time(fn, plan, counts, experts, jnp.int32(0), reps=args.reps)
+    return dict(shards=num_shards, slots=num_slots, tokens=args.tokens, **timing)
+
+
+def communication(args, busiest_home: dict) -> list[dict]:
+    expert_bytes = 3 * D_MODEL * D_FF * BYTES_BF16  # w_gate_up [H, 2F] + w_down [F, H]
+    rows = []
+    for num_shards in args.shards:
+        for num_slots in args.slots:
+            # All-gather of the [S, ...] slot gradients and [S] indices of every shard.
+            gather_recv = (num_shards - 1) * num_slots * (expert_bytes + BYTES_INDEX)
+            gather_buffer = num_shards * num_slots * expert_bytes
+            # Naive: psum of a global [E, ...] gradient (ring all-reduce traffic).
+            psum_traffic = (
+                2 * (num_shards - 1) / num_shards * NUM_EXPERTS * expert_bytes
+            )
+            psum_buffer = NUM_EXPERTS * expert_bytes
+            # Targeted: each slot gradient goes to its home shard only; the busiest
+            # home shard receives one gradient per copy of its experts (measured on
+            # the contiguous Zipf plans, where copies concentrate on few homes).
+            busiest = busiest_home[(num_shards, num_slots)]
+            rows.append(
+                dict(
+                    shards=num_shards,
+                    slots=num_slots,
+                    expert_grad_mib=expert_bytes / 2**20,
+                    allgather_recv_gib=gather_recv / 2**30,
+                    allgather_buffer_gib=gather_buffer / 2**30,
+                    targeted_send_gib=num_slots * expert_bytes / 2**30,
+                    targeted_recv_max_gib=busiest * expert_bytes / 2**30,
+                    targeted_recv_max_copies=busiest,
+                    psum_traffic_gib=psum_traffic / 2**30,
+                    psum_buffer_gib=psum_buffer / 2**30,
+                    allgather_vs_psum_traffic=gather_recv / psum_traffic,
+                )
+            )
+    return rows
+
+
+def _busiest_home(args) -> dict:
+    """Max over home shards of slot copies of its experts, contiguous Zipf(max s)."""
+    out = {}
+    for num_shards in args.shards:
+        choices = wl.sample_workload(
+            "zipf",
+            num_shards=num_shards,
+            tokens=args.tokens,
+            num_experts=NUM_EXPERTS,
+            top_k=TOP_K,
+            s=max(args.zipf),
+            hot="contiguous",
+            seed=args.seed,
+        )
+        counts = jnp.asarray(wl.counts_from_choices(choices, NUM_EXPERTS))
+        local = NUM_EXPERTS // num_shards
+        for num_slots in args.slots:
+            slots = np.asarray(_jitted_plan(num_slots)(counts).slot_expert)
+            homes = slots[slots >= 0] // local
+            out[(num_shards, num_slots)] = int(
+                np.bincount(homes, minlength=num_shards).max() if homes.size else 0
+            )
+    return out
+
+
+def _best_split(placement: np.ndarray, counts_e: np.ndarray, local: int) -> float:
+    """Lowest max shard load reachable on a fixed placement (LP over the quotas)."""
+    num_experts = counts_e.shape[0]
+    num_shards = num_experts // local
+    holds = np.zeros((num_experts, num_shards), bool)
+    holds[np.arange(num_experts), np.arange(num_experts) // local] = True
+    for r in range(num_shards):
+        for e in placement[r]:
+            if e >= 0:
+                holds[e, r] = True
+    expert_idx, shard_idx = np.nonzero(holds)
+    num_vars = len(expert_idx) + 1  # quotas, then the max load z
+    cost = np.zeros(num_vars)
+    cost[-1] = 1.0
+    a_eq = np.zeros((num_experts, num_vars))
+    a_eq[expert_idx, np.arange(len(expert_idx))] = 1.0
+    a_ub = np.zeros((num_shards, num_vars))
+    a_ub[shard_idx, np.arange(len(expert_idx))] = 1.0
+    a_ub[:, -1] = -1.0
+    result = linprog(
+        cost,
+        A_ub=a_ub,
+        b_ub=np.zeros(num_shards),
+        A_eq=a_eq,
+        b_eq=counts_e.astype(np.float64),
+        bounds=(0, None),
+        method="highs",
+    )
+    if not result.success:
+        raise RuntimeError(result.message)
+    return float(result.x[-1])
+
+
+def static_vs_dynamic(args) -> list[dict]:
+    num_shards, num_slots = args.static_shards, 2
+    local = NUM_EXPERTS // num_shards
+    fn = _jitted_plan(num_slots)
+    rows = []
+    for name in ("rotating_hotspot", "drifting_zipf"):
+        history = []
+        scores = {"none": [], "per_step": [], "static_split": [], "static_best": []}
+        placement = fractions = None
+        for step in range(args.steps):
+            choices = wl.sample_workload(
+                name,
+                num_shards=num_shards,
+                tokens=args.static_tokens,
+                num_experts=NUM_EXPERTS,
+                top_k=TOP_K,
+                seed=args.seed,
+                step=step,
+                hot="random",
+                drift=args.drift,
+            )
+            counts = wl.counts_from_choices(choices, NUM_EXPERTS)
+            counts_e = counts.sum(axis=0)
+            if step >= args.window and step % args.window == 0:
+                window = np.sum(history[-args.window :], axis=0)
+                stale = fn(jnp.asarray(window))
+                placement = np.asarray(stale.slot_expert)
+                quota = np.asarray(stale.expert_shard_pairs, np.float64)
+                total = quota.sum(axis=1, keepdims=True)
+                home = np.arange(NUM_EXPERTS)[:, None] // local == np.arange(num_shards)
+                fractions = np.where(total > 0, quota / np.maximum(total, 1), home)
+            history.append(counts)
+            if placement is None:
+                continue  # no history yet: the static placement does not exist
+            mean = counts.sum() / num_shards
+            scores["none"].append(_max_over_mean(_home_load(counts)))
+            scores["per_step"].append(
+                _max_over_mean(fn(jnp.asarray(counts)).shard_load)
+            )
+            scores["static_split"].append(
+                float((counts_e[:, None] * fractions).sum(axis=0).max() / mean)
+            )
+            scores["static_best"].append(_best_split(placement, counts_e, local) / mean)
+        row = dict(
+            workload=name,
+            shards=num_shards,
+            slots=num_slots,
+            window=args.window,
+            steps_scored=len(scores["none"]),
+        )
+        for key, values in scores.items():
+            row[f"{key}_mean"] = float(np.mean(values))
+            row[f"{key}_max"] = float(np.max(values))
+        rows.append(row)
+        print(
+            f"{name:17s} R={num_shards} S={num_slots} W={args.window}: max/mean "
+            + "  ".join(
+                f"{key} {row[key + '_mean']:.3f} (worst {row[key + '_max']:.3f})"
+                for key in scores
+            ),
+            flush=True,
+        )
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny run (seconds)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per shard")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--drift", type=float, default=0.1, help="drifting Zipf: log-weight walk/step"
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path(__file__).parent / "results" / "planner.json",
+    )
+    args = parser.parse_args()
+    args.shards, args.zipf, args.slots = [8, 16, 32, 64], [0.8, 1.0, 1.2], [1, 2, 4]
+    args.hot = ["spread", "contiguous", "random"]
+    args.static_shards, args.static_tokens, args.steps, args.window = 32, 1024, 60, 10
+    if args.quick:
+        args.shards, args.zipf, args.slots = [8], [1.2], [2]
+        args.hot = ["spread", "contiguous"]
+        args.tokens, args.reps = min(args.tokens, 256), 5
+        args.static_shards, args.static_tokens, args.steps, args.window = 8, 128, 6, 2
+
+    config = dict(
+        experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        tokens_per_shard=args.tokens,
+        shards=args.shards,
+        zipf_s=args.zipf,
+        hot=args.hot,
+        slots=args.slots,
+        drift=args.drift,
+        quick=args.quick,
+        backend=jax.default_backend(),
+        cpu_count=os.cpu_count(),
+        machine=platform.machine(),
+        jax=jax.__version__,
+    )
+    print(f"config: {config}")
+    print("\n== balance (rank load max/mean, home only -> planned) ==")
+    balance_rows = balance(args)
+    print("\n== assign_destinations (one shard) ==")
+    assign = assign_timing(args)
+    print(
+        f"R={assign['shards']} S={assign['slots']} T={assign['tokens']} k={TOP_K}: "
+        f"{assign['median_us']:.0f} us median"
+    )
+    print(f"\n== slot-gradient backward communication (H={D_MODEL}, F={D_FF}, bf16) ==")
+    comm = communication(args, _busiest_home(args))
+    print(
+        f"{'R':>3} {'S':>2} {'all-gather recv':>16} {'buffer':>10} "
+        f"{'targeted recv (max)':>24} {'psum traffic':>13} {'buffer':>10} "
+        f"{'ag/psum':>8}"
+    )
+    for row in comm:
+        targeted = (
+            f"{row['targeted_recv_max_gib']:.2f} GiB "
+            f"({row['targeted_recv_max_copies']} grads)"
+        )
+        print(
+            f"{row['shards']:3d} {row['slots']:2d} "
+            f"{row['allgather_recv_gib']:12.2f} GiB "
+            f"{row['allgather_buffer_gib']:6.2f} GiB "
+            f"{targeted:>24} "
+            f"{row['psum_traffic_gib']:9.2f} GiB {row['psum_buffer_gib']:6.2f} GiB "
+            f"{row['allgather_vs_psum_traffic']:8.3f}"
+        )
+    print("\n== per-step planning vs periodic static placement ==")
+    static = static_vs_dynamic(args)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(
+        config=config,
+        balance=balance_rows,
+        assign=assign,
+        communication=comm,
+        static_vs_dynamic=static,
+    )
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
