@@ -37,7 +37,12 @@ from ._gmm import (
     mosaic_gpu_available as mosaic_gpu_available,
     resolve_backend as resolve_gmm_backend,
 )
-from ._layer import MoELayer as MoELayer, MoEStats as MoEStats, reference_moe as reference_moe
+from ._layer import (
+    MoELayer as MoELayer,
+    MoEStats as MoEStats,
+    reference_moe as reference_moe,
+    shard_layer as shard_layer,
+)
 from ._overflow import (
     BufferSizes as BufferSizes,
     buffer_sizes as buffer_sizes,

@@ -309,6 +309,38 @@ def _expert_parallel(
     return y, stats
 
 
+def shard_layer(layer: MoELayer, mesh: Mesh) -> MoELayer:
+    """Places a layer's parameters for expert parallelism over `mesh`: the router
+    replicated, the experts split over `config.axis_name`.
+
+    Training loops should start from placed parameters: the gradients of an
+    expert-parallel layer come back placed this way, and unplaced initial parameters
+    would make the first and second steps compile separately.
+
+    **Arguments:**
+
+    - `layer`: a [`moe_eqx.MoELayer`][].
+    - `mesh`: the mesh it will be called with.
+
+    **Returns:**
+
+    The same layer with its arrays placed on `mesh`.
+    """
+    ax = layer.config.axis_name
+    mesh = _auto_mesh(mesh)
+
+    def put(a, spec):
+        return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+
+    router = jax.tree.map(lambda a: put(a, P()), layer.router)
+    layer = eqx.tree_at(lambda l: l.router, layer, router)
+    return eqx.tree_at(
+        lambda l: (l.experts.w_gate_up, l.experts.w_down),
+        layer,
+        (put(layer.experts.w_gate_up, P(ax)), put(layer.experts.w_down, P(ax))),
+    )
+
+
 def reference_moe(
     layer: MoELayer, x: Float[Array, "tokens d_model"]
 ) -> Float[Array, "tokens d_model"]:

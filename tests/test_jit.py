@@ -39,3 +39,37 @@ def test_single_device_one_trace(getkey):
     for _ in range(3):
         f(layer, jr.normal(getkey(), (32, 16)))
     assert traces == 1
+
+
+def test_training_steps_share_one_trace(getkey):
+    import jax
+    import optax
+
+    import moe_eqx as me
+
+    m = mesh(4)
+    layer = me.shard_layer(make_layer(getkey(), mesh_size=4), m)
+    opt = optax.sgd(0.1)  # optax.adam mixes int and float under strict promotion
+    state = opt.init(eqx.filter(layer, eqx.is_array))
+    traces = 0
+
+    @eqx.filter_jit
+    def step(layer, state, x):
+        nonlocal traces
+        traces += 1
+
+        def loss(layer):
+            return jnp.mean(jnp.square(layer(x, mesh=m)[0] - 1.0))
+
+        value, grads = eqx.filter_value_and_grad(loss)(layer)
+        updates, state = opt.update(grads, state)
+        return eqx.apply_updates(layer, updates), state, value
+
+    x = tokens(getkey(), 64)
+    losses = []
+    for _ in range(3):
+        layer, state, value = step(layer, state, x)
+        losses.append(float(value))
+    assert traces == 1
+    assert losses[-1] < losses[0]
+    assert isinstance(layer.experts.w_down, jax.Array)
