@@ -22,10 +22,14 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
         return str(v)
 
     widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
     for r in rows:
-        print("  ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(columns, widths)))
+        print(
+            "  ".join(
+                fmt(r.get(c, "")).ljust(w) for c, w in zip(columns, widths, strict=True)
+            )
+        )
 
 
 def write_json(name: str, payload: dict) -> pathlib.Path:

@@ -140,7 +140,8 @@ def main():
         worst["vs_worst"] = 1.0
     print(f"\nCompiled per-device memory, EP8, E=64, k=8, {t_total} tokens (drop mode)")
     print_table(
-        mem_rows, ["buffer_factor", "pass_", "temp_mib", "output_mib", "peak_mib", "vs_worst"]
+        mem_rows,
+        ["buffer_factor", "pass_", "temp_mib", "output_mib", "peak_mib", "vs_worst"],
     )
     write_json("dispatch", {"wire": rows, "memory": mem_rows, "quick": args.quick})
 

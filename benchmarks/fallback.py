@@ -86,11 +86,19 @@ def main():
             res = {}
             for name, (params, static) in variants.items():
                 fwd, step = fns(static, mesh)
-                res[name] = compiled_memory(fwd if label == "forward" else step, params, x)
+                res[name] = compiled_memory(
+                    fwd if label == "forward" else step, params, x
+                )
             base = res["capped-only"]["peak_mib"]
             for name, m in res.items():
                 rows.append(
-                    dict(tokens=t, pass_=label, layer=name, **m, vs_capped=m["peak_mib"] / base)
+                    dict(
+                        tokens=t,
+                        pass_=label,
+                        layer=name,
+                        **m,
+                        vs_capped=m["peak_mib"] / base,
+                    )
                 )
     print(f"Compiled per-device memory, EP8, d_model={D}, d_ff={F}, E={E}, k={K}")
     print_table(
@@ -125,8 +133,16 @@ def main():
     print(f"\nStep time when the routing overflows, EP8, {t} tokens")
     print_table(
         timing,
-        ["path", "pass_", "ms", "vs_capped", "overflow", "fallback_used", "num_chunks",
-         "dropped_pairs"],
+        [
+            "path",
+            "pass_",
+            "ms",
+            "vs_capped",
+            "overflow",
+            "fallback_used",
+            "num_chunks",
+            "dropped_pairs",
+        ],
     )
     write_json("fallback", {"memory": rows, "timing": timing, "quick": args.quick})
 

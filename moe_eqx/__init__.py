@@ -1,6 +1,7 @@
 """moe_eqx: expert-parallel Mixture-of-Experts layers for JAX, built from typed pure
 Equinox stages."""
 
+from . import workloads as workloads
 from ._combine import combine as combine, scatter_to_tokens as scatter_to_tokens
 from ._config import MoEConfig as MoEConfig
 from ._dispatch import (
@@ -35,7 +36,6 @@ from ._gmm import (
     autotune_gmm as autotune_gmm,
     gmm as gmm,
     mosaic_gpu_available as mosaic_gpu_available,
-    resolve_backend as resolve_gmm_backend,
 )
 from ._layer import (
     MoELayer as MoELayer,
@@ -63,6 +63,5 @@ from ._router import (
 )
 from ._slots import gather_slot_weights as gather_slot_weights
 from ._trip import TripSpec as TripSpec, expert_parallel_trip as expert_parallel_trip
-from . import workloads as workloads
 
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """`MoEConfig`: the static description of an MoE layer, validated at construction."""
 
 import math
+
 import equinox as eqx
 
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "dense", "mosaic_gpu")
@@ -102,7 +103,9 @@ class MoEConfig(eqx.Module):
                 f"`on_overflow` must be 'fallback' or 'drop', got {self.on_overflow!r}."
             )
         if not isinstance(self.num_slots, int) or self.num_slots < 0:
-            raise ValueError(f"`num_slots` must be an integer >= 0, got {self.num_slots!r}.")
+            raise ValueError(
+                f"`num_slots` must be an integer >= 0, got {self.num_slots!r}."
+            )
         if self.gmm_backend not in GMM_BACKENDS:
             raise ValueError(
                 f"`gmm_backend` must be one of {GMM_BACKENDS}, got {self.gmm_backend!r}."
@@ -112,7 +115,9 @@ class MoEConfig(eqx.Module):
                 f"`exchange` must be one of {EXCHANGES}, got {self.exchange!r}."
             )
         if not isinstance(self.axis_name, str) or not self.axis_name:
-            raise ValueError(f"`axis_name` must be a non-empty string, got {self.axis_name!r}.")
+            raise ValueError(
+                f"`axis_name` must be a non-empty string, got {self.axis_name!r}."
+            )
 
     @property
     def experts_per_group(self) -> int:

@@ -25,10 +25,12 @@ class Experts(eqx.Module):
     def __init__(self, config: MoEConfig, *, key: PRNGKeyArray, dtype=jnp.float32):
         gu_key, down_key = jr.split(key)
         e, h, f = config.num_experts, config.d_model, config.d_ff
-        self.w_gate_up = (jr.normal(gu_key, (e, h, 2 * f), jnp.float32) / h**0.5).astype(
+        self.w_gate_up = (
+            jr.normal(gu_key, (e, h, 2 * f), jnp.float32) / h**0.5
+        ).astype(dtype)
+        self.w_down = (jr.normal(down_key, (e, f, h), jnp.float32) / f**0.5).astype(
             dtype
         )
-        self.w_down = (jr.normal(down_key, (e, f, h), jnp.float32) / f**0.5).astype(dtype)
 
     @property
     def num_experts(self) -> int:

@@ -10,10 +10,10 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ._combine import combine
 from ._config import MoEConfig
 from ._dispatch import send_counts, sort_by_expert
-from ._experts import Experts, expert_ffn
+from ._experts import Experts
 from ._fallback import chunked_dropless, fallback_chunking
-from ._planner import assign_destinations, plan_duplication, slot_pair_counts
 from ._overflow import buffer_sizes, overflow_predicate, required_buffer_factor
+from ._planner import assign_destinations, plan_duplication, slot_pair_counts
 from ._router import Router, load_balance_loss
 from ._slots import gather_slot_weights
 from ._trip import TripSpec, expert_parallel_trip
@@ -67,9 +67,11 @@ def _auto_mesh(mesh: Mesh) -> Mesh:
 def _place(a, mesh: Mesh, spec: P):
     if not isinstance(a, jax.Array):
         return a
-    return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) if not isinstance(
-        a, jax.core.Tracer
-    ) else jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec))
+    return (
+        jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+        if not isinstance(a, jax.core.Tracer)
+        else jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec))
+    )
 
 
 def _max_over_mean(load: Int[Array, " shards"]) -> Float[Array, ""]:
@@ -150,7 +152,7 @@ class MoELayer(eqx.Module):
         specs = (P(), P(ax), P(ax), P(ax))
         args = tuple(
             jax.tree.map(lambda a, s=s: _place(a, mesh, s), a)
-            for a, s in zip(args, specs)
+            for a, s in zip(args, specs, strict=True)
         )
         return per_shard(*args)
 

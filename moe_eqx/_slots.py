@@ -28,11 +28,11 @@ def _bcast(mask, like):
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def gather_slot_weights(
-    w_home: Float[Array, "local_experts *dims"],
+    w_home: Float[Array, "local_experts ..."],
     slot_expert: Int[Array, "shards slots"],
     num_local: int,
     axis_name: str,
-) -> Float[Array, "slots *dims"]:
+) -> Float[Array, "slots ..."]:
     """Fetches the weights of this shard's slot experts from their home shards.
 
     Called inside `shard_map` over `axis_name`.
@@ -67,8 +67,10 @@ def _bwd(num_local, axis_name, res, g_slots):
     g_all = jax.lax.all_gather(g_slots, axis_name)  # [R, S, ...]
     owned, local = _owned(slot_expert, num_local, axis_name)
     g_all = jnp.where(_bcast(owned, g_all), g_all, 0)
-    g_home = jnp.zeros(shape, dtype).at[local.ravel()].add(
-        g_all.reshape(-1, *shape[1:]).astype(dtype)
+    g_home = (
+        jnp.zeros(shape, dtype)
+        .at[local.ravel()]
+        .add(g_all.reshape(-1, *shape[1:]).astype(dtype))
     )
     return g_home, None
 

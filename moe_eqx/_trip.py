@@ -113,4 +113,3 @@ def expert_parallel_trip(
         back = exchange.combine(y_rows, plan, bufs.send_rows)
     y = scatter_to_tokens(back, wire.token, tokens)
     return y, TripStats(dropped_pairs=dropped_at_sender + dropped_at_receiver)
-

@@ -10,9 +10,7 @@ import moe_eqx as me
 
 
 def mesh(num_shards: int):
-    return jax.make_mesh(
-        (num_shards,), ("expert",), devices=jax.devices()[:num_shards]
-    )
+    return jax.make_mesh((num_shards,), ("expert",), devices=jax.devices()[:num_shards])
 
 
 def auto_mesh(num_shards: int):

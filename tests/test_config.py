@@ -37,7 +37,9 @@ def test_bad_config_names_the_field(field, value):
 
 def test_group_limit_must_hold_top_k():
     with pytest.raises(ValueError, match="`top_groups`"):
-        me.MoEConfig(d_model=8, d_ff=8, num_experts=8, top_k=4, num_groups=4, top_groups=1)
+        me.MoEConfig(
+            d_model=8, d_ff=8, num_experts=8, top_k=4, num_groups=4, top_groups=1
+        )
 
 
 def test_good_config():

@@ -20,7 +20,9 @@ def test_sort_by_expert(getkey):
     experts = jr.randint(getkey(), (10, 3), 0, 5).astype(jnp.int32)
     w = jr.uniform(getkey(), (10, 3))
     pairs = me.sort_by_expert(experts, w, 5)
-    np.testing.assert_array_equal(pairs.group_sizes, np.bincount(experts.ravel(), minlength=5))
+    np.testing.assert_array_equal(
+        pairs.group_sizes, np.bincount(experts.ravel(), minlength=5)
+    )
     flat = np.asarray(experts).ravel()
     order = np.argsort(flat, kind="stable")
     np.testing.assert_array_equal(pairs.row, order // 3)
@@ -47,12 +49,18 @@ def test_dedup_rows_matches_reference(getkey, dedup):
     for t in range(tokens):
         if dedup:
             for d in dict.fromkeys(shard[t][valid[t]].tolist()):
-                entries = {int(group[t, j]): float(w[t, j]) for j in range(k) if shard[t, j] == d}
+                entries = {
+                    int(group[t, j]): float(w[t, j])
+                    for j in range(k)
+                    if shard[t, j] == d
+                }
                 rows.append((d, t, entries))
         else:
             for j in range(k):
                 if valid[t, j]:
-                    rows.append((int(shard[t, j]), t, {int(group[t, j]): float(w[t, j])}))
+                    rows.append(
+                        (int(shard[t, j]), t, {int(group[t, j]): float(w[t, j])})
+                    )
     rows.sort(key=lambda x: x[0])  # stable: keeps token order within a destination
     n = len(rows)
     np.testing.assert_array_equal(
@@ -68,7 +76,9 @@ def test_dedup_rows_matches_reference(getkey, dedup):
     for i, (_, t, entries) in enumerate(rows):
         assert int(wire.token[i]) == t
         g = np.asarray(wire.groups[i])
-        got = {int(a): float(b) for a, b in zip(g, np.asarray(wire.weights[i])) if a >= 0}
+        got = {
+            int(a): float(b) for a, b in zip(g, np.asarray(wire.weights[i])) if a >= 0
+        }
         assert got.keys() == entries.keys()
         for key in got:
             assert got[key] == pytest.approx(entries[key])
@@ -81,7 +91,10 @@ def test_dedup_row_count_is_distinct_token_shard_pairs(getkey):
     tokens, k, r, local = 64, 8, 8, 4
     shard, group = _random_dest(getkey(), tokens, k, r, local)
     counts = me.send_counts(
-        jnp.asarray(shard, jnp.int32), jnp.ones((tokens, k), bool), num_shards=r, dedup=True
+        jnp.asarray(shard, jnp.int32),
+        jnp.ones((tokens, k), bool),
+        num_shards=r,
+        dedup=True,
     )
     assert int(counts.sum()) == sum(len(set(row)) for row in shard.tolist())
 
@@ -89,12 +102,16 @@ def test_dedup_row_count_is_distinct_token_shard_pairs(getkey):
 def test_expand_rows_groups_pairs_and_counts_drops():
     groups = jnp.array([[0, 2], [1, -1], [2, 0], [0, 1]], jnp.int32)
     weights = jnp.array([[0.1, 0.2], [0.3, 0.0], [0.4, 0.5], [9.0, 9.0]], jnp.float32)
-    pairs, dropped = me.expand_rows(groups, weights, jnp.int32(3), num_groups=3, capacity=8)
+    pairs, dropped = me.expand_rows(
+        groups, weights, jnp.int32(3), num_groups=3, capacity=8
+    )
     np.testing.assert_array_equal(pairs.group_sizes, [2, 1, 2])
     assert int(dropped) == 0
     np.testing.assert_array_equal(pairs.row[:5], [0, 2, 1, 0, 2])
     np.testing.assert_allclose(pairs.weight, [0.1, 0.5, 0.3, 0.2, 0.4, 0, 0, 0])
     # Capacity 3: the last pairs in group order are dropped and counted.
-    pairs, dropped = me.expand_rows(groups, weights, jnp.int32(3), num_groups=3, capacity=3)
+    pairs, dropped = me.expand_rows(
+        groups, weights, jnp.int32(3), num_groups=3, capacity=3
+    )
     np.testing.assert_array_equal(pairs.group_sizes, [2, 1, 0])
     assert int(dropped) == 2

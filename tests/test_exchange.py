@@ -51,7 +51,8 @@ def _random_case(seed, r, max_rows, capacity):
 def test_ragged_offsets_match_emulator(seed, r, capacity):
     counts, sends = _random_case(seed, r, 16, capacity)
     plans = [
-        me.make_exchange_plan(jnp.asarray(counts), capacity, jnp.int32(i)) for i in range(r)
+        me.make_exchange_plan(jnp.asarray(counts), capacity, jnp.int32(i))
+        for i in range(r)
     ]
     args = [[np.asarray(a) for a in dispatch_args(p)] for p in plans]
     recv = me.emulate_ragged_all_to_all(

@@ -6,7 +6,13 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, auto_mesh, make_layer, mesh, tokens, with_bias
+from helpers import (
+    assert_matches_oracle,
+    auto_mesh,
+    make_layer,
+    mesh,
+    tokens,
+)
 
 import moe_eqx as me
 
@@ -100,7 +106,9 @@ def test_one_shard_overflow_triggers_fallback_everywhere(getkey):
 
 
 def test_worst_case_buffer_never_falls_back(getkey):
-    layer = make_layer(getkey(), mesh_size=4, bias_kind="one_expert", buffer_factor=None)
+    layer = make_layer(
+        getkey(), mesh_size=4, bias_kind="one_expert", buffer_factor=None
+    )
     x = tokens(getkey(), 64)
     _, stats = eqx.filter_jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
     assert not bool(stats.overflow) and not bool(stats.fallback_used)

@@ -1,7 +1,6 @@
 """The overflow predicate is exact: no false negative, no false positive."""
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -78,7 +77,9 @@ def test_predicate_is_exact(dedup, hot, strength, seed):
     np.testing.assert_array_equal(stats.recv_pairs, pairs)
     np.testing.assert_array_equal(stats.wire_rows, rows)
     np.testing.assert_allclose(
-        stats.required_buffer_factor, max(rows.max(), pairs.max()) / (tps * K), rtol=1e-6
+        stats.required_buffer_factor,
+        max(rows.max(), pairs.max()) / (tps * K),
+        rtol=1e-6,
     )
 
 
@@ -90,10 +91,10 @@ def test_predicate_function_directly():
     wire = jnp.array([[4, 4], [4, 4]], jnp.int32)
     ok = jnp.array([[4, 4], [4, 4]], jnp.int32)
     assert not bool(me.overflow_predicate(wire, ok, bufs))
-    assert bool(me.overflow_predicate(wire, jnp.array([[5, 4], [4, 4]], jnp.int32), bufs))
     assert bool(
-        me.overflow_predicate(jnp.array([[5, 4], [4, 4]], jnp.int32), ok, bufs)
+        me.overflow_predicate(wire, jnp.array([[5, 4], [4, 4]], jnp.int32), bufs)
     )
+    assert bool(me.overflow_predicate(jnp.array([[5, 4], [4, 4]], jnp.int32), ok, bufs))
 
 
 def test_buffer_sizes_clamp_to_worst_case():

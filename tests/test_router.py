@@ -35,7 +35,9 @@ def test_softmax_weights_are_renormalised_probs(getkey):
     r = router(x)
     probs = jax.nn.softmax(x @ router.weight, -1)
     chosen = jnp.take_along_axis(probs, r.experts, -1)
-    np.testing.assert_allclose(r.weights, chosen / chosen.sum(-1, keepdims=True), rtol=1e-5)
+    np.testing.assert_allclose(
+        r.weights, chosen / chosen.sum(-1, keepdims=True), rtol=1e-5
+    )
 
 
 def test_bias_changes_selection_not_weights(getkey):
@@ -46,7 +48,9 @@ def test_bias_changes_selection_not_weights(getkey):
     assert np.all(np.any(np.asarray(r.experts) == 5, axis=1))
     probs = jax.nn.softmax(x @ router.weight, -1)
     chosen = jnp.take_along_axis(probs, r.experts, -1)
-    np.testing.assert_allclose(r.weights, chosen / chosen.sum(-1, keepdims=True), rtol=1e-5)
+    np.testing.assert_allclose(
+        r.weights, chosen / chosen.sum(-1, keepdims=True), rtol=1e-5
+    )
     g = jax.grad(lambda rt: jnp.sum(rt(x).weights ** 2))(biased)
     np.testing.assert_array_equal(g.bias, 0.0)
 

@@ -34,7 +34,11 @@ def test_duplication_matches_oracle_and_balances(getkey, num_shards, routing):
 
 def test_duplication_with_fallback_and_dedup_off(getkey):
     layer = make_layer(
-        getkey(), mesh_size=4, bias_kind="one_shard", num_slots=1, buffer_factor=0.8,
+        getkey(),
+        mesh_size=4,
+        bias_kind="one_shard",
+        num_slots=1,
+        buffer_factor=0.8,
         dedup=False,
     )
     x = tokens(getkey(), 128)
@@ -50,7 +54,10 @@ def _slot_fn(num_shards, num_local):
 
     return jax.jit(
         jax.shard_map(
-            body, mesh=m, in_specs=(P("expert"), P()), out_specs=P("expert"),
+            body,
+            mesh=m,
+            in_specs=(P("expert"), P()),
+            out_specs=P("expert"),
             check_vma=False,
         )
     )
@@ -80,7 +87,10 @@ def test_gather_slot_weights_forward_and_vjp(getkey):
     # Finite differences along a random direction.
     d = jr.normal(getkey(), w.shape)
     eps = 1e-3
-    fd = (jnp.sum(f(w + eps * d, slot_expert) * ct) - jnp.sum(f(w - eps * d, slot_expert) * ct)) / (2 * eps)
+    fd = (
+        jnp.sum(f(w + eps * d, slot_expert) * ct)
+        - jnp.sum(f(w - eps * d, slot_expert) * ct)
+    ) / (2 * eps)
     np.testing.assert_allclose(fd, jnp.sum(g * d), rtol=1e-3)
 
 

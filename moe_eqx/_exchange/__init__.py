@@ -26,4 +26,6 @@ def resolve_exchange(name: str, *, axis_name: str, block_rows: int) -> AbstractE
                 "`lax.ragged_all_to_all`. Use exchange='dense' or 'auto' on CPU."
             )
         return RaggedExchange(axis_name=axis_name)
-    raise ValueError(f"Unknown `exchange` {name!r}; expected 'auto', 'dense' or 'ragged'.")
+    raise ValueError(
+        f"Unknown `exchange` {name!r}; expected 'auto', 'dense' or 'ragged'."
+    )

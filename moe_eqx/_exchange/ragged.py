@@ -13,7 +13,10 @@ from jaxtyping import Array, Int, Shaped
 from ._base import AbstractExchange, ExchangePlan
 
 RaggedArgs = tuple[
-    Int[Array, " shards"], Int[Array, " shards"], Int[Array, " shards"], Int[Array, " shards"]
+    Int[Array, " shards"],
+    Int[Array, " shards"],
+    Int[Array, " shards"],
+    Int[Array, " shards"],
 ]
 
 
@@ -45,7 +48,9 @@ class RaggedExchange(AbstractExchange):
     axis_name: str = eqx.field(static=True)
 
     def _call(self, operand, output, args: RaggedArgs):
-        return jax.lax.ragged_all_to_all(operand, output, *args, axis_name=self.axis_name)
+        return jax.lax.ragged_all_to_all(
+            operand, output, *args, axis_name=self.axis_name
+        )
 
     def dispatch(
         self, send: Shaped[Array, "send_rows ..."], plan: ExchangePlan, capacity: int
