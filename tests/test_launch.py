@@ -1,0 +1,185 @@
+"""Multi-process expert parallelism through `jax.distributed` (gloo over loopback):
+2 processes x 4 CPU devices train like 1 process x 8 devices (losses within rtol 1e-5,
+parameters within 1e-5); a process that dies makes the launcher fail fast, and a
+restart from the last checkpoint reaches the uninterrupted run's parameters; an
+unreachable coordinator fails within a timeout.
+
+Every subprocess is bounded by a timeout, so CI cannot hang here."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from moe_eqx import _checkpoint as ckpt
+
+# Worst-case buffers (`--buffer-factor none`) have no fallback branch, which halves
+# the compile time of each process; the fallback itself is covered by test_demo.py.
+TINY = [
+    "--batch", "8", "--seq", "8", "--d-model", "16", "--d-ff", "16", "--heads", "2",
+    "--experts", "8", "--top-k", "2", "--layers", "1", "--vocab", "32",
+    "--dropout", "0.1", "--no-progress", "--strict-promotion", "--steps", "24",
+    "--log-every", "4", "--buffer-factor", "none",
+]  # fmt: skip
+
+pytestmark = pytest.mark.slow
+
+
+def _env(cache_dir):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return env
+
+
+def _run(module, args, env, *, timeout):
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _launch(demo_args, *, timeout=300):
+    # No persistent compilation cache: multi-process CPU runs hang on a cached
+    # executable (jax 0.10.2), and the demo disables it for them anyway.
+    return _run(
+        "moe_eqx.launch",
+        ["--processes", "2", "--devices-per-process", "4", "--timeout", "60",
+         "--grace", "2", "--", *TINY, *demo_args],
+        _env(None),
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _params(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _losses(path):
+    history = json.loads(path.read_text())["history"]
+    return np.array([x for e in history for x in e["losses"]])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    path = tmp_path_factory.getbasetemp() / "moe_eqx_jax_cache"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory, cache_dir):
+    """1 process x 8 devices, uninterrupted."""
+    d = tmp_path_factory.mktemp("single")
+    _ok(
+        _run(
+            "moe_eqx.demo",
+            [*TINY, "--ep", "8", "--json", str(d / "h.json"),
+             "--save-params", str(d / "p.npz")],
+            _env(cache_dir),
+            timeout=300,
+        )
+    )  # fmt: skip
+    return _losses(d / "h.json"), _params(d / "p.npz")
+
+
+@pytest.fixture(scope="module")
+def crash_and_restart(tmp_path_factory):
+    """2 processes x 4 devices; process 1 dies at the start of step 14, then the run
+    is restarted from the last checkpoint (step 12)."""
+    d = tmp_path_factory.mktemp("multi")
+    ck = d / "ck"
+    t0 = time.monotonic()
+    died = _launch(
+        ["--ckpt-dir", str(ck), "--ckpt-every", "6", "--die-at-step", "14",
+         "--json", str(d / "died.json")],
+    )  # fmt: skip
+    died_s = time.monotonic() - t0
+    checkpoints = ckpt.list_checkpoints(ck)
+    resumed = _ok(
+        _launch(
+            ["--ckpt-dir", str(ck), "--resume", "--json", str(d / "resumed.json"),
+             "--save-params", str(d / "p.npz")],
+        )
+    )  # fmt: skip
+    return {
+        "died": died,
+        "died_s": died_s,
+        "checkpoints": checkpoints,
+        "died_losses": _losses(d / "died.json"),
+        "resumed": resumed,
+        "resumed_losses": _losses(d / "resumed.json"),
+        "params": _params(d / "p.npz"),
+    }
+
+
+def test_dead_process_fails_fast(crash_and_restart):
+    died = crash_and_restart["died"]
+    assert died.returncode != 0
+    assert "[p1] [die-at-step] process 1 exits abruptly at step 14" in died.stdout
+    assert "process 1 failed (exit code 17)" in died.stderr
+    assert "FAILED" in died.stderr
+    # Compiling and 14 steps, then at most --grace seconds to stop process 0.
+    assert crash_and_restart["died_s"] < 240
+    # Process 0 wrote the checkpoints (all processes agree on the step).
+    assert crash_and_restart["checkpoints"] == [6, 12]
+
+
+def test_two_processes_match_one_process(single_process, crash_and_restart):
+    ref_losses, ref_params = single_process
+    resumed = crash_and_restart["resumed"]
+    out = resumed.stdout
+    assert "[p0] moe_eqx demo" in out and "EP 8 over 2 process(es)" in out
+    assert "[p1]" in out  # process 1 is streamed too, but only process 0 logs
+    assert "[p1] step" not in out and "[p0] step    24" in out
+    assert "[p0] resumed at step 12" in out
+    assert "all 2 process(es) finished" in resumed.stderr
+    # Steps 0-11 before the crash (logged every 4 steps), 12-23 after the restart.
+    losses = np.concatenate(
+        [crash_and_restart["died_losses"], crash_and_restart["resumed_losses"]]
+    )
+    assert len(crash_and_restart["died_losses"]) == 12
+    assert len(losses) == 24
+    # Same global program over the same 8 devices; only the collectives' transport
+    # (gloo over loopback vs in-process) and so the summation order can differ.
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+    # The restarted run reaches the uninterrupted run's parameters.
+    params = crash_and_restart["params"]
+    assert params.keys() == ref_params.keys()
+    for k in params:
+        np.testing.assert_allclose(
+            params[k], ref_params[k], rtol=0, atol=1e-5, err_msg=k
+        )
+
+
+def test_unreachable_coordinator_fails_within_timeout():
+    # Only process 1 starts, so nobody hosts the coordinator.
+    t0 = time.monotonic()
+    proc = _run(
+        "moe_eqx.launch",
+        ["--processes", "2", "--devices-per-process", "1", "--timeout", "3",
+         "--only", "1", "--", "--steps", "1"],
+        _env(None),
+        timeout=120,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "could not register with the coordinator" in proc.stderr
+    assert took < 90
