@@ -1,5 +1,7 @@
 """`MoELayer`: the stages composed, on one device or expert-parallel in `shard_map`."""
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -139,22 +141,14 @@ class MoELayer(eqx.Module):
                 f"tokens ({x.shape[0]}) must be divisible by the size of mesh axis "
                 f"{cfg.axis_name!r} ({num_shards})."
             )
-        ax = cfg.axis_name
-        mesh = _auto_mesh(mesh)
-        per_shard = jax.shard_map(
-            lambda r, gu, dn, xs: _expert_parallel(cfg, num_shards, r, gu, dn, xs),
-            mesh=mesh,
-            in_specs=(P(), P(ax), P(ax), P(ax)),
-            out_specs=(P(ax), P()),
-            check_vma=False,
+        return _expert_parallel_call(
+            cfg,
+            _auto_mesh(mesh),
+            self.router,
+            self.experts.w_gate_up,
+            self.experts.w_down,
+            x,
         )
-        args = (self.router, self.experts.w_gate_up, self.experts.w_down, x)
-        specs = (P(), P(ax), P(ax), P(ax))
-        args = tuple(
-            jax.tree.map(lambda a, s=s: _place(a, mesh, s), a)
-            for a, s in zip(args, specs, strict=True)
-        )
-        return per_shard(*args)
 
     def _single_device(self, x):
         cfg = self.config
@@ -181,6 +175,28 @@ class MoELayer(eqx.Module):
             expert_counts=routing.counts,
         )
         return y, stats
+
+
+# Jitted with the config and mesh static: an eager call then compiles once per
+# configuration instead of running the shard_map body op by op, and under an outer jit
+# this is inlined.
+@ft.partial(jax.jit, static_argnums=(0, 1))
+def _expert_parallel_call(cfg: MoEConfig, mesh: Mesh, router, w_gate_up, w_down, x):
+    ax = cfg.axis_name
+    per_shard = jax.shard_map(
+        ft.partial(_expert_parallel, cfg, mesh.shape[ax]),
+        mesh=mesh,
+        in_specs=(P(), P(ax), P(ax), P(ax)),
+        out_specs=(P(ax), P()),
+        check_vma=False,
+    )
+    args = (router, w_gate_up, w_down, x)
+    specs = (P(), P(ax), P(ax), P(ax))
+    args = tuple(
+        jax.tree.map(lambda a, s=s: _place(a, mesh, s), a)
+        for a, s in zip(args, specs, strict=True)
+    )
+    return per_shard(*args)
 
 
 def _expert_parallel(
