@@ -31,3 +31,11 @@ def getkey():
 @pytest.fixture
 def key():
     return jr.PRNGKey(1234)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A persistent compilation cache shared by the demo subprocesses of a module."""
+    path = tmp_path_factory.getbasetemp() / "moe_eqx_jax_cache"
+    path.mkdir(exist_ok=True)
+    return path

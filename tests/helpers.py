@@ -1,5 +1,9 @@
 """Shared test helpers: meshes, forced routing, oracle comparisons."""
 
+import os
+import subprocess
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -113,3 +117,37 @@ def make_layer(key, *, mesh_size=1, bias_kind=None, **overrides):
 
 def tokens(key, n, d_model=16):
     return jr.normal(key, (n, d_model), jnp.float32)
+
+
+def demo_env(cache_dir=None) -> dict:
+    """Environment for a demo/launcher subprocess, with an optional persistent
+    compilation cache (multi-process CPU runs must not use one)."""
+    env = dict(os.environ)
+    # The demo picks its own device count; don't inherit the test session's 8.
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return env
+
+
+def run_module(module, args, *, timeout, cache_dir=None, expect=None):
+    """Runs `python -m module args` bounded by `timeout`; checks the exit code if
+    `expect` is given."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=demo_env(cache_dir),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if expect is not None:
+        assert proc.returncode == expect, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def load_params(path) -> dict:
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}

@@ -4,8 +4,6 @@ interrupted-then-resumed demo run that reaches the uninterrupted run's parameter
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -14,6 +12,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
+from helpers import load_params, run_module
 
 from moe_eqx import _checkpoint as ckpt
 from moe_eqx._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -193,37 +192,14 @@ def test_mismatched_tree_and_empty_dir(tmp_path, key):
 # ---- the demo: interrupted + resumed == uninterrupted
 
 
-def _env(cache_dir):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return env
-
-
 def _demo(args, cache_dir, *, expect=0, timeout=180):
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_eqx.demo", *TINY, *args],
-        env=_env(cache_dir),
-        capture_output=True,
-        text=True,
+    return run_module(
+        "moe_eqx.demo",
+        [*TINY, *args],
+        cache_dir=cache_dir,
         timeout=timeout,
+        expect=expect,
     )
-    assert proc.returncode == expect, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    path = tmp_path_factory.getbasetemp() / "moe_eqx_jax_cache"
-    path.mkdir(exist_ok=True)
-    return path
-
-
-def _params(path):
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
 
 
 def test_demo_resume_matches_uninterrupted_run(tmp_path, cache_dir):
@@ -250,7 +226,7 @@ def test_demo_resume_matches_uninterrupted_run(tmp_path, cache_dir):
         cache_dir,
     )  # fmt: skip
     assert "resumed at step 12" in proc.stdout
-    a, b = _params(straight), _params(resumed)
+    a, b = load_params(straight), load_params(resumed)
     assert a.keys() == b.keys() and len(a) > 5
     for k in a:  # same program, same inputs: bitwise
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
@@ -267,7 +243,7 @@ def test_demo_resume_matches_uninterrupted_run(tmp_path, cache_dir):
     assert "WARNING: skipping checkpoint of step 12" in proc.stderr
     assert "truncated" in proc.stderr
     assert "resumed at step 8" in proc.stdout
-    c = _params(fell_back)
+    c = load_params(fell_back)
     for k in a:
         np.testing.assert_array_equal(a[k], c[k], err_msg=k)
     # The resumed run rewrote step 12 (atomically) and kept the last two.

@@ -5,12 +5,11 @@ shapes skip recompiling."""
 
 import json
 import math
-import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers import run_module
 
 from moe_eqx._data import ZipfMarkovData
 
@@ -21,34 +20,10 @@ TINY = [
 ]  # fmt: skip
 
 
-def _env(cache_dir) -> dict:
-    env = dict(os.environ)
-    # The demo picks its own device count; don't inherit the test session's 8.
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return env
-
-
 def run_demo(args, cache_dir, *, timeout=180) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_eqx.demo", *args],
-        env=_env(cache_dir),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    return run_module(
+        "moe_eqx.demo", args, cache_dir=cache_dir, timeout=timeout, expect=0
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    # Shared by the demo, checkpoint and launch tests, which reuse these flags.
-    path = tmp_path_factory.getbasetemp() / "moe_eqx_jax_cache"
-    path.mkdir(exist_ok=True)
-    return path
 
 
 def _losses(history):
@@ -109,11 +84,10 @@ def test_expert_parallel_skew_phase_triggers_fallback(tmp_path, cache_dir):
 
 
 def test_bad_flags_fail_cleanly(cache_dir):
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_eqx.demo", *TINY, "--ep", "3", "--steps", "1"],
-        env=_env(cache_dir),
-        capture_output=True,
-        text=True,
+    proc = run_module(
+        "moe_eqx.demo",
+        [*TINY, "--ep", "3", "--steps", "1"],
+        cache_dir=cache_dir,
         timeout=120,
     )
     assert proc.returncode != 0

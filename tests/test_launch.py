@@ -7,13 +7,11 @@ unreachable coordinator fails within a timeout.
 Every subprocess is bounded by a timeout, so CI cannot hang here."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
+from helpers import load_params, run_module
 
 from moe_eqx import _checkpoint as ckpt
 
@@ -29,35 +27,14 @@ TINY = [
 pytestmark = pytest.mark.slow
 
 
-def _env(cache_dir):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    if cache_dir is not None:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    return env
-
-
-def _run(module, args, env, *, timeout):
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def _launch(demo_args, *, timeout=300):
     # No persistent compilation cache: multi-process CPU runs hang on a cached
     # executable (jax 0.10.2), and the demo disables it for them anyway.
-    return _run(
+    return run_module(
         "moe_eqx.launch",
         ["--processes", "2", "--devices-per-process", "4", "--timeout", "60",
          "--grace", "2", "--", *TINY, *demo_args],
-        _env(None),
+        cache_dir=None,
         timeout=timeout,
     )  # fmt: skip
 
@@ -67,21 +44,9 @@ def _ok(proc):
     return proc
 
 
-def _params(path):
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
-
-
 def _losses(path):
     history = json.loads(path.read_text())["history"]
     return np.array([x for e in history for x in e["losses"]])
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    path = tmp_path_factory.getbasetemp() / "moe_eqx_jax_cache"
-    path.mkdir(exist_ok=True)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +54,15 @@ def single_process(tmp_path_factory, cache_dir):
     """1 process x 8 devices, uninterrupted."""
     d = tmp_path_factory.mktemp("single")
     _ok(
-        _run(
+        run_module(
             "moe_eqx.demo",
             [*TINY, "--ep", "8", "--json", str(d / "h.json"),
              "--save-params", str(d / "p.npz")],
-            _env(cache_dir),
+            cache_dir=cache_dir,
             timeout=300,
         )
     )  # fmt: skip
-    return _losses(d / "h.json"), _params(d / "p.npz")
+    return _losses(d / "h.json"), load_params(d / "p.npz")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +91,7 @@ def crash_and_restart(tmp_path_factory):
         "died_losses": _losses(d / "died.json"),
         "resumed": resumed,
         "resumed_losses": _losses(d / "resumed.json"),
-        "params": _params(d / "p.npz"),
+        "params": load_params(d / "p.npz"),
     }
 
 
@@ -172,11 +137,11 @@ def test_two_processes_match_one_process(single_process, crash_and_restart):
 def test_unreachable_coordinator_fails_within_timeout():
     # Only process 1 starts, so nobody hosts the coordinator.
     t0 = time.monotonic()
-    proc = _run(
+    proc = run_module(
         "moe_eqx.launch",
         ["--processes", "2", "--devices-per-process", "1", "--timeout", "3",
          "--only", "1", "--", "--steps", "1"],
-        _env(None),
+        cache_dir=None,
         timeout=120,
     )  # fmt: skip
     took = time.monotonic() - t0
