@@ -33,6 +33,7 @@ from ._fallback import (
     fallback_chunking as fallback_chunking,
 )
 from ._gmm import (
+    AbstractAccumulatingGMMBackend as AbstractAccumulatingGMMBackend,
     AbstractGMMBackend as AbstractGMMBackend,
     DenseGMM as DenseGMM,
     MosaicGPUGMM as MosaicGPUGMM,

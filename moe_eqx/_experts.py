@@ -7,7 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import MoEConfig
-from ._gmm import AbstractGMMBackend, gmm
+from ._gmm import AbstractGMMBackend, accumulating_gmm, gmm
 
 
 class Experts(eqx.Module):
@@ -65,6 +65,10 @@ def expert_ffn(
     group_sizes: Int[Array, " groups"],
     *,
     backend: str | AbstractGMMBackend = "auto",
+    grad_acc: tuple[
+        Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
+    ]
+    | None = None,
 ) -> Float[Array, "rows d_model"]:
     """SwiGLU over consecutive groups of rows: two grouped matmuls.
 
@@ -75,16 +79,28 @@ def expert_ffn(
     - `w_down`: `[G, d_ff, d_model]`.
     - `group_sizes`: `[G]` int32.
     - `backend`: the [`moe_eqx.gmm`][] backend.
+    - `grad_acc`: optional float accumulators `(acc_gate_up, acc_down)` shaped like
+        the weights. When given, the weights get no gradient through this call;
+        instead the cotangents of the accumulators are `acc + d_weight`, summed in
+        place by the GMM backward (`AbstractAccumulatingGMMBackend`).
 
     **Returns:**
 
     `[M, d_model]` in `x.dtype`; rows beyond `sum(group_sizes)` are zero.
     """
+
+    def product(lhs, rhs, acc):
+        rhs = rhs.astype(x.dtype)
+        if acc is None:
+            return gmm(lhs, rhs, group_sizes, backend=backend)
+        return accumulating_gmm(lhs, rhs, group_sizes, acc, backend=backend)
+
+    acc_gu, acc_dn = (None, None) if grad_acc is None else grad_acc
     with jax.named_scope("moe_eqx.experts"):
         d_ff = w_down.shape[1]
-        gate_up = gmm(x, w_gate_up.astype(x.dtype), group_sizes, backend=backend)
+        gate_up = product(x, w_gate_up, acc_gu)
         gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
         act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(
             x.dtype
         )
-        return gmm(act, w_down.astype(x.dtype), group_sizes, backend=backend)
+        return product(act, w_down, acc_dn)

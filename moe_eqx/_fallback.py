@@ -4,8 +4,9 @@ The local tokens are split into `n` chunks small enough that one chunk's worst c
 (`R * c` wire rows, `R * c * min(k, G)` pairs) fits the capped buffers, and the chunks run
 in a `lax.scan`, so no pair is ever dropped and peak memory stays that of the capped
 path. The forward keeps only its inputs as residuals; the backward re-runs one chunk at
-a time and accumulates the expert-weight gradients in the scan carry (an unrolled loop
-would keep every chunk's weight gradient alive at once).
+a time and accumulates the expert-weight gradients in the scan carry, in place (the GMM
+backward adds into the carry; an unrolled loop would keep every chunk's weight gradient
+alive at once).
 """
 
 import functools as ft
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._gmm.tiled import match_varying
 from ._overflow import BufferSizes, buffer_sizes
 from ._trip import TripSpec, expert_parallel_trip
 
@@ -139,15 +141,33 @@ def _bwd(spec, num_chunks, res, dy):
     def body(carry, c):
         (x_c, w_c, ds_c, dg_c, v_c), dy_c = c
 
-        def f(x_, w_, gu_, dn_):
-            return expert_parallel_trip(x_, w_, ds_c, dg_c, v_c, gu_, dn_, spec)[0]
+        def f(x_, w_, acc_gu, acc_dn):
+            return expert_parallel_trip(
+                x_,
+                w_,
+                ds_c,
+                dg_c,
+                v_c,
+                w_gate_up,
+                w_down,
+                spec,
+                grad_acc=(acc_gu, acc_dn),
+            )[0]
 
-        _, vjp = jax.vjp(f, x_c, w_c, w_gate_up, w_down)
-        dx_c, dw_c, dgu, ddn = vjp(dy_c)
-        g_gu, g_dn = carry
-        return (g_gu + dgu, g_dn + ddn), (dx_c, dw_c)
+        # The GMM backward sums each chunk's weight gradient straight into the carry
+        # (the accumulators' cotangents): a `carry + chunk_grad` would hold a second
+        # weight-gradient buffer, which is more than the capped path when the weights
+        # outweigh the activations.
+        _, vjp = jax.vjp(f, x_c, w_c, *carry)
+        dx_c, dw_c, acc_gu, acc_dn = vjp(dy_c)
+        return (acc_gu, acc_dn), (dx_c, dw_c)
 
-    zeros = (jnp.zeros_like(w_gate_up), jnp.zeros_like(w_down))
+    acc_dtype = jnp.promote_types(w_gate_up.dtype, jnp.float32)
+    zeros = (
+        jnp.zeros(w_gate_up.shape, acc_dtype),
+        jnp.zeros(w_down.shape, acc_dtype),
+    )
+    zeros = match_varying(*zeros, w_gate_up, w_down)[:2]
     (g_gu, g_dn), (dxs, dws) = jax.lax.scan(body, zeros, (xs, dys))
     return (
         _merge(dxs, tokens),
@@ -155,8 +175,8 @@ def _bwd(spec, num_chunks, res, dy):
         None,
         None,
         None,
-        g_gu,
-        g_dn,
+        g_gu.astype(w_gate_up.dtype),
+        g_dn.astype(w_down.dtype),
     )
 
 

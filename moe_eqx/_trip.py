@@ -42,6 +42,10 @@ def expert_parallel_trip(
     w_gate_up: Float[Array, "groups d_model two_d_ff"],
     w_down: Float[Array, "groups d_ff d_model"],
     spec: TripSpec,
+    grad_acc: tuple[
+        Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
+    ]
+    | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], TripStats]:
     """Sends each token to the shards holding its experts and brings the results back.
 
@@ -55,6 +59,8 @@ def expert_parallel_trip(
     - `w_gate_up`, `w_down`: this shard's local expert weights, `G` groups (home experts
         then slots).
     - `spec`: static [`TripSpec`][].
+    - `grad_acc`: optional weight-gradient accumulators, see
+        [`moe_eqx.expert_ffn`][].
 
     **Returns:**
 
@@ -107,6 +113,7 @@ def expert_parallel_trip(
         w_down,
         pairs.group_sizes,
         backend=spec.gmm_backend,
+        grad_acc=grad_acc,
     )
     y_rows = combine(expert_out, pairs, bufs.rows)
     with jax.named_scope("moe_eqx.exchange"):

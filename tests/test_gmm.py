@@ -17,6 +17,7 @@ from moe_eqx._gmm import (
     MosaicTileConfig,
     RaggedDotGMM,
     TiledGMM,
+    accumulating_gmm,
     auto_backend_name,
     gmm,
     mosaic_gpu as mosaic,
@@ -114,6 +115,69 @@ def test_forward_and_grads(backend):
         for g in np.flatnonzero(np.asarray(sizes) == 0):
             assert np.all(np.asarray(d_rhs)[g] == 0), case
     assert run._cache_size() == 1
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "mosaic_f32"])
+def test_accumulating_adds_rhs_grad_into_accumulator(backend):
+    """`accumulating_gmm`: same output; the accumulator's cotangent is `acc + d_rhs`,
+    `rhs` gets zero, `lhs` its usual gradient (what the fallback's backward uses)."""
+    impl = MosaicGPUGMM() if backend == "mosaic_f32" else BACKENDS[backend]
+
+    @jax.jit
+    def run(lhs, rhs, sizes, acc, d_out):
+        f = lambda a, b, c: accumulating_gmm(a, b, sizes, c, backend=impl)  # noqa: E731
+        out, vjp = jax.vjp(f, lhs, rhs, acc)
+        return out, *vjp(d_out)
+
+    for seed, case in enumerate(CASES):
+        lhs, rhs, sizes, d_out = _data(case, seed=seed)
+        acc = jnp.asarray(
+            np.random.default_rng(seed + 100).standard_normal(rhs.shape), jnp.float32
+        )
+        out, d_lhs, d_rhs, d_acc = run(lhs, rhs, sizes, acc, d_out)
+        _close(out, _numpy_gmm(lhs, rhs, sizes))
+        ref_lhs, ref_rhs = _numpy_grads(lhs, rhs, sizes, d_out)
+        _close(d_lhs, ref_lhs)
+        assert np.all(np.asarray(d_rhs) == 0)
+        _close(d_acc, np.asarray(acc, np.float64) + ref_rhs)
+    assert run._cache_size() == 1
+    # jaxtyping's runtime check (a TypeError) or the function's own ValueError.
+    with pytest.raises((TypeError, ValueError), match="rhs_grad_acc"):
+        accumulating_gmm(lhs, rhs, sizes, acc[:1], backend=impl)
+
+
+def test_tiled_accumulating_is_in_place():
+    """The tiled backward sums into the accumulator: a scan of accumulating vjps over
+    chunks holds one weight-gradient buffer fewer than `carry + vjp(...)`."""
+    impl = BACKENDS["tiled"]
+    lhs, rhs, sizes, d_out = _data("uniform")
+    rhs = jnp.tile(rhs, (1, 16, 64))  # [4, 128, 768]: weights dwarf the activations
+    lhs = jnp.tile(lhs, (1, 16))
+    d_out = jnp.tile(d_out, (1, 64))
+
+    def plain(lhs, rhs, d_out):
+        _, vjp = jax.vjp(lambda b: gmm(lhs, b, sizes, backend=impl), rhs)
+        return vjp(d_out)[0]
+
+    def looped(lhs, rhs, d_out):
+        def body(acc, _):
+            f = lambda c: accumulating_gmm(lhs, rhs, sizes, c, backend=impl)  # noqa: E731
+            return jax.vjp(f, acc)[1](d_out)[0], None
+
+        return lax.scan(body, jnp.zeros_like(rhs), None, length=3)[0]
+
+    def summed(lhs, rhs, d_out):
+        def body(acc, _):
+            return acc + plain(lhs, rhs, d_out), None
+
+        return lax.scan(body, jnp.zeros_like(rhs), None, length=3)[0]
+
+    def temp_bytes(f):
+        compiled = jax.jit(f).lower(lhs, rhs, d_out).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    _close(looped(lhs, rhs, d_out), 3 * plain(lhs, rhs, d_out), tol=1e-4)
+    assert temp_bytes(looped) <= temp_bytes(summed) - 0.9 * rhs.nbytes
 
 
 @pytest.mark.parametrize("backend", ["tiled_small"])

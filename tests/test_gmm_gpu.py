@@ -17,6 +17,7 @@ from jax import lax
 from moe_eqx._gmm import (
     MosaicGPUGMM,
     MosaicTileConfig,
+    accumulating_gmm,
     auto_backend_name,
     gmm,
     mosaic_gpu as mosaic,
@@ -214,3 +215,22 @@ def test_autotune_writes_table_the_backend_reads(tmp_path, monkeypatch):
         strict=True,
     ):
         _check(got, want)
+
+
+def test_accumulating_adds_into_accumulator():
+    lhs, rhs, sizes, d_out = _data("unaligned_empty", jnp.bfloat16, seed=7)
+    acc = jnp.asarray(np.random.default_rng(7).standard_normal(rhs.shape), jnp.float32)
+
+    @jax.jit
+    def run(a, b, c, d):
+        f = lambda x, y: accumulating_gmm(  # noqa: E731
+            x, b, jnp.asarray(sizes), y, backend="mosaic_gpu"
+        )
+        out, vjp = jax.vjp(f, a, c)
+        return out, *vjp(d)
+
+    out, d_lhs, d_acc = run(lhs, rhs, acc, d_out)
+    ref_out, ref_lhs, ref_rhs = _reference(lhs, rhs, sizes, d_out)
+    _check(out, ref_out)
+    _check(d_lhs, ref_lhs)
+    _check(d_acc - acc, ref_rhs)

@@ -3,7 +3,11 @@
 import jax
 from jaxtyping import Array, Float, Int
 
-from ._base import AbstractGMMBackend as AbstractGMMBackend
+from ._base import (
+    AbstractAccumulatingGMMBackend as AbstractAccumulatingGMMBackend,
+    AbstractGMMBackend as AbstractGMMBackend,
+    generic_accumulating,
+)
 from .dense import DenseGMM as DenseGMM
 from .mosaic_gpu import (
     MosaicGPUGMM as MosaicGPUGMM,
@@ -81,6 +85,47 @@ def gmm(
     `[M, N]` in `lhs.dtype` (float32 accumulation); rows at or beyond
     `sum(group_sizes)` are zero. Differentiable with respect to `lhs` and `rhs`.
     """
+    impl = _checked_backend(lhs, rhs, group_sizes, backend)
+    with jax.named_scope("moe_eqx.gmm"):
+        return impl(lhs, rhs, group_sizes)
+
+
+def accumulating_gmm(
+    lhs: Float[Array, "rows k_dim"],
+    rhs: Float[Array, "groups k_dim n_dim"],
+    group_sizes: Int[Array, " groups"],
+    rhs_grad_acc: Float[Array, "groups k_dim n_dim"],
+    *,
+    backend: str | AbstractGMMBackend = "auto",
+) -> Float[Array, "rows n_dim"]:
+    """`gmm` whose backward adds `rhs`'s gradient into `rhs_grad_acc`'s cotangent.
+
+    See `AbstractAccumulatingGMMBackend.accumulating`: under `jax.vjp`, the cotangent
+    of `rhs_grad_acc` is `rhs_grad_acc + d_rhs` and `rhs` gets none. Used by the
+    dropless fallback's backward to sum weight gradients over chunks in one buffer:
+    in place for accumulating backends (`tiled`), with one add for the others.
+
+    **Arguments:**
+
+    - `lhs`, `rhs`, `group_sizes`, `backend`: as for `gmm`.
+    - `rhs_grad_acc`: `[G, K, N]` float accumulator.
+
+    **Returns:**
+
+    The same `[M, N]` as `gmm`.
+    """
+    impl = _checked_backend(lhs, rhs, group_sizes, backend)
+    if rhs_grad_acc.shape != rhs.shape:
+        raise ValueError(
+            f"gmm: `rhs_grad_acc` has shape {rhs_grad_acc.shape}, expected {rhs.shape}."
+        )
+    with jax.named_scope("moe_eqx.gmm"):
+        if isinstance(impl, AbstractAccumulatingGMMBackend):
+            return impl.accumulating(lhs, rhs, group_sizes, rhs_grad_acc)
+        return generic_accumulating(impl, lhs, rhs, group_sizes, rhs_grad_acc)
+
+
+def _checked_backend(lhs, rhs, group_sizes, backend) -> AbstractGMMBackend:
     if lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"gmm: contracting dims differ: lhs {lhs.shape} vs rhs {rhs.shape}."
@@ -95,8 +140,6 @@ def gmm(
             f"gmm: `lhs` ({lhs.dtype}) and `rhs` ({rhs.dtype}) must have the same "
             "dtype."
         )
-    impl = (
-        backend if isinstance(backend, AbstractGMMBackend) else resolve_backend(backend)
-    )
-    with jax.named_scope("moe_eqx.gmm"):
-        return impl(lhs, rhs, group_sizes)
+    if isinstance(backend, AbstractGMMBackend):
+        return backend
+    return resolve_backend(backend)

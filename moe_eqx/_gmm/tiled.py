@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from ._base import AbstractGMMBackend
+from ._base import AbstractAccumulatingGMMBackend
 
 # On a 2-core x86 CPU (benchmarks/gmm.py shapes) 512- and 256-row windows measured
 # within noise of each other; 8-row granularity keeps remainder waste small.
@@ -172,12 +172,11 @@ def _grouped_product(lhs, rhs, group_sizes, ladder, transpose_rhs):
     return _for_each_window(ladder, group_sizes, num_rows, body, out)
 
 
-def _grouped_outer(lhs, d_out, group_sizes, ladder, rhs_dtype):
-    """`d_rhs[g] = lhs_g^T @ d_out_g` for every group (zero for empty groups)."""
-    num_rows, k = lhs.shape
-    n = d_out.shape[1]
-    num_groups = group_sizes.shape[0]
-    acc_dtype = _acc_dtype(lhs.dtype)
+def _grouped_outer(lhs, d_out, group_sizes, ladder, init):
+    """`init[g] + lhs_g^T @ d_out_g` for every group, summed into `init` window by
+    window (in place: no second `[G, K, N]` buffer), in `init.dtype`."""
+    num_rows = lhs.shape[0]
+    acc_dtype = init.dtype
 
     def body(d_rhs, g, size, start, row_start, group_end, full):
         x = lax.dynamic_slice_in_dim(lhs, start, size)
@@ -189,9 +188,8 @@ def _grouped_outer(lhs, d_out, group_sizes, ladder, rhs_dtype):
         total = lax.dynamic_index_in_dim(d_rhs, g, 0, keepdims=False) + prod
         return lax.dynamic_update_index_in_dim(d_rhs, total, g, 0)
 
-    (init, _) = match_varying(jnp.zeros((num_groups, k, n), acc_dtype), lhs)
-    d_rhs = _for_each_window(ladder, group_sizes, num_rows, body, init)
-    return d_rhs.astype(rhs_dtype)
+    (init, _) = match_varying(init, lhs)
+    return _for_each_window(ladder, group_sizes, num_rows, body, init)
 
 
 def _make_tiled_gmm(ladder: tuple[int, ...]):
@@ -209,12 +207,32 @@ def _make_tiled_gmm(ladder: tuple[int, ...]):
         lhs, rhs, group_sizes = res
         d_out = d_out.astype(lhs.dtype)
         d_lhs = _grouped_product(d_out, rhs, group_sizes, ladder, True)
-        d_rhs = _grouped_outer(lhs, d_out, group_sizes, ladder, rhs.dtype)
+        zeros = jnp.zeros(rhs.shape, _acc_dtype(lhs.dtype))
+        d_rhs = _grouped_outer(lhs, d_out, group_sizes, ladder, zeros)
         d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
-        return d_lhs, d_rhs, d_sizes
+        return d_lhs, d_rhs.astype(rhs.dtype), d_sizes
 
     tiled.defvjp(tiled_fwd, tiled_bwd)
-    return tiled
+
+    @jax.custom_vjp
+    def accumulating(lhs, rhs, group_sizes, rhs_grad_acc):
+        del rhs_grad_acc
+        return forward(lhs, rhs, group_sizes)
+
+    def accumulating_fwd(lhs, rhs, group_sizes, rhs_grad_acc):
+        out = forward(lhs, rhs, group_sizes)
+        return out, (lhs, rhs, group_sizes, rhs_grad_acc)
+
+    def accumulating_bwd(res, d_out):
+        lhs, rhs, group_sizes, acc = res
+        d_out = d_out.astype(lhs.dtype)
+        d_lhs = _grouped_product(d_out, rhs, group_sizes, ladder, True)
+        d_acc = _grouped_outer(lhs, d_out, group_sizes, ladder, acc)
+        d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
+        return d_lhs, None, d_sizes, d_acc
+
+    accumulating.defvjp(accumulating_fwd, accumulating_bwd)
+    return tiled, accumulating
 
 
 _CACHE: dict = {}
@@ -227,23 +245,28 @@ def tiled_gmm(
     tile_rows: int = DEFAULT_TILE_ROWS,
     min_tile_rows: int = DEFAULT_MIN_TILE_ROWS,
     ladder_steps: int | None = None,
+    rhs_grad_acc: Float[Array, "groups k_dim n_dim"] | None = None,
 ) -> Float[Array, "rows n_dim"]:
-    """The tiled grouped matmul as a function; see `TiledGMM` for the arguments."""
+    """The tiled grouped matmul as a function; see `TiledGMM` for the arguments (and
+    `AbstractGMMBackend.accumulating` for `rhs_grad_acc`)."""
     num_rows = lhs.shape[0]
     if ladder_steps is None:
         ladder_steps = 2 if num_rows >= _FINE_LADDER_ROWS else 1
     ladder = window_ladder(tile_rows, min_tile_rows, num_rows, ladder_steps)
-    fn = _CACHE.get(ladder)
-    if fn is None:
+    fns = _CACHE.get(ladder)
+    if fns is None:
         # One custom_vjp per ladder, so that traces are cached by JAX.
-        fn = _CACHE[ladder] = _make_tiled_gmm(ladder)
+        fns = _CACHE[ladder] = _make_tiled_gmm(ladder)
+    plain, accumulating = fns
     # Under shard_map the primals must share their varying axes; the transpose of the
     # cast (a psum) then sums `d_rhs` over shards for a replicated `rhs`.
-    lhs, rhs, group_sizes = match_varying(lhs, rhs, group_sizes.astype(jnp.int32))
-    return fn(lhs, rhs, group_sizes)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if rhs_grad_acc is None:
+        return plain(*match_varying(lhs, rhs, group_sizes))
+    return accumulating(*match_varying(lhs, rhs, group_sizes, rhs_grad_acc))
 
 
-class TiledGMM(AbstractGMMBackend):
+class TiledGMM(AbstractAccumulatingGMMBackend):
     """Grouped matmul as a loop of dense row windows that never straddle a group.
 
     Pure JAX (`lax.fori_loop`s whose trip counts come from the traced `group_sizes`),
@@ -294,4 +317,23 @@ class TiledGMM(AbstractGMMBackend):
                 self.tile_rows,
                 self.min_tile_rows,
                 self.ladder_steps,
+            )
+
+    def accumulating(
+        self,
+        lhs: Float[Array, "rows k_dim"],
+        rhs: Float[Array, "groups k_dim n_dim"],
+        group_sizes: Int[Array, " groups"],
+        rhs_grad_acc: Float[Array, "groups k_dim n_dim"],
+    ) -> Float[Array, "rows n_dim"]:
+        # `d_rhs` is summed window by window straight into the accumulator.
+        with jax.named_scope("moe_eqx.gmm.tiled"):
+            return tiled_gmm(
+                lhs,
+                rhs,
+                group_sizes,
+                self.tile_rows,
+                self.min_tile_rows,
+                self.ladder_steps,
+                rhs_grad_acc,
             )
