@@ -1,5 +1,7 @@
 """Grouped matmul backends on CPU: every backend against independent references."""
 
+import contextlib
+import functools
 import json
 import os
 import runpy
@@ -444,49 +446,137 @@ def test_mosaic_tuning_table(tmp_path, monkeypatch):
     assert MosaicGPUGMM().configs(4096, 512, 1024, 8, jnp.bfloat16)[0] == tuned
 
 
-def _interpret_mode():
+class _JaxWithCoreCount:
+    """`jax` as seen by the transposed kernel's module, whose devices report an SM
+    count (it sizes its grid from `jax.devices()[0].core_count`, absent on CPU)."""
+
+    class _Device:
+        core_count = 132  # H100/H200
+
+        def __init__(self, device):
+            self._device = device
+
+        def __getattr__(self, name):
+            return getattr(self._device, name)
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+    def devices(self, *args, **kwargs):
+        return [self._Device(d) for d in jax.devices(*args, **kwargs)]
+
+
+@contextlib.contextmanager
+def _interpreted():
+    """Runs Mosaic GPU kernels in Pallas's GPU interpreter, on CPU."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret import params
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as t
     except ImportError:  # pragma: no cover - older/newer jax
         pytest.skip("no Mosaic GPU interpreter in this jax")
-    return params.force_gpu_interpret_mode(params.InterpretGPUParams())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(t, "jax", _JaxWithCoreCount())
+        with params.force_gpu_interpret_mode(params.InterpretGPUParams()):
+            yield
+
+
+@functools.cache
+def _interpreter_runs_backward() -> bool:
+    """jax 0.10's interpreter lacks `layout_cast` (the `d_rhs` kernel) and transposed
+    shared-memory refs (the in-kernel `d_lhs`); jax >= 0.11's runs both."""
+    x = jnp.ones((64, 64), jnp.bfloat16)
+    sizes = jnp.asarray([64], jnp.int32)
+    config = MosaicTileConfig(64, 64, 64, 2, 1)
+    try:
+        with _interpreted():
+            jax.jit(lambda a: mosaic._transposed_ragged(a, a, sizes, config))(x)
+            jax.jit(lambda a: mosaic._ragged(a, a[None], sizes, config, True))(x)
+    except Exception:
+        return False
+    return True
+
+
+def _bf16_data(m, k, n, sizes, seed):
+    rng = np.random.default_rng(seed)
+    make = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    return make(m, k), make(len(sizes), k, n), jnp.asarray(sizes, jnp.int32), make(m, n)
+
+
+def _close_bf16(got, want):
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    # Same bf16 inputs; float32 accumulation, then rounding to bf16 (2^-8 relative).
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
 def test_mosaic_forward_in_interpreter():
     """The real forward kernel, run by Pallas's Mosaic GPU interpreter on CPU: checks
-    the padding of M, K, N, the row mask and empty groups. (The `d_rhs` kernel uses
-    layout casts that the interpreter lacks; it is tested in test_gmm_gpu.py.)"""
-    rng = np.random.default_rng(4)
-    m, k, n = 150, 40, 72
-    sizes = jnp.asarray([30, 0, 70, 20], jnp.int32)
-    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    rhs = jnp.asarray(rng.standard_normal((4, k, n)), jnp.bfloat16)
-    d_out = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
-    f32 = [a.astype(jnp.float32) for a in (lhs, rhs, d_out)]
-    config = MosaicTileConfig(64, 64, 64, 2, 1)
-    with _interpret_mode():
+    the padding of M, K, N, the row mask and empty groups (every jax version)."""
+    lhs, rhs, sizes, _ = _bf16_data(150, 40, 72, [30, 0, 70, 20], seed=4)
+    with _interpreted():
         out = jax.jit(lambda a, b: MosaicGPUGMM()(a, b, sizes))(lhs, rhs)
-        # d_lhs as the backward computes it without the in-kernel transpose.
-        d_lhs = jax.jit(
-            lambda d, b: mosaic._ragged(
-                d,
-                jnp.swapaxes(jnp.pad(b, ((0, 0), (0, 24), (0, 56))), 1, 2),
-                sizes,
-                config,
-                False,
-            )
-        )(jnp.pad(d_out, ((0, 0), (0, 56))), rhs)
-    assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
-    ref = _numpy_gmm(f32[0], f32[1], sizes)
-    got = np.asarray(out.astype(jnp.float32))
-    np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
-    assert np.all(got[120:] == 0)
-    ref_lhs = _numpy_grads(f32[0], f32[1], sizes, f32[2])[0]
-    got_lhs = np.asarray(d_lhs.astype(jnp.float32))[:, :k]
-    np.testing.assert_allclose(
-        got_lhs, ref_lhs, rtol=1e-2, atol=1e-2 * np.abs(ref_lhs).max()
+    assert out.dtype == jnp.bfloat16 and out.shape == (150, 72)
+    f32 = [np.asarray(a.astype(jnp.float32)) for a in (lhs, rhs)]
+    _close_bf16(out, _numpy_gmm(f32[0], f32[1], sizes))
+    assert np.all(np.asarray(out.astype(jnp.float32))[120:] == 0)
+
+
+# Unaligned M, K, N (padding), empty groups (first, middle, last), rows past the groups,
+# a group spanning several row tiles, single-row groups; tiles of 64 and 128.
+INTERPRETED = {
+    "unaligned_empty": (
+        150,
+        40,
+        72,
+        [0, 30, 0, 70, 20, 0],
+        MosaicTileConfig(64, 64, 64, 2, 1),
+    ),
+    "skewed_big_tiles": (
+        300,
+        250,
+        200,
+        [1, 250, 0, 1, 48],
+        MosaicTileConfig(128, 64, 64, 3, 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("transpose_in_kernel", [True, False])
+@pytest.mark.parametrize("case", list(INTERPRETED))
+def test_mosaic_custom_vjp_in_interpreter(case, transpose_in_kernel):
+    """The whole `mosaic_gpu` backend (forward, `d_lhs` and `d_rhs` kernels through its
+    `custom_vjp`, plus the accumulating backward) in the interpreter, against float64
+    references from the same bf16 inputs."""
+    if not _interpreter_runs_backward():
+        pytest.skip("this jax's Mosaic GPU interpreter cannot run the backward kernels")
+    m, k, n, group_sizes, config = INTERPRETED[case]
+    lhs, rhs, sizes, d_out = _bf16_data(m, k, n, group_sizes, seed=len(case))
+    backend = MosaicGPUGMM(
+        fwd_config=config,
+        dlhs_config=config,
+        drhs_config=config,
+        transpose_in_kernel=transpose_in_kernel,
     )
-    assert np.all(got_lhs[120:] == 0)
+    acc = jnp.asarray(np.random.default_rng(5).standard_normal(rhs.shape), jnp.float32)
+
+    @jax.jit
+    def run(a, b, c, d):
+        out, vjp = jax.vjp(lambda x, y: gmm(x, y, sizes, backend=backend), a, b)
+        f = lambda x, z: accumulating_gmm(x, b, sizes, z, backend=backend)  # noqa: E731
+        return out, *vjp(d), jax.vjp(f, a, c)[1](d)[1]
+
+    with _interpreted():
+        out, d_lhs, d_rhs, d_acc = run(lhs, rhs, acc, d_out)
+    f32 = [np.asarray(a.astype(jnp.float32)) for a in (lhs, rhs, d_out)]
+    ref_lhs, ref_rhs = _numpy_grads(f32[0], f32[1], sizes, f32[2])
+    _close_bf16(out, _numpy_gmm(f32[0], f32[1], sizes))
+    _close_bf16(d_lhs, ref_lhs)
+    _close_bf16(d_rhs, ref_rhs)
+    _close_bf16(d_acc - acc, ref_rhs)
+    total = int(sizes.sum())
+    assert np.all(np.asarray(out.astype(jnp.float32))[total:] == 0)
+    assert np.all(np.asarray(d_lhs.astype(jnp.float32))[total:] == 0)
+    for g in np.flatnonzero(np.asarray(sizes) == 0):
+        assert np.all(np.asarray(d_rhs[g].astype(jnp.float32)) == 0)
 
 
 # --- benchmarks' smoke runs -----------------------------------------------------------

@@ -5,7 +5,8 @@ Forward: `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`. Backward
 (contracting `N` against `rhs [G, K, N]` without materialising `rhs^T`), and `d_rhs` is
 `transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs, d_out)`, `[G, K, N]`.
 
-Kernel constraints, read from their source (jax 0.10): equal 16-bit input dtypes (WGMMA;
+Kernel constraints, read from their source (jax 0.10; the same call signatures and
+tiling rules in 0.11 and 0.12): equal 16-bit input dtypes (WGMMA;
 float32 would silently run as TF32, so float32 inputs use the tiled backend instead);
 the contracting dim a multiple of `block_k`; the output columns a multiple of `block_n`
 (the stores are whole `block_n` tiles); the transposed kernel also needs its output

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything GPU-specific in one run (a Hopper GPU for the mosaic_gpu parts):
+#   1. the GPU tests: the mosaic_gpu backend against float32 references, and the layer on
+#      one GPU (ragged exchange, capped and fallback) against the dense oracle;
+#   2. benchmarks/gmm_gpu.py (< 4 min): dense, lax.ragged_dot, mosaic_gpu, torch.
+# Results go to ${OUT:-benchmarks/results}: gpu_tests.log, gmm_gpu.json, gmm_gpu.log.
+#
+#     bash benchmarks/gpu_check.sh
+#
+# beartype is optional here (addopts are cleared); moe_eqx must be importable.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}" PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+python3 -m pytest -q -o addopts="" -p no:cacheprovider -rs \
+    tests/test_gmm_gpu.py tests/test_layer_gpu.py 2>&1 | tee "$out/gpu_tests.log"
+tests_rc=$?
+python3 benchmarks/gmm_gpu.py --out "$out/gmm_gpu.json" "$@" 2>&1 | tee "$out/gmm_gpu.log"
+bench_rc=$?
+echo "gpu_check: tests rc=$tests_rc, benchmark rc=$bench_rc"
+exit $((tests_rc || bench_rc))
