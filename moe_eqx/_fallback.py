@@ -108,11 +108,21 @@ def chunked_dropless(
     xs = _chunks(x, weights, dest_shard, dest_group, valid, num_chunks)
 
     def body(_, c):
-        y, _ = expert_parallel_trip(*c, w_gate_up, w_down, spec)
+        gu, dn = _per_chunk(w_gate_up, w_down, c[0])
+        y, _ = expert_parallel_trip(*c, gu, dn, spec)
         return None, y
 
     _, ys = jax.lax.scan(body, None, xs)
     return _merge(ys, tokens)
+
+
+def _per_chunk(w_gate_up, w_down, x_chunk):
+    """The weights, tied to the chunk so that XLA does not hoist their cast to the
+    activation dtype out of the loop: hoisted, the cast is a whole low-precision copy
+    of the weights held across the loop, where the capped path fuses it into each
+    product (measured: +1 MiB, 2.4%, with bf16 activations)."""
+    w_gate_up, w_down, _ = jax.lax.optimization_barrier((w_gate_up, w_down, x_chunk))
+    return w_gate_up, w_down
 
 
 def _chunks(x, weights, dest_shard, dest_group, valid, num_chunks):
@@ -140,6 +150,7 @@ def _bwd(spec, num_chunks, res, dy):
 
     def body(carry, c):
         (x_c, w_c, ds_c, dg_c, v_c), dy_c = c
+        gu, dn = _per_chunk(w_gate_up, w_down, x_c)
 
         def f(x_, w_, acc_gu, acc_dn):
             return expert_parallel_trip(
@@ -148,8 +159,8 @@ def _bwd(spec, num_chunks, res, dy):
                 ds_c,
                 dg_c,
                 v_c,
-                w_gate_up,
-                w_down,
+                gu,
+                dn,
                 spec,
                 grad_acc=(acc_gu, acc_dn),
             )[0]

@@ -80,13 +80,14 @@ def generic_accumulating(backend, lhs, rhs, group_sizes, rhs_grad_acc):
 
 
 def _generic_fwd(backend, lhs, rhs, group_sizes, rhs_grad_acc):
-    out = backend(lhs, rhs, group_sizes)
-    return out, (lhs, rhs, group_sizes, rhs_grad_acc)
+    # The backend's own vjp (a pytree of its residuals) is the residual: the backward
+    # then never re-runs the forward product.
+    out, vjp = jax.vjp(lambda a, b: backend(a, b, group_sizes), lhs, rhs)
+    return out, (vjp, group_sizes, rhs_grad_acc)
 
 
 def _generic_bwd(backend, res, d_out):
-    lhs, rhs, group_sizes, acc = res
-    _, vjp = jax.vjp(lambda a, b: backend(a, b, group_sizes), lhs, rhs)
+    vjp, group_sizes, acc = res
     d_lhs, d_rhs = vjp(d_out)
     d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
     return d_lhs, None, d_sizes, acc + d_rhs.astype(acc.dtype)
