@@ -426,6 +426,11 @@ def test_mosaic_config_validity():
     assert not mosaic.config_is_valid(
         "drhs", MosaicTileConfig(192, 64, 64, 2, 1), 8, 192, 64
     )
+    # One pipeline stage: fine for `d_rhs`, not with the forward's delayed release.
+    one_stage = MosaicTileConfig(64, 64, 64, 1, 1)
+    assert mosaic.config_is_valid("drhs", one_stage, 64, 64, 64)
+    assert not mosaic.config_is_valid("fwd", one_stage, 64, 64, 64)
+    assert not mosaic.config_is_valid("dlhs", one_stage, 64, 64, 64)
 
 
 def test_mosaic_tuning_table(tmp_path, monkeypatch):

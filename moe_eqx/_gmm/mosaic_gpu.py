@@ -125,7 +125,9 @@ def config_is_valid(
         return False
     if kernel == "drhs":
         return rows % c.block_m == 0 and c.block_m <= 128 and c.block_n <= 128
-    return contracting % c.block_k == 0
+    # `ragged_dot` pipelines with `delay_release=1`, which `emit_pipeline` accepts
+    # only with at least two stages.
+    return contracting % c.block_k == 0 and c.max_concurrent_steps >= 2
 
 
 def default_tile_config(
