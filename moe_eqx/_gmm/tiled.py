@@ -309,15 +309,7 @@ class TiledGMM(AbstractAccumulatingGMMBackend):
         rhs: Float[Array, "groups k_dim n_dim"],
         group_sizes: Int[Array, " groups"],
     ) -> Float[Array, "rows n_dim"]:
-        with jax.named_scope("moe_eqx.gmm.tiled"):
-            return tiled_gmm(
-                lhs,
-                rhs,
-                group_sizes,
-                self.tile_rows,
-                self.min_tile_rows,
-                self.ladder_steps,
-            )
+        return self._gmm(lhs, rhs, group_sizes, None)
 
     def accumulating(
         self,
@@ -327,6 +319,9 @@ class TiledGMM(AbstractAccumulatingGMMBackend):
         rhs_grad_acc: Float[Array, "groups k_dim n_dim"],
     ) -> Float[Array, "rows n_dim"]:
         # `d_rhs` is summed window by window straight into the accumulator.
+        return self._gmm(lhs, rhs, group_sizes, rhs_grad_acc)
+
+    def _gmm(self, lhs, rhs, group_sizes, rhs_grad_acc):
         with jax.named_scope("moe_eqx.gmm.tiled"):
             return tiled_gmm(
                 lhs,
