@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._gmm.tiled import match_varying
+from ._gmm.tiled import _acc_dtype, match_varying
 from ._overflow import BufferSizes, buffer_sizes
 from ._trip import TripSpec, expert_parallel_trip
 
@@ -173,7 +173,7 @@ def _bwd(spec, num_chunks, res, dy):
         dx_c, dw_c, acc_gu, acc_dn = vjp(dy_c)
         return (acc_gu, acc_dn), (dx_c, dw_c)
 
-    acc_dtype = jnp.promote_types(w_gate_up.dtype, jnp.float32)
+    acc_dtype = _acc_dtype(w_gate_up.dtype)  # the GMMs' own accumulation dtype
     zeros = (
         jnp.zeros(w_gate_up.shape, acc_dtype),
         jnp.zeros(w_down.shape, acc_dtype),
