@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+from ._rules import local_experts
+
 __all__ = [
     "DuplicationPlan",
     "assign_destinations",
@@ -44,15 +46,6 @@ class DuplicationPlan(eqx.Module):
     def shard_load(self) -> Int[Array, " shards"]:
         """`[R]` pairs each shard processes (home experts and slots)."""
         return self.expert_shard_pairs.sum(axis=0)
-
-
-def _check_layout(num_shards: int, num_experts: int) -> int:
-    if num_shards < 1 or num_experts % num_shards != 0:
-        raise ValueError(
-            f"`num_experts` ({num_experts}) must be a positive multiple of the number "
-            f"of shards ({num_shards})."
-        )
-    return num_experts // num_shards
 
 
 # Candidate levels of the coarse search, as fractions of the mean load above the mean.
@@ -106,7 +99,11 @@ def _wrap_around(
 
     def step(carry, deficit_j):
         start, first = carry
-        ends = jnp.take_along_axis(piece_end, first[:, None] + window, axis=1)
+        # Once the line is consumed `first` keeps advancing past the padding: clip,
+        # so the read sees the line's total (the padding's value), never a fill value.
+        ends = jnp.take_along_axis(
+            piece_end, first[:, None] + window, axis=1, mode="clip"
+        )
         stop = jnp.minimum(start + deficit_j, ends[:, -1])
         passed = (ends <= stop[:, None]).sum(axis=1, dtype=jnp.int32)
         return (stop, first + passed), ((start, first) if record else None)
@@ -153,7 +150,7 @@ def plan_duplication(
     at `R=64, E=256` this is a few hundred microseconds.
     """
     num_shards, num_experts = counts.shape
-    local = _check_layout(num_shards, num_experts)
+    local = local_experts(num_experts, num_shards)
     if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
         raise ValueError(f"`num_slots` must be an integer >= 0, got {num_slots!r}.")
     with jax.named_scope("moe_eqx.planner"):
@@ -227,20 +224,27 @@ def plan_duplication(
         fine = jnp.minimum(bottom + (fractions * span).astype(jnp.int32), top)
         fine = jnp.concatenate([bottom[None], fine])
         fine_end, (fine_done, (fine_lo, fine_first)) = feasible(fine, record=True)
+        # `fine` ends at a feasible level, so some level is always done; should none
+        # be, the home-only plan (always valid) is used, never an arbitrary level.
+        any_done = jnp.any(fine_done)
         pick = jnp.argmax(fine_done)
-        best = fine[pick]
+        best = jnp.where(any_done, fine[pick], highest)
         piece_end, lo, first = fine_end[pick], fine_lo[:, pick], fine_first[:, pick]
         hi = jnp.concatenate([lo[1:], piece_end[-1:]])
         piece_start = jnp.concatenate([zero[None], piece_end[:-1]])
         piece_expert = jnp.concatenate(
             [piece_order, jnp.full((usable,), -1, jnp.int32)]
         )
-        index = first[:, None] + jnp.arange(usable, dtype=jnp.int32)[None, :]
+        index = jnp.minimum(
+            first[:, None] + jnp.arange(usable, dtype=jnp.int32)[None, :],
+            piece_end.shape[0] - 1,
+        )
         amount = jnp.maximum(
             jnp.minimum(piece_end[index], hi[:, None])
             - jnp.maximum(piece_start[index], lo[:, None]),
             zero,
         )
+        amount = jnp.where(any_done, amount, zero)
         recv_slots = jnp.where(amount > 0, piece_expert[index], -1)
         slot_expert = jnp.full((num_shards, num_slots), -1, jnp.int32)
         slot_expert = slot_expert.at[recv_order, :usable].set(recv_slots)
@@ -319,7 +323,10 @@ def assign_destinations(
 
     `(dest_shard, dest_group)`, both `[T, k]` int32: the destination shard, and the
     local group there: `e % L` on the home shard `e // L`, else `L + s` where
-    `plan.slot_expert[dest_shard, s] == e`.
+    `plan.slot_expert[dest_shard, s] == e`. Both are `-1` for a pair that the plan
+    gives no replica (its quotas sum to fewer pairs than were routed, or name a
+    shard without a copy): a plan made by [`moe_eqx.plan_duplication`][] from the
+    same `counts` never does, and the layer reports such pairs as lost.
     """
     num_shards, num_experts = counts.shape
     if num_local_experts * num_shards != num_experts:
@@ -374,9 +381,14 @@ def assign_destinations(
 
         slot_match = plan.slot_expert[dest] == flat[:, None]
         slot = jnp.argmax(slot_match, axis=1).astype(jnp.int32)
-        group = jnp.where(
-            dest == home_shard.reshape(-1),
-            home_group.reshape(-1),
-            num_local_experts + slot,
-        )
+        at_home = dest == home_shard.reshape(-1)
+        group = jnp.where(at_home, home_group.reshape(-1), num_local_experts + slot)
+        # A pair past its expert's quotas, or sent where no copy of its expert lives,
+        # has no destination: it is marked -1 (never sent), and the layer counts it
+        # in `stats.lost_pairs`, rather than computing it with the wrong expert.
+        has_quota = position < cum[base + num_shards - 1]
+        has_copy = at_home | jnp.any(slot_match, axis=1)
+        ok = has_quota & has_copy
+        dest = jnp.where(ok, dest, -1)
+        group = jnp.where(ok, group, -1)
         return dest.reshape(experts.shape), group.reshape(experts.shape)

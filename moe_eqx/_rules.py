@@ -1,0 +1,63 @@
+"""Rules that several stages share, each written once."""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def local_experts(num_experts: int, num_shards: int, *, shards: str = "shards") -> int:
+    """`L = E / R`, home experts per shard; a `ValueError` unless `R` divides `E`.
+
+    **Arguments:**
+
+    - `num_experts`: `E`.
+    - `num_shards`: `R`.
+    - `shards`: how the caller's message names `R` (e.g. a mesh axis).
+    """
+    if num_shards < 1 or num_experts % num_shards:
+        raise ValueError(
+            f"`num_experts` ({num_experts}) must be divisible by the number of "
+            f"{shards} ({num_shards})."
+        )
+    return num_experts // num_shards
+
+
+def per_token_counts(*, top_k: int, num_groups: int, dedup: bool) -> tuple[int, int]:
+    """`(pairs, wire rows)` one token can send to one shard at most: `min(k, G)` pairs
+    (a shard holds at most `G` of its experts), in one row when deduplicating."""
+    pairs = min(top_k, num_groups)
+    return pairs, 1 if dedup else pairs
+
+
+def acc_dtype(dtype) -> jnp.dtype:
+    """Accumulation dtype of the grouped matmuls and weight gradients: float32, except
+    that float64 inputs (x64 mode) keep float64."""
+    return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
+
+
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older jax
+
+
+def match_varying(*xs):
+    """Casts arrays to vary over the union of their `shard_map` manual axes.
+
+    Inside `jax.shard_map`, loop carries and `custom_vjp` inputs must agree on which
+    mesh axes they vary over: a zero-initialised carry does not vary, while a carry
+    computed from sharded rows does. Outside `shard_map` this is the identity.
+    """
+    axes = frozenset().union(*(_varying_axes(x) for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        if not missing:
+            out.append(x)
+        elif hasattr(lax, "pcast"):
+            out.append(lax.pcast(x, missing, to="varying"))
+        else:  # jax < 0.8
+            out.append(lax.pvary(x, missing))
+    return tuple(out)
