@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._rules import per_token_counts
+
 
 class BufferSizes(eqx.Module):
     """Static buffer sizes of one expert-parallel trip on one shard.
@@ -56,8 +58,9 @@ def buffer_sizes(
 
     A [`moe_eqx.BufferSizes`][].
     """
-    per_token_pairs = min(top_k, num_groups)
-    per_token_rows = 1 if dedup else per_token_pairs
+    per_token_pairs, per_token_rows = per_token_counts(
+        top_k=top_k, num_groups=num_groups, dedup=dedup
+    )
     worst_pairs = num_shards * tokens * per_token_pairs
     worst_rows = num_shards * tokens * per_token_rows
     if buffer_factor is None:

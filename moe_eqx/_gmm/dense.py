@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._rules import acc_dtype
 from ._base import AbstractGMMBackend
 
 
@@ -46,6 +47,6 @@ class DenseGMM(AbstractGMMBackend):
             expanded = jnp.where(
                 one_hot[:, :, None], lhs[:, None, :], jnp.zeros((), lhs.dtype)
             )
-            acc = jnp.float64 if lhs.dtype == jnp.float64 else jnp.float32
+            acc = acc_dtype(lhs.dtype)
             out = jnp.einsum("mgk,gkn->mn", expanded, rhs, preferred_element_type=acc)
             return out.astype(lhs.dtype)

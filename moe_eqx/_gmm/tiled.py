@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from .._rules import acc_dtype, match_varying
 from ._base import AbstractAccumulatingGMMBackend
 
 # On a 2-core x86 CPU (benchmarks/gmm.py shapes) 512- and 256-row windows measured
@@ -60,39 +61,6 @@ def window_ladder(
         size += max(unit, (1 << (size.bit_length() - 1)) // steps)
     sizes.append(top)
     return tuple(sizes)
-
-
-def _acc_dtype(dtype):
-    # float32 accumulation, except that float64 inputs (x64 mode) keep float64.
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-
-
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))  # older jax
-
-
-def match_varying(*xs):
-    """Casts arrays to vary over the union of their `shard_map` manual axes.
-
-    Inside `jax.shard_map`, loop carries and `custom_vjp` inputs must agree on which
-    mesh axes they vary over: a zero-initialised carry does not vary, while a carry
-    computed from sharded rows does. Outside `shard_map` this is the identity.
-    """
-    axes = frozenset().union(*(_varying_axes(x) for x in xs))
-    out = []
-    for x in xs:
-        missing = tuple(sorted(axes - _varying_axes(x)))
-        if not missing:
-            out.append(x)
-        elif hasattr(lax, "pcast"):
-            out.append(lax.pcast(x, missing, to="varying"))
-        else:  # jax < 0.8
-            out.append(lax.pvary(x, missing))
-    return tuple(out)
 
 
 def _row_mask(size, start, row_start, group_end):
@@ -159,7 +127,7 @@ def _grouped_product(lhs, rhs, group_sizes, ladder, transpose_rhs):
             x,
             rhs[g],
             (((1,), (1 if transpose_rhs else 0,)), ((), ())),
-            preferred_element_type=_acc_dtype(lhs.dtype),
+            preferred_element_type=acc_dtype(lhs.dtype),
         ).astype(out.dtype)
         if not full:
             # A clamped or partial window overlaps rows owned by other windows (or by
@@ -207,7 +175,7 @@ def _make_tiled_gmm(ladder: tuple[int, ...]):
         lhs, rhs, group_sizes = res
         d_out = d_out.astype(lhs.dtype)
         d_lhs = _grouped_product(d_out, rhs, group_sizes, ladder, True)
-        zeros = jnp.zeros(rhs.shape, _acc_dtype(lhs.dtype))
+        zeros = jnp.zeros(rhs.shape, acc_dtype(lhs.dtype))
         d_rhs = _grouped_outer(lhs, d_out, group_sizes, ladder, zeros)
         d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
         return d_lhs, d_rhs.astype(rhs.dtype), d_sizes
