@@ -451,6 +451,44 @@ def test_mosaic_tuning_table(tmp_path, monkeypatch):
     assert MosaicGPUGMM().configs(4096, 512, 1024, 8, jnp.bfloat16)[0] == tuned
 
 
+def test_autotune_two_shapes_with_stubbed_timings(tmp_path, monkeypatch):
+    """The autotuner's bookkeeping on CPU: kernels are not run (timings are stubbed),
+    but every shape gets its own entries and the table round-trips."""
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv("MOE_EQX_GMM_TUNING", str(path))
+    monkeypatch.setattr(mosaic, "mosaic_gpu_available", lambda: True)
+    candidates = [
+        MosaicTileConfig(64, 64, 64, 2, 1),
+        MosaicTileConfig(64, 128, 64, 2, 1),
+    ]
+    # The wider tile is faster for every kernel and shape.
+    timings = {c: 1e-3 * (2 - i) for i, c in enumerate(candidates)}
+    calls = []
+
+    def fake_time(fn, *args, iters):
+        config = fn.__wrapped__.keywords["config"]  # jit of a functools.partial
+        calls.append(config)
+        return timings[config]
+
+    monkeypatch.setattr(mosaic, "_time", fake_time)
+    shapes = [(256, 128, 256, 4), (512, 256, 128, 8)]
+    entries = mosaic.autotune_gmm(shapes, candidates=candidates, verbose=False)
+    assert len(calls) > 0
+    kind = mosaic._device_kind()
+    expected = {
+        mosaic._table_key(kernel, kind, jnp.bfloat16, m, k, n, g)
+        for kernel in mosaic.KERNELS
+        for m, k, n, g in shapes
+    }
+    assert set(entries) == expected
+    assert all(e["block_n"] == 128 and e["ms"] == 1.0 for e in entries.values())
+    stored = json.loads(path.read_text())["entries"]
+    assert set(stored) == expected
+    for m, k, n, g in shapes:
+        got = mosaic.lookup_tile_config("fwd", m, k, n, g, jnp.bfloat16)
+        assert got == candidates[1]
+
+
 class _JaxWithCoreCount:
     """`jax` as seen by the transposed kernel's module, whose devices report an SM
     count (it sizes its grid from `jax.devices()[0].core_count`, absent on CPU)."""

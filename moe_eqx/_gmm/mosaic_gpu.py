@@ -42,7 +42,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ._base import AbstractGMMBackend
-from .tiled import TiledGMM, match_varying
+from .._rules import match_varying
+from .tiled import TiledGMM
 
 Kernel = Literal["fwd", "dlhs", "drhs"]
 KERNELS: tuple[Kernel, ...] = ("fwd", "dlhs", "drhs")
@@ -539,14 +540,14 @@ def autotune_gmm(
     kind = _device_kind()
     itemsize = jnp.dtype(dtype).itemsize
     new: dict[str, dict] = {}
-    key = jax.random.key(seed)
+    rng = jax.random.key(seed)
     for shape in shapes:
         m, k, n, g = (int(s) for s in shape)
         kp, np_ = _round_up(k, _DIM_ALIGN), _round_up(n, _DIM_ALIGN)
         sizes = np.full(g, m // g, np.int32)
         sizes[: m - int(sizes.sum())] += 1
         group_sizes = jnp.asarray(sizes)
-        key, k1, k2, k3 = jax.random.split(key, 4)
+        rng, k1, k2, k3 = jax.random.split(rng, 4)
         lhs = jax.random.normal(k1, (m, kp), dtype)
         rhs = jax.random.normal(k2, (g, kp, np_), dtype)
         d_out = jax.random.normal(k3, (m, np_), dtype)
@@ -580,10 +581,10 @@ def autotune_gmm(
                     best = (seconds, config)
             if best is None:
                 continue
-            key = _table_key(kernel, kind, dtype, m, kp, np_, g)
-            new[key] = {**best[1].as_dict(), "ms": best[0] * 1e3}
+            entry = _table_key(kernel, kind, dtype, m, kp, np_, g)
+            new[entry] = {**best[1].as_dict(), "ms": best[0] * 1e3}
             if verbose:
-                print(f"{key}: {best[1]} {best[0] * 1e3:.3f} ms")
+                print(f"{entry}: {best[1]} {best[0] * 1e3:.3f} ms")
     entries = dict(load_tuning_table(path))
     entries.update(new)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
