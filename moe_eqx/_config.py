@@ -1,11 +1,34 @@
 """`MoEConfig`: the static description of an MoE layer, validated at construction."""
 
 import math
+import numbers
 
 import equinox as eqx
+import numpy as np
 
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "dense", "mosaic_gpu")
 EXCHANGES = ("auto", "dense", "ragged")
+
+
+def _integer(value):
+    # NumPy and other integral scalars become Python ints (hashable, static); anything
+    # else is left for `__check_init__` to reject with the field's name.
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
+
+
+def _real(value):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _boolean(value):
+    # NumPy booleans become Python bools; strings such as "false" are not truthy here.
+    return bool(value) if isinstance(value, np.bool_) else value
 
 
 class MoEConfig(eqx.Module):
@@ -17,9 +40,11 @@ class MoEConfig(eqx.Module):
     - `d_ff`: hidden width `F` of each SwiGLU expert.
     - `num_experts`: number of routed experts `E`.
     - `top_k`: experts per token `k`.
-    - `score_func`: `"softmax"` (top-k of softmax, renormalised over the chosen k when
-        `norm_topk`) or `"sigmoid"` (sigmoid scores normalised over the chosen k).
-    - `norm_topk`: renormalise softmax top-k weights to sum to 1.
+    - `score_func`: `"softmax"` (top-k of softmax) or `"sigmoid"` (top-k of
+        per-expert sigmoid scores, DeepSeek-V3).
+    - `norm_topk`: renormalise the chosen k scores to sum to 1 (both score
+        functions); `False` uses the raw scores (softmax probabilities, or sigmoid
+        scores as DeepSeek-V3 with `norm_topk_prob=False`).
     - `num_groups`, `top_groups`: group-limited routing (DeepSeek-V3): experts are split
         into `num_groups` contiguous groups and each token may only choose among the
         experts of its `top_groups` best groups.
@@ -35,21 +60,23 @@ class MoEConfig(eqx.Module):
     - `axis_name`: the expert-parallel mesh axis.
     """
 
-    d_model: int = eqx.field(static=True)
-    d_ff: int = eqx.field(static=True)
-    num_experts: int = eqx.field(static=True)
-    top_k: int = eqx.field(static=True)
+    d_model: int = eqx.field(static=True, converter=_integer)
+    d_ff: int = eqx.field(static=True, converter=_integer)
+    num_experts: int = eqx.field(static=True, converter=_integer)
+    top_k: int = eqx.field(static=True, converter=_integer)
     # Plain `str`/`float` annotations so that bad values reach `__check_init__` and raise
     # a ValueError naming the field, rather than a type-check error.
     score_func: str = eqx.field(static=True, default="softmax")
-    norm_topk: bool = eqx.field(static=True, default=True)
-    num_groups: int = eqx.field(static=True, default=1)
-    top_groups: int = eqx.field(static=True, default=1)
-    use_router_bias: bool = eqx.field(static=True, default=False)
-    buffer_factor: float | int | None = eqx.field(static=True, default=2.0)
+    norm_topk: bool = eqx.field(static=True, default=True, converter=_boolean)
+    num_groups: int = eqx.field(static=True, default=1, converter=_integer)
+    top_groups: int = eqx.field(static=True, default=1, converter=_integer)
+    use_router_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
+    buffer_factor: float | int | None = eqx.field(
+        static=True, default=2.0, converter=_real
+    )
     on_overflow: str = eqx.field(static=True, default="fallback")
-    num_slots: int = eqx.field(static=True, default=0)
-    dedup: bool = eqx.field(static=True, default=True)
+    num_slots: int = eqx.field(static=True, default=0, converter=_integer)
+    dedup: bool = eqx.field(static=True, default=True, converter=_boolean)
     gmm_backend: str = eqx.field(static=True, default="auto")
     exchange: str = eqx.field(static=True, default="auto")
     axis_name: str = eqx.field(static=True, default="expert")
@@ -59,6 +86,10 @@ class MoEConfig(eqx.Module):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        for name in ("norm_topk", "use_router_bias", "dedup"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False, got {value!r}.")
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"`top_k` ({self.top_k}) must not exceed `num_experts` "
@@ -68,14 +99,18 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`score_func` must be 'softmax' or 'sigmoid', got {self.score_func!r}."
             )
-        if not isinstance(self.num_groups, int) or self.num_groups < 1:
+        if (
+            not isinstance(self.num_groups, int)
+            or isinstance(self.num_groups, bool)
+            or self.num_groups < 1
+        ):
             raise ValueError(f"`num_groups` must be >= 1, got {self.num_groups!r}.")
         if self.num_experts % self.num_groups != 0:
             raise ValueError(
                 f"`num_experts` ({self.num_experts}) must be divisible by `num_groups` "
                 f"({self.num_groups})."
             )
-        if not isinstance(self.top_groups, int) or not (
+        if not isinstance(self.top_groups, int) or isinstance(self.top_groups, bool) or not (
             1 <= self.top_groups <= self.num_groups
         ):
             raise ValueError(
@@ -91,6 +126,7 @@ class MoEConfig(eqx.Module):
                 )
         if self.buffer_factor is not None and not (
             isinstance(self.buffer_factor, int | float)
+            and not isinstance(self.buffer_factor, bool)
             and math.isfinite(self.buffer_factor)
             and self.buffer_factor > 0
         ):
@@ -102,7 +138,11 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`on_overflow` must be 'fallback' or 'drop', got {self.on_overflow!r}."
             )
-        if not isinstance(self.num_slots, int) or self.num_slots < 0:
+        if (
+            not isinstance(self.num_slots, int)
+            or isinstance(self.num_slots, bool)
+            or self.num_slots < 0
+        ):
             raise ValueError(
                 f"`num_slots` must be an integer >= 0, got {self.num_slots!r}."
             )

@@ -1,3 +1,5 @@
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import moe_eqx as me
@@ -18,6 +20,13 @@ BASE = dict(d_model=8, d_ff=16, num_experts=8, top_k=2)
         ("top_groups", 5),
         ("buffer_factor", 0.0),
         ("buffer_factor", -1.0),
+        ("buffer_factor", True),
+        ("norm_topk", "no"),
+        ("dedup", "false"),
+        ("use_router_bias", 1),
+        ("num_slots", True),
+        ("d_model", 16.0),
+        ("top_k", "2"),
         ("buffer_factor", float("inf")),
         ("on_overflow", "ignore"),
         ("num_slots", -1),
@@ -45,3 +54,21 @@ def test_group_limit_must_hold_top_k():
 def test_good_config():
     cfg = me.MoEConfig(**BASE, num_groups=4, top_groups=2, buffer_factor=None)
     assert cfg.experts_per_group == 2
+
+
+def test_numpy_scalars_are_accepted():
+    cfg = me.MoEConfig(
+        d_model=np.int64(8),
+        d_ff=np.int32(16),
+        num_experts=jnp.int32(8).item(),
+        top_k=np.int16(2),
+        num_slots=np.int64(1),
+        buffer_factor=np.float32(1.5),
+        dedup=np.bool_(False),
+    )
+    assert (cfg.d_model, cfg.d_ff, cfg.top_k, cfg.num_slots) == (8, 16, 2, 1)
+    assert type(cfg.d_model) is int and type(cfg.buffer_factor) is float
+    assert cfg.dedup is False
+    # Static and hashable: equal to the config made from Python scalars.
+    same = me.MoEConfig(**BASE, num_slots=1, buffer_factor=1.5, dedup=False)
+    assert cfg == same and hash(cfg) == hash(same)
