@@ -31,7 +31,7 @@ class Routing(eqx.Module):
 
 
 def load_balance_loss(
-    counts: Int[Array, " experts"], mean_probs: Float[Array, " experts"], top_k: int
+    counts: Int[Array, " experts"], mean_probs: Float[Array, " experts"]
 ) -> Float[Array, ""]:
     """Switch/DeepSeek balance loss `E * sum_e f_e * P_e`, with `f_e` the fraction of
     pairs routed to expert `e` and `P_e` its mean normalised score.
@@ -40,7 +40,6 @@ def load_balance_loss(
 
     - `counts`: `[E]` pairs per expert.
     - `mean_probs`: `[E]` mean normalised score per expert.
-    - `top_k`: experts per token (the pair count is `tokens * top_k`).
 
     **Returns:**
 
@@ -134,14 +133,14 @@ class Router(eqx.Module):
             _, experts = jax.lax.top_k(select, self.top_k)
             experts = experts.astype(jnp.int32)
             chosen = jnp.take_along_axis(scores, experts, axis=-1)
-            if self.score_func == "sigmoid" or self.norm_topk:
+            if self.norm_topk:
                 weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
             else:
                 weights = chosen
             num_experts = self.num_experts
             counts = jnp.zeros((num_experts,), jnp.int32).at[experts.ravel()].add(1)
             mean_probs = jnp.mean(probs, axis=0)
-            lb = load_balance_loss(counts, mean_probs, self.top_k)
+            lb = load_balance_loss(counts, mean_probs)
             z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
             return Routing(
                 weights=weights,

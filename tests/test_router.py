@@ -40,6 +40,17 @@ def test_softmax_weights_are_renormalised_probs(getkey):
     )
 
 
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_sigmoid_weights_follow_norm_topk(getkey, norm_topk):
+    """DeepSeek-V3: raw sigmoid scores of the chosen experts with norm_topk=False."""
+    router = _router(getkey(), score_func="sigmoid", norm_topk=norm_topk)
+    x = jr.normal(getkey(), (16, 8))
+    r = router(x)
+    chosen = jnp.take_along_axis(jax.nn.sigmoid(x @ router.weight), r.experts, -1)
+    want = chosen / chosen.sum(-1, keepdims=True) if norm_topk else chosen
+    np.testing.assert_allclose(r.weights, want, rtol=1e-5)
+
+
 def test_bias_changes_selection_not_weights(getkey):
     router = _router(getkey(), use_router_bias=True)
     x = jr.normal(getkey(), (16, 8))
