@@ -92,12 +92,14 @@ class WireRows(eqx.Module):
     - `groups`: `[N, width]` destination-local groups (-1 = unused entry).
     - `weights`: `[N, width]` float32 weights (0 for unused entries).
     - `send_counts`: `[R]` rows for each destination; rows past their sum are padding.
+    - `send_pairs`: `[R]` pairs those rows carry to each destination.
     """
 
     token: Int[Array, " rows"]
     groups: Int[Array, "rows width"]
     weights: Float[Array, "rows width"]
     send_counts: Int[Array, " shards"]
+    send_pairs: Int[Array, " shards"]
 
     @property
     def num_pairs(self) -> Int[Array, " rows"]:
@@ -143,13 +145,20 @@ def dedup_rows(
             width, num_rows = 1, tokens * k
         dest = jnp.where(is_first, dest_shard, num_shards).ravel()
         order = jnp.argsort(dest, stable=True)[:num_rows]
-        send_counts = jnp.zeros((num_shards + 1,), jnp.int32).at[dest].add(1)
         return WireRows(
             token=(order // k).astype(jnp.int32),
             groups=groups.reshape(tokens * k, width)[order],
             weights=wts.reshape(tokens * k, width)[order],
-            send_counts=send_counts[:num_shards],
+            send_counts=_histogram(dest, num_shards),
+            send_pairs=_histogram(
+                jnp.where(valid, dest_shard, num_shards).ravel(), num_shards
+            ),
         )
+
+
+def _histogram(index: Int[Array, " n"], size: int) -> Int[Array, " size"]:
+    """Counts of each value in `[0, size)`; the value `size` marks "not counted"."""
+    return jnp.zeros((size + 1,), jnp.int32).at[index].add(1)[:size]
 
 
 def _same_shard(dest_shard: Array, valid: Array) -> Array:
@@ -185,8 +194,7 @@ def send_counts(
     `[R]` int32 row counts.
     """
     first = _first_of_shard(_same_shard(dest_shard, valid), valid) if dedup else valid
-    dest = jnp.where(first, dest_shard, num_shards).ravel()
-    return jnp.zeros((num_shards + 1,), jnp.int32).at[dest].add(1)[:num_shards]
+    return _histogram(jnp.where(first, dest_shard, num_shards).ravel(), num_shards)
 
 
 def expand_rows(

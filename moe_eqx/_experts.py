@@ -23,6 +23,11 @@ class Experts(eqx.Module):
     w_down: Float[Array, "experts d_ff d_model"]
 
     def __init__(self, config: MoEConfig, *, key: PRNGKeyArray, dtype=jnp.float32):
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"Expert weights must have a floating-point `dtype`, got "
+                f"{jnp.dtype(dtype)}."
+            )
         gu_key, down_key = jr.split(key)
         e, h, f = config.num_experts, config.d_model, config.d_ff
         self.w_gate_up = (

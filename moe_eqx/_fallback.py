@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._gmm.tiled import _acc_dtype, match_varying
 from ._overflow import BufferSizes, buffer_sizes
-from ._trip import TripSpec, expert_parallel_trip
+from ._rules import acc_dtype, match_varying, per_token_counts
+from ._trip import TripSpec, TripStats, expert_parallel_trip
 
 
 def fallback_chunking(
@@ -32,6 +32,13 @@ def fallback_chunking(
 ) -> tuple[int, BufferSizes]:
     """The smallest chunk count whose per-chunk worst case fits the capped buffers.
 
+    When the capped buffers cannot hold even one token from every shard (small
+    per-shard batches, e.g. decoding one token per shard), the chunks are single
+    tokens with the smallest buffers that hold their worst case: `R` wire rows and
+    `R * min(k, G)` pairs. That is more than the capped buffers (it is the price of
+    never dropping a pair at that batch size), and never more than the worst case of
+    the whole batch.
+
     **Arguments:**
 
     - `tokens`: `T`, tokens per shard.
@@ -41,25 +48,19 @@ def fallback_chunking(
     **Returns:**
 
     `(num_chunks, chunk_buffers)`; `chunk_buffers` are worst-case buffers for one chunk,
-    each no larger than the capped ones.
+    no larger than the capped ones unless a single token's worst case exceeds them.
     """
-    per_token_pairs = min(top_k, num_groups)
-    per_token_rows = 1 if dedup else per_token_pairs
+    per_token_pairs, per_token_rows = per_token_counts(
+        top_k=top_k, num_groups=num_groups, dedup=dedup
+    )
     chunk = min(
         tokens,
         capped.rows // (num_shards * per_token_rows),
         capped.pairs // (num_shards * per_token_pairs),
     )
-    if chunk < 1:
-        need = num_shards * per_token_pairs / (tokens * top_k)
-        raise ValueError(
-            f"`buffer_factor` is too small for the dropless fallback: its buffers "
-            f"({capped.rows} rows, {capped.pairs} pairs) cannot hold one token from "
-            f"each of {num_shards} shards; use buffer_factor >= {need:.3g} or "
-            f"on_overflow='drop'."
-        )
-    num_chunks = math.ceil(tokens / chunk)
-    chunk = math.ceil(tokens / num_chunks)  # same chunk count, least padding
+    chunk = max(chunk, 1)
+    num_chunks = max(math.ceil(tokens / chunk), 1)
+    chunk = max(math.ceil(tokens / num_chunks), 1)  # same chunk count, least padding
     bufs = buffer_sizes(
         tokens=chunk,
         top_k=top_k,
@@ -94,7 +95,7 @@ def chunked_dropless(
     w_down: Float[Array, "groups d_ff d_model"],
     spec: TripSpec,
     num_chunks: int,
-) -> Float[Array, "tokens d_model"]:
+) -> tuple[Float[Array, "tokens d_model"], TripStats]:
     """The dropless expert-parallel layer over `num_chunks` chunks of the local tokens.
 
     Same arguments as [`moe_eqx.expert_parallel_trip`][], with `spec` holding the
@@ -102,18 +103,22 @@ def chunked_dropless(
 
     **Returns:**
 
-    `[T, d_model]`, with every pair processed.
+    `(y, stats)`: `[T, d_model]` with every pair processed, and the chunks'
+    [`moe_eqx.TripStats`][] summed, so that a drop inside the chunked path would show.
     """
     tokens = x.shape[0]
     xs = _chunks(x, weights, dest_shard, dest_group, valid, num_chunks)
 
-    def body(_, c):
+    def body(total, c):
         gu, dn = _per_chunk(w_gate_up, w_down, c[0])
-        y, _ = expert_parallel_trip(*c, gu, dn, spec)
-        return None, y
+        y, stats = expert_parallel_trip(*c, gu, dn, spec)
+        return jax.tree.map(jnp.add, total, stats), y
 
-    _, ys = jax.lax.scan(body, None, xs)
-    return _merge(ys, tokens)
+    # Derived from an input, so that the carry has its varying-axes type in shard_map.
+    zero = jnp.sum(jnp.zeros_like(valid, jnp.int32))
+    start = TripStats(computed_pairs=zero, recv_rows=zero, dropped_pairs=zero)
+    stats, ys = jax.lax.scan(body, start, xs)
+    return _merge(ys, tokens), stats
 
 
 def _per_chunk(w_gate_up, w_down, x_chunk):
@@ -136,13 +141,14 @@ def _chunks(x, weights, dest_shard, dest_group, valid, num_chunks):
 
 
 def _fwd(x, weights, dest_shard, dest_group, valid, w_gate_up, w_down, spec, n):
-    y = chunked_dropless(
+    out = chunked_dropless(
         x, weights, dest_shard, dest_group, valid, w_gate_up, w_down, spec, n
     )
-    return y, (x, weights, dest_shard, dest_group, valid, w_gate_up, w_down)
+    return out, (x, weights, dest_shard, dest_group, valid, w_gate_up, w_down)
 
 
-def _bwd(spec, num_chunks, res, dy):
+def _bwd(spec, num_chunks, res, cotangents):
+    dy, _ = cotangents  # the integer stats have no cotangent
     x, weights, dest_shard, dest_group, valid, w_gate_up, w_down = res
     tokens = x.shape[0]
     xs = _chunks(x, weights, dest_shard, dest_group, valid, num_chunks)
@@ -173,10 +179,10 @@ def _bwd(spec, num_chunks, res, dy):
         dx_c, dw_c, acc_gu, acc_dn = vjp(dy_c)
         return (acc_gu, acc_dn), (dx_c, dw_c)
 
-    acc_dtype = _acc_dtype(w_gate_up.dtype)  # the GMMs' own accumulation dtype
+    acc = acc_dtype(w_gate_up.dtype)  # the GMMs' own accumulation dtype
     zeros = (
-        jnp.zeros(w_gate_up.shape, acc_dtype),
-        jnp.zeros(w_down.shape, acc_dtype),
+        jnp.zeros(w_gate_up.shape, acc),
+        jnp.zeros(w_down.shape, acc),
     )
     zeros = match_varying(*zeros, w_gate_up, w_down)[:2]
     (g_gu, g_dn), (dxs, dws) = jax.lax.scan(body, zeros, (xs, dys))

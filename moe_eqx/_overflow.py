@@ -79,7 +79,7 @@ def buffer_sizes(
 
 def overflow_predicate(
     wire_counts: Int[Array, "shards shards"],
-    pair_counts: Int[Array, "shards groups"],
+    pair_counts: Int[Array, "shards _"],
     buffers: BufferSizes,
 ) -> Bool[Array, ""]:
     """Exact overflow predicate: True iff some shard would receive more wire rows or more
@@ -89,7 +89,9 @@ def overflow_predicate(
     **Arguments:**
 
     - `wire_counts`: `[R, R]` wire rows from shard `s` (row) to shard `d` (column).
-    - `pair_counts`: `[R, G]` pairs each shard receives per local group.
+    - `pair_counts`: `[R, X]` pairs each shard (row) receives, split over any second
+        axis: per local group, or per source shard (the layer passes the pairs each
+        shard really dispatched to each other, transposed).
     - `buffers`: the [`moe_eqx.BufferSizes`][].
 
     **Returns:**
@@ -104,7 +106,7 @@ def overflow_predicate(
 
 def required_buffer_factor(
     wire_counts: Int[Array, "shards shards"],
-    pair_counts: Int[Array, "shards groups"],
+    pair_counts: Int[Array, "shards _"],
     *,
     tokens: int,
     top_k: int,
@@ -114,7 +116,8 @@ def required_buffer_factor(
     **Arguments:**
 
     - `wire_counts`: `[R, R]` wire rows between shards.
-    - `pair_counts`: `[R, G]` pairs received per shard and local group.
+    - `pair_counts`: `[R, X]` pairs received per shard (row), as for
+        [`moe_eqx.overflow_predicate`][].
     - `tokens`: `T`, tokens per shard.
     - `top_k`: `k`.
 

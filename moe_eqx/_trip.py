@@ -9,14 +9,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._combine import combine, scatter_to_tokens
-from ._dispatch import dedup_rows, expand_rows
+from ._dispatch import WireRows, dedup_rows, expand_rows
 from ._exchange import make_exchange_plan, resolve_exchange
 from ._experts import expert_ffn
 from ._overflow import BufferSizes
 
 
 class TripSpec(eqx.Module):
-    """Static settings of a round trip."""
+    """Static settings of a round trip (`exchange` and `gmm_backend` are names, as in
+    [`moe_eqx.MoEConfig`][]; `"auto"` resolves on the default backend)."""
 
     num_shards: int = eqx.field(static=True)
     num_groups: int = eqx.field(static=True)
@@ -28,8 +29,20 @@ class TripSpec(eqx.Module):
 
 
 class TripStats(eqx.Module):
-    """Per-shard counts of one trip (summed over chunks by the fallback)."""
+    """What one round trip really did on one shard, counted from the data it moved
+    (summed over chunks by the fallback). None of it is derived from a plan.
 
+    **Fields:**
+
+    - `computed_pairs`: pairs this shard's grouped matmul processed (its group sizes
+        after expanding the received rows).
+    - `recv_rows`: wire rows this shard received that carry at least one pair.
+    - `dropped_pairs`: pairs of this shard's tokens not sent because their receiver
+        was full, plus pairs this shard received but could not fit in its pair buffer.
+    """
+
+    computed_pairs: Int[Array, ""]
+    recv_rows: Int[Array, ""]
     dropped_pairs: Int[Array, ""]
 
 
@@ -67,9 +80,6 @@ def expert_parallel_trip(
     `(y, stats)`: `[T, d_model]` and this shard's [`TripStats`][]. Pairs that do not fit
     the buffers contribute zero and are counted in `stats.dropped_pairs`.
     """
-    tokens = x.shape[0]
-    bufs = spec.buffers
-    me = jax.lax.axis_index(spec.axis_name).astype(jnp.int32)
     wire = dedup_rows(
         dest_shard,
         dest_group,
@@ -79,7 +89,28 @@ def expert_parallel_trip(
         dedup=spec.dedup,
     )
     counts = jax.lax.all_gather(wire.send_counts, spec.axis_name)  # [R, R]
-    plan = make_exchange_plan(counts, bufs.rows, me)
+    return trip_wire_rows(x, wire, counts, w_gate_up, w_down, spec, grad_acc)
+
+
+def trip_wire_rows(
+    x: Float[Array, "tokens d_model"],
+    wire: WireRows,
+    wire_counts: Int[Array, "shards shards"],
+    w_gate_up: Float[Array, "groups d_model two_d_ff"],
+    w_down: Float[Array, "groups d_ff d_model"],
+    spec: TripSpec,
+    grad_acc: tuple[
+        Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
+    ]
+    | None = None,
+) -> tuple[Float[Array, "tokens d_model"], TripStats]:
+    """[`moe_eqx.expert_parallel_trip`][] from wire rows already built, and their
+    all-gathered `[R, R]` counts (the layer builds them once, for the predicate too).
+    """
+    tokens = x.shape[0]
+    bufs = spec.buffers
+    me = jax.lax.axis_index(spec.axis_name).astype(jnp.int32)
+    plan = make_exchange_plan(wire_counts, bufs.rows, me)
     exchange = resolve_exchange(
         spec.exchange, axis_name=spec.axis_name, block_rows=bufs.block_rows
     )
@@ -96,14 +127,16 @@ def expert_parallel_trip(
 
     with jax.named_scope("moe_eqx.exchange"):
         recv_x = exchange.dispatch(x[wire.token], plan, bufs.rows)
-        recv_groups = exchange.dispatch(wire.groups, plan, bufs.rows)
+        # Groups travel shifted by one, so that a row that never arrived (zeros in the
+        # receive buffer) reads as "no pair": what is computed below is counted from
+        # what really arrived, not from the plan.
+        recv_groups = exchange.dispatch(wire.groups + 1, plan, bufs.rows) - 1
         recv_weights = exchange.dispatch(wire.weights, plan, bufs.rows)
 
-    num_recv = jnp.sum(plan.sizes[:, me])
     pairs, dropped_at_receiver = expand_rows(
         recv_groups,
         recv_weights,
-        num_recv,
+        jnp.asarray(bufs.rows, jnp.int32),
         num_groups=spec.num_groups,
         capacity=bufs.pairs,
     )
@@ -119,4 +152,9 @@ def expert_parallel_trip(
     with jax.named_scope("moe_eqx.exchange"):
         back = exchange.combine(y_rows, plan, bufs.send_rows)
     y = scatter_to_tokens(back, wire.token, tokens)
-    return y, TripStats(dropped_pairs=dropped_at_sender + dropped_at_receiver)
+    stats = TripStats(
+        computed_pairs=jnp.sum(pairs.group_sizes).astype(jnp.int32),
+        recv_rows=jnp.sum(jnp.any(recv_groups >= 0, axis=1)).astype(jnp.int32),
+        dropped_pairs=(dropped_at_sender + dropped_at_receiver).astype(jnp.int32),
+    )
+    return y, stats

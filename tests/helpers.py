@@ -13,8 +13,14 @@ import numpy as np
 import moe_eqx as me
 
 
+def cpu_devices():
+    """The 8 simulated CPU devices of the test session (also on an accelerator
+    machine, where the default backend is the accelerator)."""
+    return jax.devices("cpu")
+
+
 def mesh(num_shards: int):
-    return jax.make_mesh((num_shards,), ("expert",), devices=jax.devices()[:num_shards])
+    return jax.make_mesh((num_shards,), ("expert",), devices=cpu_devices()[:num_shards])
 
 
 def auto_mesh(num_shards: int):
@@ -22,7 +28,7 @@ def auto_mesh(num_shards: int):
     return jax.make_mesh(
         (num_shards,),
         ("expert",),
-        devices=jax.devices()[:num_shards],
+        devices=cpu_devices()[:num_shards],
         axis_types=(jax.sharding.AxisType.Auto,),
     )
 
@@ -86,8 +92,24 @@ def oracle_value_and_grad(layer, x):
     return y, grads, gx
 
 
+def assert_nothing_lost(stats, num_tokens: int, top_k: int):
+    """Every routed pair was computed or counted as dropped: `lost_pairs` is 0, and
+    the pairs the shards report computing plus the dropped ones are all the pairs."""
+    assert int(stats.lost_pairs) == 0, f"{int(stats.lost_pairs)} pairs lost"
+    computed = int(jnp.sum(stats.recv_pairs))
+    assert computed + int(stats.dropped_pairs) == num_tokens * top_k, (
+        computed,
+        int(stats.dropped_pairs),
+        num_tokens * top_k,
+    )
+    assert int(jnp.sum(stats.expert_counts)) == num_tokens * top_k
+
+
 def assert_matches_oracle(layer, x, mesh, *, atol=2e-5, rtol=2e-5):
     y, stats, grads, gx = layer_value_and_grad(layer, x, mesh)
+    num_tokens = x.size // x.shape[-1]
+    assert_nothing_lost(stats, num_tokens, layer.config.top_k)
+    assert int(stats.dropped_pairs) == 0  # the oracle computes every pair
     y_ref, grads_ref, gx_ref = oracle_value_and_grad(layer, x)
     np.testing.assert_allclose(y, y_ref, atol=atol, rtol=rtol, err_msg="output")
     np.testing.assert_allclose(gx, gx_ref, atol=atol, rtol=rtol, err_msg="d/dx")
@@ -151,3 +173,18 @@ def run_module(module, args, *, timeout, cache_dir=None, expect=None):
 def load_params(path) -> dict:
     with np.load(path) as f:
         return {k: f[k] for k in f.files}
+
+
+def run_python(code: str, *, timeout: int = 120) -> str:
+    """Runs `code` in a fresh interpreter (no pytest, no runtime type checks) on the
+    CPU and returns its standard output; fails the test on a non-zero exit."""
+    env = demo_env()
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import (
     assert_matches_oracle,
+    assert_nothing_lost,
     auto_mesh,
     make_layer,
     mesh,
@@ -21,6 +22,7 @@ def test_drop_is_counted_and_differs(getkey):
     layer = make_layer(getkey(), mesh_size=4, buffer_factor=0.1, on_overflow="drop")
     x = tokens(getkey(), 128)
     y, stats = jax.jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
+    assert_nothing_lost(stats, 128, 2)  # dropped, counted, not lost
     y_ref = me.reference_moe(layer, x)
     assert bool(stats.overflow) and not bool(stats.fallback_used)
     dropped = int(stats.dropped_pairs)
@@ -100,6 +102,7 @@ def test_one_shard_overflow_triggers_fallback_everywhere(getkey):
     stats = assert_matches_oracle(layer, x, mesh(4), atol=2e-4, rtol=2e-4)
     assert bool(stats.overflow) and bool(stats.fallback_used)
     _, stats = jax.jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
+    assert_nothing_lost(stats, 128, 2)
     for leaf in (stats.overflow, stats.fallback_used):
         vals = [bool(s.data) for s in leaf.addressable_shards]
         assert all(vals), "every shard takes the fallback"
@@ -111,14 +114,52 @@ def test_worst_case_buffer_never_falls_back(getkey):
     )
     x = tokens(getkey(), 64)
     _, stats = eqx.filter_jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
+    assert_nothing_lost(stats, 64, 2)
     assert not bool(stats.overflow) and not bool(stats.fallback_used)
     assert int(stats.num_chunks) == 1
 
 
-def test_buffer_too_small_for_fallback_is_an_error(getkey):
-    layer = make_layer(getkey(), mesh_size=8, buffer_factor=0.01)
-    with pytest.raises(ValueError, match="buffer_factor"):
-        layer(tokens(getkey(), 64), mesh=mesh(8))
+@pytest.mark.parametrize("dedup", [True, False], ids=["dedup", "nodedup"])
+def test_small_batches_adapt_the_fallback(getkey, dedup):
+    """Decode-style batches: one token per shard, k = 2, R = 8. The capped buffer
+    (ceil(buffer_factor * 1 * 2) pairs) cannot hold one token from every shard; the
+    fallback then runs single-token chunks with the smallest buffers that can, instead
+    of refusing the configuration."""
+    layer = make_layer(
+        getkey(), mesh_size=8, bias_kind="one_shard", buffer_factor=1.0, dedup=dedup
+    )
+    x = tokens(getkey(), 8)
+    stats = assert_matches_oracle(layer, x, mesh(8))
+    assert bool(stats.overflow) and bool(stats.fallback_used)
+    assert int(stats.num_chunks) == 1 and int(stats.dropped_pairs) == 0
+    # Every token picks expert 0 (shard 0) and one more.
+    assert int(stats.recv_pairs[0]) == 8 and int(jnp.sum(stats.recv_pairs)) == 16
+    # A tiny factor is no longer an error either.
+    layer = make_layer(getkey(), mesh_size=8, buffer_factor=0.01, dedup=dedup)
+    stats = assert_matches_oracle(layer, tokens(getkey(), 64), mesh(8))
+    assert bool(stats.fallback_used) and int(stats.num_chunks) == 8
+
+
+def test_fallback_chunking_adapts_below_one_token():
+    capped = me.buffer_sizes(
+        tokens=1, top_k=2, num_shards=8, num_groups=1, dedup=True, buffer_factor=1.0
+    )
+    assert (capped.rows, capped.pairs) == (2, 2)
+    n, bufs = me.fallback_chunking(
+        tokens=1, top_k=2, num_shards=8, num_groups=1, dedup=True, capped=capped
+    )
+    # One token from each of 8 shards: 8 rows, 8 pairs (L + S = 1 group per shard).
+    assert (n, bufs.rows, bufs.pairs) == (1, 8, 8)
+    # Where one token per shard fits, the chunk buffers never exceed the capped ones.
+    capped = me.buffer_sizes(
+        tokens=64, top_k=2, num_shards=8, num_groups=2, dedup=True, buffer_factor=0.5
+    )
+    n, bufs = me.fallback_chunking(
+        tokens=64, top_k=2, num_shards=8, num_groups=2, dedup=True, capped=capped
+    )
+    assert bufs.rows <= capped.rows and bufs.pairs <= capped.pairs
+    # 64 pairs hold 4 tokens from each of 8 shards at 2 pairs a token: 16 chunks.
+    assert (n, bufs.rows, bufs.pairs) == (16, 32, 64)
 
 
 def _trip_inputs(key, num_shards, tokens_per_shard, k, num_local, d=8, f=12):
@@ -159,7 +200,7 @@ def _run_chunked(num_shards, num_chunks, x, w, experts, gu, dn, num_local, k, ch
     def body(x, w, e, gu, dn):
         args = (x, w, e // num_local, e % num_local, jnp.ones(e.shape, bool), gu, dn)
         if chunked:
-            return me.chunked_dropless(*args, spec, num_chunks)
+            return me.chunked_dropless(*args, spec, num_chunks)[0]
         return me.expert_parallel_trip(*args, spec)[0]
 
     f = jax.shard_map(
@@ -200,18 +241,17 @@ def test_chunked_custom_vjp_finite_differences(getkey):
         return jnp.sum(_run_chunked(r, 3, x, w, e, gu, dn, local, k, True) * ct)
 
     grads = jax.grad(f, argnums=(0, 1, 2, 3))(x, w, gu, dn)
-    with jax.enable_x64(False):
-        for i, arg in enumerate((x, w, gu, dn)):
-            direction = jr.normal(getkey(), arg.shape)
-            eps = 1e-2
-            args = [x, w, gu, dn]
-            plus = list(args)
-            minus = list(args)
-            plus[i] = arg + eps * direction
-            minus[i] = arg - eps * direction
-            fd = (f(*plus) - f(*minus)) / (2 * eps)
-            an = jnp.sum(grads[i] * direction)
-            np.testing.assert_allclose(fd, an, rtol=2e-2, atol=2e-3)
+    for i, arg in enumerate((x, w, gu, dn)):
+        direction = jr.normal(getkey(), arg.shape)
+        eps = 1e-2
+        args = [x, w, gu, dn]
+        plus = list(args)
+        minus = list(args)
+        plus[i] = arg + eps * direction
+        minus[i] = arg - eps * direction
+        fd = (f(*plus) - f(*minus)) / (2 * eps)
+        an = jnp.sum(grads[i] * direction)
+        np.testing.assert_allclose(fd, an, rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

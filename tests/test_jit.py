@@ -3,7 +3,7 @@
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
-from helpers import make_layer, mesh, tokens, with_bias
+from helpers import assert_nothing_lost, make_layer, mesh, tokens, with_bias
 
 
 def test_one_trace_across_values_and_branches(getkey):
@@ -24,6 +24,8 @@ def test_one_trace_across_values_and_branches(getkey):
     _, s3 = f(with_bias(layer, bias), tokens(getkey(), 64))
     assert traces == 1
     assert not bool(s1.fallback_used) and bool(s3.fallback_used)
+    assert_nothing_lost(s1, 64, 2)
+    assert_nothing_lost(s3, 64, 2)
 
 
 def test_single_device_one_trace(getkey):

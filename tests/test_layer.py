@@ -1,6 +1,7 @@
 """Single-device layer against the dense oracle; bad input."""
 
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 import pytest
 from helpers import assert_matches_oracle, make_layer, tokens
@@ -14,10 +15,18 @@ import moe_eqx as me
         dict(score_func="softmax"),
         dict(score_func="sigmoid"),
         dict(score_func="softmax", norm_topk=False),
+        dict(score_func="sigmoid", norm_topk=False),
         dict(num_groups=4, top_groups=2),
         dict(score_func="sigmoid", num_groups=4, top_groups=2, top_k=3),
     ],
-    ids=["softmax", "sigmoid", "softmax-unnormalised", "grouped", "sigmoid-grouped"],
+    ids=[
+        "softmax",
+        "sigmoid",
+        "softmax-unnormalised",
+        "sigmoid-unnormalised",
+        "grouped",
+        "sigmoid-grouped",
+    ],
 )
 def test_single_device_matches_oracle(getkey, overrides):
     layer = make_layer(getkey(), **overrides)
@@ -63,7 +72,15 @@ def test_wrong_width_is_rejected(getkey):
         layer(jnp.zeros((8, 15)))
 
 
-def test_wrong_rank_is_rejected(getkey):
+@pytest.mark.parametrize("shape", [(2, 8), (3, 2, 4), (16,)])
+def test_leading_dimensions(getkey, shape):
+    """`x: [..., d_model]`: the leading dimensions are tokens; the output keeps them."""
     layer = make_layer(getkey())
-    with pytest.raises((ValueError, TypeError)):
-        layer(jnp.zeros((2, 8, 16)))
+    x = jr.normal(getkey(), (*shape, 16))
+    y, stats = layer(x)
+    assert y.shape == x.shape
+    flat, _ = layer(x.reshape(-1, 16))
+    np.testing.assert_allclose(y.reshape(-1, 16), flat, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y, me.reference_moe(layer, x), rtol=2e-5, atol=2e-5)
+    assert int(stats.lost_pairs) == 0
+    assert int(jnp.sum(stats.recv_pairs)) == x.size // 16 * 2

@@ -4,7 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, make_layer, mesh, tokens
+from helpers import (
+    assert_matches_oracle,
+    assert_nothing_lost,
+    make_layer,
+    mesh,
+    tokens,
+)
 
 ROUTINGS = ["uniform", "zipf", "one_expert", "one_shard"]
 
@@ -18,33 +24,36 @@ def test_expert_parallel_matches_oracle(getkey, num_shards, dedup, routing):
     )
     x = tokens(getkey(), 64)
     stats = assert_matches_oracle(layer, x, mesh(num_shards))
-    assert int(stats.dropped_pairs) == 0
-    total_pairs = 64 * 3
-    assert int(jnp.sum(stats.recv_pairs)) == total_pairs
-    assert int(jnp.sum(stats.expert_counts)) == total_pairs
+    # Rows and pairs each shard receives, counted token by token from the routing
+    # (not from the stats the predicate itself uses).
+    local = 8 // num_shards
+    tokens_per_shard = 64 // num_shards
+    experts = np.asarray(layer.router(x).experts)
+    rows = np.zeros(num_shards, int)
+    pairs = np.zeros(num_shards, int)
+    for t, row in enumerate(experts):
+        dests = [int(e) // local for e in row]
+        np.add.at(pairs, dests, 1)
+        np.add.at(rows, sorted(set(dests)) if dedup else dests, 1)
+    np.testing.assert_array_equal(stats.recv_pairs, pairs)
+    np.testing.assert_array_equal(stats.wire_rows, rows)
     if routing in ("one_expert", "one_shard"):
         # Every token sends its pairs on shard 0 there.
-        local = 8 // num_shards
-        assert int(stats.recv_pairs[0]) == 64 * min(3, local)
+        assert pairs[0] == 64 * min(3, local)
     # The exact predicate against the buffer (B = 2 * T_local * k), and the fallback.
-    buffer = 2 * (64 // num_shards) * 3
-    expect = bool(
-        jnp.max(stats.recv_pairs) > buffer or jnp.max(stats.wire_rows) > buffer
-    )
+    buffer = 2 * tokens_per_shard * 3
+    expect = bool(pairs.max() > buffer or rows.max() > buffer)
     assert bool(stats.overflow) == expect
     assert bool(stats.fallback_used) == expect
     if routing == "one_shard" and num_shards >= 4:
         assert expect
-    if not dedup:
-        assert int(jnp.sum(stats.wire_rows)) == total_pairs
-    else:
-        assert int(jnp.sum(stats.wire_rows)) <= total_pairs
 
 
 def test_dedup_sends_one_row_per_token_and_shard(getkey):
     layer = make_layer(getkey(), mesh_size=4, top_k=4, buffer_factor=None)
     x = tokens(getkey(), 64)
     _, stats = jax.jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
+    assert_nothing_lost(stats, 64, 4)
     r = layer.router(x)
     distinct = sum(len(set((np.asarray(row) // 2).tolist())) for row in r.experts)
     assert int(jnp.sum(stats.wire_rows)) == distinct
@@ -55,6 +64,7 @@ def test_stats_identical_on_all_shards(getkey):
     layer = make_layer(getkey(), mesh_size=4, bias_kind="zipf")
     x = tokens(getkey(), 64)
     _, stats = jax.jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
+    assert_nothing_lost(stats, 64, 2)
     for leaf in jax.tree.leaves(stats):
         # Replicated outputs: every device holds the same value.
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
@@ -69,6 +79,6 @@ def test_bad_mesh_inputs(getkey):
     layer = make_layer(getkey())
     with pytest.raises(ValueError, match="tokens"):
         layer(tokens(getkey(), 18), mesh=mesh(4))
-    bad_axis = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    bad_axis = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])
     with pytest.raises(ValueError, match="axis_name"):
         layer(tokens(getkey(), 16), mesh=bad_axis)

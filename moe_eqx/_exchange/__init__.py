@@ -12,20 +12,29 @@ from .emulator import emulate_ragged_all_to_all as emulate_ragged_all_to_all
 from .ragged import RaggedExchange as RaggedExchange
 
 
-def resolve_exchange(name: str, *, axis_name: str, block_rows: int) -> AbstractExchange:
-    """`"auto"` picks `ragged` on GPU/TPU and `dense` elsewhere (XLA:CPU has no
-    lowering of `ragged_all_to_all`)."""
+def exchange_name(name: str, platform: str | None = None) -> str:
+    """The exchange `name` resolves to on `platform` (default: the default backend):
+    `"auto"` picks `ragged` on GPU/TPU and `dense` on CPU, where XLA has no lowering of
+    `ragged_all_to_all`."""
+    platform = jax.default_backend() if platform is None else platform
     if name == "auto":
-        name = "dense" if jax.default_backend() == "cpu" else "ragged"
-    if name == "dense":
+        return "dense" if platform == "cpu" else "ragged"
+    if name not in ("dense", "ragged"):
+        raise ValueError(
+            f"Unknown `exchange` {name!r}; expected 'auto', 'dense' or 'ragged'."
+        )
+    if name == "ragged" and platform == "cpu":
+        raise ValueError(
+            "`exchange='ragged'` needs a GPU or TPU: XLA:CPU has no lowering of "
+            "`lax.ragged_all_to_all`. Use exchange='dense' or 'auto' on CPU."
+        )
+    return name
+
+
+def resolve_exchange(
+    name: str, *, axis_name: str, block_rows: int, platform: str | None = None
+) -> AbstractExchange:
+    """The exchange backend for `name` (see [`exchange_name`][] for `"auto"`)."""
+    if exchange_name(name, platform) == "dense":
         return DenseExchange(axis_name=axis_name, block_rows=block_rows)
-    if name == "ragged":
-        if jax.default_backend() == "cpu":
-            raise ValueError(
-                "`exchange='ragged'` needs a GPU or TPU: XLA:CPU has no lowering of "
-                "`lax.ragged_all_to_all`. Use exchange='dense' or 'auto' on CPU."
-            )
-        return RaggedExchange(axis_name=axis_name)
-    raise ValueError(
-        f"Unknown `exchange` {name!r}; expected 'auto', 'dense' or 'ragged'."
-    )
+    return RaggedExchange(axis_name=axis_name)

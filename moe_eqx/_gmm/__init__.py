@@ -26,14 +26,14 @@ _BACKENDS = {
 }
 
 
-def auto_backend_name() -> str:
-    """The backend `"auto"` resolves to on the default device.
+def auto_backend_name(platform: str | None = None) -> str:
+    """The backend `"auto"` resolves to on `platform` (default: the default backend).
 
     TPU: `"ragged_dot"` (native there). Hopper GPU (compute capability 9.x) with the
     Mosaic GPU kernels importable: `"mosaic_gpu"`. Anything else: `"tiled"`. Never
     `"ragged_dot"` on CPU or GPU, where it lowers to a dense masked product.
     """
-    platform = jax.default_backend()
+    platform = jax.default_backend() if platform is None else platform
     if platform == "tpu":
         return "ragged_dot"
     if platform == "gpu" and mosaic_gpu_available():
