@@ -1,10 +1,16 @@
+import glob
 import os
 
 # Must happen before jax is imported anywhere in the test session.
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Default to the CPU only where there is no accelerator: on a GPU (or TPU) machine the
+# GPU tests then run, while every other test still runs on the 8 CPU devices (see the
+# `_cpu_unless_gpu_test` fixture and `helpers.mesh`).
+HAS_ACCELERATOR = bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/accel[0-9]*"))
+if not HAS_ACCELERATOR:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.random as jr  # noqa: E402
@@ -13,6 +19,17 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu_test(request):
+    """Tests not marked `gpu` run on the CPU devices, as in CI, even where the default
+    backend is an accelerator."""
+    if jax.default_backend() == "cpu" or request.node.get_closest_marker("gpu"):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture

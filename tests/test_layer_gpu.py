@@ -2,7 +2,8 @@
 (`lax.ragged_all_to_all`, which has no CPU lowering) and, on Hopper, the `mosaic_gpu`
 GMM inside `shard_map`, with the capped path and the forced dropless fallback.
 
-tests/conftest.py defaults `JAX_PLATFORMS` to cpu, so run these with the GPU visible:
+On a GPU machine tests/conftest.py leaves the GPU visible (elsewhere it defaults to
+the CPU). To run only these:
 
     JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/test_layer_gpu.py -q
 

@@ -488,7 +488,9 @@ def test_assign_inside_shard_map():
         hot="contiguous",
         seed=11,
     )
-    mesh = jax.make_mesh((num_shards,), ("expert",))
+    mesh = jax.make_mesh(
+        (num_shards,), ("expert",), devices=jax.devices("cpu")[:num_shards]
+    )
 
     def per_shard(experts):
         local_counts = jnp.zeros((num_experts,), jnp.int32).at[experts.ravel()].add(1)
