@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ._base import AbstractGMMBackend
 from .._rules import match_varying
+from ._base import AbstractGMMBackend
 from .tiled import TiledGMM
 
 Kernel = Literal["fwd", "dlhs", "drhs"]
@@ -289,9 +289,24 @@ def _modules():
     return ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 
+# The Pallas kernels this backend calls are internal to jax and change between
+# releases: their signatures and tiling rules were checked on these versions (the
+# interpreter tests run on 0.10 and 0.12). `auto` does not pick the backend outside
+# them; `pyproject.toml`'s `cuda` extra has the same bounds.
+TESTED_JAX = ((0, 10), (0, 12))
+
+
+def _jax_version() -> tuple[int, int]:
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def mosaic_gpu_available() -> bool:
-    """Whether the default device is a Hopper (compute capability 9.x) NVIDIA GPU and
-    the Mosaic GPU ragged-dot kernels import."""
+    """Whether the default device is a Hopper (compute capability 9.x) NVIDIA GPU, the
+    Mosaic GPU ragged-dot kernels import, and jax is a version they were tested with
+    (`TESTED_JAX`, inclusive)."""
+    if not TESTED_JAX[0] <= _jax_version() <= TESTED_JAX[1]:
+        return False
     try:
         device = jax.devices()[0]
     except RuntimeError:  # pragma: no cover
