@@ -27,7 +27,11 @@ from ._exchange import (
     emulate_ragged_all_to_all as emulate_ragged_all_to_all,
     make_exchange_plan as make_exchange_plan,
 )
-from ._experts import Experts as Experts, expert_ffn as expert_ffn
+from ._experts import (
+    Experts as Experts,
+    SharedExperts as SharedExperts,
+    expert_ffn as expert_ffn,
+)
 from ._fallback import (
     chunked_dropless as chunked_dropless,
     fallback_chunking as fallback_chunking,
@@ -50,6 +54,8 @@ from ._layer import (
     MoEStats as MoEStats,
     reference_moe as reference_moe,
     shard_layer as shard_layer,
+    shard_model as shard_model,
+    shard_specs as shard_specs,
 )
 from ._overflow import (
     BufferSizes as BufferSizes,
@@ -67,8 +73,10 @@ from ._router import (
     Router as Router,
     Routing as Routing,
     load_balance_loss as load_balance_loss,
+    sequence_balance_loss as sequence_balance_loss,
     update_router_bias as update_router_bias,
 )
+from ._shard import expert_parallel_shard as expert_parallel_shard
 from ._slots import gather_slot_weights as gather_slot_weights
 from ._trip import TripSpec as TripSpec, expert_parallel_trip as expert_parallel_trip
 

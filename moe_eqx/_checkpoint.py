@@ -220,6 +220,11 @@ def _check_like(loaded: Any, like: Any, where: str) -> Any:
             f"expected {tuple(like.shape)} and {want_dtype} (was the checkpoint written "
             "by a different model configuration?)."
         )
+    sharding = getattr(like, "sharding", None)
+    if isinstance(like, jax.Array | jax.ShapeDtypeStruct) and sharding is not None:
+        # Restored where the like tree's leaf lives (e.g. experts split over a mesh),
+        # so that a resumed training step reuses the compilation of the first run.
+        return jax.device_put(loaded, sharding)
     return loaded
 
 
@@ -237,8 +242,9 @@ def read_checkpoint(
 
     **Returns:**
 
-    The loaded tree (JAX arrays on the default device where `like_tree` has JAX
-    arrays, NumPy arrays where it has NumPy arrays).
+    The loaded tree: JAX arrays with the sharding of `like_tree`'s leaf where it has
+    JAX arrays (or `ShapeDtypeStruct`s with a sharding), NumPy arrays where it has
+    NumPy arrays.
 
     **Raises:**
 

@@ -49,6 +49,12 @@ class MoEConfig(eqx.Module):
         into `num_groups` contiguous groups and each token may only choose among the
         experts of its `top_groups` best groups.
     - `use_router_bias`: add a selection-only bias (aux-loss-free balancing).
+    - `routed_scaling_factor`: multiplies the routed experts' output, after the
+        weights are normalised (DeepSeek-V3 uses 2.5).
+    - `shared_d_ff`: hidden width of the shared expert that every token goes through
+        (0 = none; DeepSeek-V3's is `n_shared_experts * moe_intermediate_size`).
+    - `shared_gate`: scale the shared expert's output by a per-token sigmoid gate
+        `sigmoid(x @ gate)` (Qwen2-MoE); needs `shared_d_ff > 0`.
     - `buffer_factor`: receive buffer rows per shard `B = ceil(buffer_factor * T * k)`;
         `None` means the worst case, which never overflows.
     - `on_overflow`: `"fallback"` (chunked dropless path; no token ever dropped) or
@@ -71,6 +77,11 @@ class MoEConfig(eqx.Module):
     num_groups: int = eqx.field(static=True, default=1, converter=_integer)
     top_groups: int = eqx.field(static=True, default=1, converter=_integer)
     use_router_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
+    routed_scaling_factor: float | int = eqx.field(
+        static=True, default=1.0, converter=_real
+    )
+    shared_d_ff: int = eqx.field(static=True, default=0, converter=_integer)
+    shared_gate: bool = eqx.field(static=True, default=False, converter=_boolean)
     buffer_factor: float | int | None = eqx.field(
         static=True, default=2.0, converter=_real
     )
@@ -86,7 +97,7 @@ class MoEConfig(eqx.Module):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        for name in ("norm_topk", "use_router_bias", "dedup"):
+        for name in ("norm_topk", "use_router_bias", "dedup", "shared_gate"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}.")
@@ -110,8 +121,10 @@ class MoEConfig(eqx.Module):
                 f"`num_experts` ({self.num_experts}) must be divisible by `num_groups` "
                 f"({self.num_groups})."
             )
-        if not isinstance(self.top_groups, int) or isinstance(self.top_groups, bool) or not (
-            1 <= self.top_groups <= self.num_groups
+        if (
+            not isinstance(self.top_groups, int)
+            or isinstance(self.top_groups, bool)
+            or not (1 <= self.top_groups <= self.num_groups)
         ):
             raise ValueError(
                 f"`top_groups` must be in [1, num_groups={self.num_groups}], got "
@@ -133,6 +146,28 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`buffer_factor` must be a positive finite number or None, got "
                 f"{self.buffer_factor!r}."
+            )
+        if not (
+            isinstance(self.routed_scaling_factor, int | float)
+            and not isinstance(self.routed_scaling_factor, bool)
+            and math.isfinite(self.routed_scaling_factor)
+            and self.routed_scaling_factor > 0
+        ):
+            raise ValueError(
+                f"`routed_scaling_factor` must be a positive finite number, got "
+                f"{self.routed_scaling_factor!r}."
+            )
+        if (
+            not isinstance(self.shared_d_ff, int)
+            or isinstance(self.shared_d_ff, bool)
+            or self.shared_d_ff < 0
+        ):
+            raise ValueError(
+                f"`shared_d_ff` must be an integer >= 0, got {self.shared_d_ff!r}."
+            )
+        if self.shared_gate and self.shared_d_ff == 0:
+            raise ValueError(
+                "`shared_gate=True` needs a shared expert (`shared_d_ff > 0`)."
             )
         if self.on_overflow not in ("fallback", "drop"):
             raise ValueError(

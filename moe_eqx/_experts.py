@@ -10,6 +10,13 @@ from ._config import MoEConfig
 from ._gmm import AbstractGMMBackend, accumulating_gmm, gmm
 
 
+def _check_float(dtype) -> None:
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"Expert weights must have a floating-point `dtype`, got {jnp.dtype(dtype)}."
+        )
+
+
 class Experts(eqx.Module):
     """`E` SwiGLU experts: `expert_e(x) = (silu(x @ Wg_e) * (x @ Wu_e)) @ Wd_e`.
 
@@ -23,11 +30,7 @@ class Experts(eqx.Module):
     w_down: Float[Array, "experts d_ff d_model"]
 
     def __init__(self, config: MoEConfig, *, key: PRNGKeyArray, dtype=jnp.float32):
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"Expert weights must have a floating-point `dtype`, got "
-                f"{jnp.dtype(dtype)}."
-            )
+        _check_float(dtype)
         gu_key, down_key = jr.split(key)
         e, h, f = config.num_experts, config.d_model, config.d_ff
         self.w_gate_up = (
@@ -109,3 +112,62 @@ def expert_ffn(
             x.dtype
         )
         return product(act, w_down, acc_dn)
+
+
+class SharedExperts(eqx.Module):
+    """The shared expert(s) every token goes through (DeepSeek-V3, Qwen2-MoE): one SwiGLU
+    of width `shared_d_ff` (several shared experts are one wider SwiGLU), optionally
+    scaled per token by `sigmoid(x @ gate)`.
+
+    **Fields:**
+
+    - `w_gate_up`: `[d_model, 2 * shared_d_ff]`, gate = first half, up = second half.
+    - `w_down`: `[shared_d_ff, d_model]`.
+    - `gate`: `[d_model]` with `config.shared_gate`, else `None`.
+    """
+
+    w_gate_up: Float[Array, "d_model two_d_ff"]
+    w_down: Float[Array, "d_ff d_model"]
+    gate: Float[Array, " d_model"] | None
+
+    def __init__(self, config: MoEConfig, *, key: PRNGKeyArray, dtype=jnp.float32):
+        if config.shared_d_ff < 1:
+            raise ValueError("`SharedExperts` needs `config.shared_d_ff > 0`.")
+        _check_float(dtype)
+        gu_key, down_key, gate_key = jr.split(key, 3)
+        h, f = config.d_model, config.shared_d_ff
+        self.w_gate_up = (jr.normal(gu_key, (h, 2 * f), jnp.float32) / h**0.5).astype(
+            dtype
+        )
+        self.w_down = (jr.normal(down_key, (f, h), jnp.float32) / f**0.5).astype(dtype)
+        self.gate = (
+            (jr.normal(gate_key, (h,), jnp.float32) / h**0.5).astype(dtype)
+            if config.shared_gate
+            else None
+        )
+
+    def __call__(
+        self, x: Float[Array, "tokens d_model"]
+    ) -> Float[Array, "tokens d_model"]:
+        """`g(x) * (silu(x @ Wg) * (x @ Wu)) @ Wd`, with `g = sigmoid(x @ gate)` or 1.
+
+        **Arguments:**
+
+        - `x`: `[T, d_model]`.
+
+        **Returns:**
+
+        `[T, d_model]` in `x.dtype`.
+        """
+        with jax.named_scope("moe_eqx.shared_experts"):
+            d_ff = self.w_down.shape[0]
+            gate_up = jnp.dot(x, self.w_gate_up.astype(x.dtype))
+            gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
+            act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+            out = jnp.dot(act.astype(x.dtype), self.w_down.astype(x.dtype))
+            if self.gate is not None:
+                g = jax.nn.sigmoid(
+                    jnp.dot(x.astype(jnp.float32), self.gate.astype(jnp.float32))
+                )
+                out = (out.astype(jnp.float32) * g[:, None]).astype(x.dtype)
+            return out

@@ -102,6 +102,20 @@ class Router(eqx.Module):
         group_ok = group_ok.at[jnp.arange(tokens)[:, None], top_group_idx].set(True)
         return jnp.repeat(group_ok, per_group, axis=1)
 
+    def _scores(self, x):
+        """`(logits, scores, probs)`: float32 logits, the scores the weights come from
+        (softmax or sigmoid), and the scores normalised over all experts."""
+        logits = jnp.dot(
+            x.astype(jnp.float32),
+            self.weight.astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        if self.score_func == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+            return logits, scores, scores
+        scores = jax.nn.sigmoid(logits)
+        return logits, scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
+
     def __call__(self, x: Float[Array, "tokens d_model"]) -> Routing:
         """Routes tokens to experts.
 
@@ -114,17 +128,7 @@ class Router(eqx.Module):
         A [`moe_eqx.Routing`][].
         """
         with jax.named_scope("moe_eqx.router"):
-            logits = jnp.dot(
-                x.astype(jnp.float32),
-                self.weight.astype(jnp.float32),
-                precision=jax.lax.Precision.HIGHEST,
-            )
-            if self.score_func == "softmax":
-                scores = jax.nn.softmax(logits, axis=-1)
-                probs = scores
-            else:
-                scores = jax.nn.sigmoid(logits)
-                probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+            logits, scores, probs = self._scores(x)
             select = jax.lax.stop_gradient(scores)
             if self.bias is not None:
                 select = select + jax.lax.stop_gradient(self.bias)[None, :]
@@ -150,6 +154,43 @@ class Router(eqx.Module):
                 load_balance_loss=lb,
                 router_z_loss=z,
             )
+
+
+def sequence_balance_loss(
+    router: Router, x: Float[Array, "*batch seq d_model"]
+) -> Float[Array, ""]:
+    """DeepSeek-V3's complementary sequence-wise balance loss, averaged over sequences.
+
+    For each sequence of `S` tokens: `sum_e f_e * P_e` with
+    `f_e = E / (k * S) * #{tokens of the sequence that chose e}` and `P_e` the mean over
+    the sequence of the scores normalised over all experts (DeepSeek-V3, eqs. 17-20,
+    without the factor `alpha`, which is the caller's coefficient). 1.0 when every
+    sequence is perfectly balanced. Multiply by a small `alpha` and add it to the loss.
+
+    The layer's `stats.load_balance_loss` is the batch-wide (Switch) loss
+    `E * sum_e f_e P_e` with `f_e` the fraction of pairs routed to `e`; that is
+    Hugging Face's `load_balancing_loss_func` divided by `top_k`.
+
+    **Arguments:**
+
+    - `router`: the layer's [`moe_eqx.Router`][] (`layer.router`).
+    - `x`: `[..., seq, d_model]`, the tokens the layer sees, with the sequence axis
+        second to last.
+
+    **Returns:**
+
+    A float32 scalar, differentiable with respect to the router's weight.
+    """
+    *batch, seq, d_model = x.shape
+    flat = x.reshape(-1, d_model)
+    experts = router(flat).experts
+    _, _, probs = router._scores(flat)
+    num_experts = router.num_experts
+    chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=1)
+    chosen = chosen.reshape(-1, seq, num_experts)
+    f = chosen.sum(axis=1) * (num_experts / (router.top_k * seq))
+    p = probs.reshape(-1, seq, num_experts).mean(axis=1)
+    return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1))
 
 
 def update_router_bias(

@@ -113,11 +113,13 @@ def assert_matches_oracle(layer, x, mesh, *, atol=2e-5, rtol=2e-5):
     y_ref, grads_ref, gx_ref = oracle_value_and_grad(layer, x)
     np.testing.assert_allclose(y, y_ref, atol=atol, rtol=rtol, err_msg="output")
     np.testing.assert_allclose(gx, gx_ref, atol=atol, rtol=rtol, err_msg="d/dx")
-    names = ["router.weight", "experts.w_gate_up", "experts.w_down"]
-    for name in names:
-        get = lambda t, name=name: eval("t." + name)  # noqa: E731
+    # Every parameter: router, experts, shared experts (the same tree on both sides).
+    paths = jax.tree_util.tree_flatten_with_path(grads)[0]
+    ref = jax.tree.leaves(grads_ref)
+    assert len(paths) == len(ref) >= 3
+    for (path, got), want in zip(paths, ref, strict=True):
         np.testing.assert_allclose(
-            get(grads), get(grads_ref), atol=atol, rtol=rtol, err_msg=f"d/d{name}"
+            got, want, atol=atol, rtol=rtol, err_msg=f"d/d{jax.tree_util.keystr(path)}"
         )
     return stats
 

@@ -133,9 +133,7 @@ def _broken_plan(plan_duplication):
         q = p.expert_shard_pairs
         hot = jnp.argmax(jnp.sum(q, axis=1))
         home = jnp.argmax(q[hot])
-        return eqx.tree_at(
-            lambda p: p.expert_shard_pairs, p, q.at[hot, home].add(-1)
-        )
+        return eqx.tree_at(lambda p: p.expert_shard_pairs, p, q.at[hot, home].add(-1))
 
     return plan
 

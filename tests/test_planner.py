@@ -164,9 +164,9 @@ def test_plan_exact_on_many_random_counts(shape):
     counts[:50] = 0
     counts[50:100, :, 1:] = 0  # one expert holds everything
     counts[100:150, 1:, :] = 0  # one source shard holds everything
-    plans = jax.jit(
-        jax.vmap(functools.partial(plan_duplication, num_slots=num_slots))
-    )(jnp.asarray(counts))
+    plans = jax.jit(jax.vmap(functools.partial(plan_duplication, num_slots=num_slots)))(
+        jnp.asarray(counts)
+    )
     q = np.asarray(plans.expert_shard_pairs)
     np.testing.assert_array_equal(q.sum(axis=2), counts.sum(axis=1))
     home = counts.sum(axis=1).reshape(400, num_shards, local).sum(axis=2)

@@ -31,7 +31,7 @@ def test_expert_parallel_matches_oracle(getkey, num_shards, dedup, routing):
     experts = np.asarray(layer.router(x).experts)
     rows = np.zeros(num_shards, int)
     pairs = np.zeros(num_shards, int)
-    for t, row in enumerate(experts):
+    for row in experts:
         dests = [int(e) // local for e in row]
         np.add.at(pairs, dests, 1)
         np.add.at(rows, sorted(set(dests)) if dedup else dests, 1)
