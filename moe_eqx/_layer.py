@@ -1,6 +1,7 @@
 """`MoELayer`: the stages composed, on one device or expert-parallel in `shard_map`."""
 
 import functools as ft
+import math
 
 import equinox as eqx
 import jax
@@ -85,31 +86,34 @@ class MoELayer(eqx.Module):
         _check_input(x, cfg)
         num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
         num_devices = 1 if mesh is None else mesh.size
-        batch_shape = x.shape[:-1]
-        x = x.reshape(-1, cfg.d_model)
-        if x.shape[0] % num_devices:
+        num_tokens = math.prod(x.shape[:-1])
+        if num_tokens % num_devices:
             raise ValueError(
-                f"tokens ({x.shape[0]}, from `x` of shape {(*batch_shape, cfg.d_model)})"
-                f" must be divisible by the number of devices of the mesh "
-                f"({num_devices}: axes {dict(mesh.shape)}), over which they are sharded."
+                f"tokens ({num_tokens}, from `x` of shape {x.shape}) must be divisible "
+                f"by the number of devices of the mesh ({num_devices}: axes "
+                f"{dict(mesh.shape)}), over which they are sharded."
             )
-        if x.shape[0] == 0:
-            y, stats = x, _empty_stats(cfg, num_shards)
-        elif mesh is None:
+        if num_tokens == 0:
+            return x, _empty_stats(cfg, num_shards)
+        if mesh is None:
+            batch_shape = x.shape[:-1]
             y, stats = _single_device_call(
-                cfg, self.router, self.experts, self.shared_experts, x
-            )
-        else:
-            y, stats = _expert_parallel_call(
                 cfg,
-                mesh,
                 self.router,
-                self.experts.w_gate_up,
-                self.experts.w_down,
+                self.experts,
                 self.shared_experts,
-                x,
+                x.reshape(-1, cfg.d_model),
             )
-        return y.reshape(*batch_shape, cfg.d_model), stats
+            return y.reshape(*batch_shape, cfg.d_model), stats
+        return _expert_parallel_call(
+            cfg,
+            mesh,
+            self.router,
+            self.experts.w_gate_up,
+            self.experts.w_down,
+            self.shared_experts,
+            x,
+        )
 
 
 def _check_input(x, cfg: MoEConfig) -> None:
@@ -218,16 +222,35 @@ def _expert_parallel_call(
         out_specs=(tokens, P()),
         check_vma=False,
     )
+    # [..., d_model] -> [tokens, d_model] and back. With Explicit axes
+    # (`jax.make_mesh`'s default) the inputs are resharded onto the caller's own mesh
+    # and the outputs stay there, so they mix with the caller's arrays; a reshape of
+    # an explicitly sharded array must name its output sharding.
+    shape = x.shape
+    flat = (math.prod(shape[:-1]), shape[-1])
+    if explicit:
+        x = jax.lax.reshape(
+            x, flat, out_sharding=jax.sharding.NamedSharding(mesh, tokens)
+        )
+    else:
+        x = x.reshape(flat)
     args = (router, w_gate_up, w_down, shared, x)
     specs = (P(), P(ax), P(ax), P(), tokens)
-    # With Explicit axes (`jax.make_mesh`'s default) the inputs are resharded onto the
-    # caller's own mesh and the outputs stay there, so they mix with the caller's arrays.
     place = _reshard if explicit else _place
     args = tuple(
         jax.tree.map(lambda a, s=s: place(a, mesh, s), a)
         for a, s in zip(args, specs, strict=True)
     )
-    return per_shard(*args)
+    y, stats = per_shard(*args)
+    if not explicit:
+        return y.reshape(shape), stats
+    # The first leading dimension that the devices divide carries the sharding.
+    dims = [None] * len(shape)
+    split = next((i for i, n in enumerate(shape[:-1]) if n % mesh.size == 0), None)
+    if split is not None:
+        dims[split] = tuple(mesh.axis_names)
+    out = jax.sharding.NamedSharding(mesh, P(*dims))
+    return jax.lax.reshape(y, shape, out_sharding=out), stats
 
 
 def _has_explicit_axes(mesh: Mesh) -> bool:
