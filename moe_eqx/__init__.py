@@ -49,6 +49,7 @@ from ._gmm import (
     gmm as gmm,
     mosaic_gpu_available as mosaic_gpu_available,
 )
+from ._hf import layer_from_hf_state_dict as layer_from_hf_state_dict
 from ._layer import (
     MoELayer as MoELayer,
     MoEStats as MoEStats,

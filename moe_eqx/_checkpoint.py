@@ -221,9 +221,15 @@ def _check_like(loaded: Any, like: Any, where: str) -> Any:
             "by a different model configuration?)."
         )
     sharding = getattr(like, "sharding", None)
-    if isinstance(like, jax.Array | jax.ShapeDtypeStruct) and sharding is not None:
+    if (
+        isinstance(like, jax.Array | jax.ShapeDtypeStruct)
+        and sharding is not None
+        and sharding.is_fully_addressable
+    ):
         # Restored where the like tree's leaf lives (e.g. experts split over a mesh),
-        # so that a resumed training step reuses the compilation of the first run.
+        # so that a resumed training step reuses the compilation of the first run. A
+        # sharding over several processes is left to the caller: placing onto it is a
+        # collective, which processes that load at different times would deadlock on.
         return jax.device_put(loaded, sharding)
     return loaded
 
@@ -243,8 +249,9 @@ def read_checkpoint(
     **Returns:**
 
     The loaded tree: JAX arrays with the sharding of `like_tree`'s leaf where it has
-    JAX arrays (or `ShapeDtypeStruct`s with a sharding), NumPy arrays where it has
-    NumPy arrays.
+    JAX arrays (or `ShapeDtypeStruct`s with a sharding) on this process's devices,
+    on the default device where that sharding spans several processes (place them
+    as the first run did), NumPy arrays where it has NumPy arrays.
 
     **Raises:**
 

@@ -6,6 +6,9 @@ import numbers
 import equinox as eqx
 import numpy as np
 
+from ._exchange import AbstractExchange
+from ._gmm import AbstractGMMBackend
+
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "dense", "mosaic_gpu")
 EXCHANGES = ("auto", "dense", "ragged")
 
@@ -61,8 +64,12 @@ class MoEConfig(eqx.Module):
         `"drop"` (pairs beyond the buffer are dropped, counted in `stats.dropped_pairs`).
     - `num_slots`: spare expert slots per shard for dynamic duplication (0 = off).
     - `dedup`: send a token once per destination shard rather than once per pair.
-    - `gmm_backend`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"` or `"mosaic_gpu"`.
-    - `exchange`: all-to-all backend, `"auto"`, `"dense"` or `"ragged"`.
+    - `gmm_backend`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"` or `"mosaic_gpu"`,
+        or a backend instance (e.g. a tuned `TiledGMM(tile_rows=...)` or
+        `MosaicGPUGMM(...)`), as optimistix and lineax take solver objects.
+    - `exchange`: all-to-all backend, `"auto"`, `"dense"` or `"ragged"`, or an
+        [`moe_eqx.AbstractExchange`][] instance (a `DenseExchange` gets the layer's
+        `axis_name` and block size; other instances are used as given).
     - `axis_name`: the expert-parallel mesh axis.
     """
 
@@ -88,8 +95,8 @@ class MoEConfig(eqx.Module):
     on_overflow: str = eqx.field(static=True, default="fallback")
     num_slots: int = eqx.field(static=True, default=0, converter=_integer)
     dedup: bool = eqx.field(static=True, default=True, converter=_boolean)
-    gmm_backend: str = eqx.field(static=True, default="auto")
-    exchange: str = eqx.field(static=True, default="auto")
+    gmm_backend: str | AbstractGMMBackend = eqx.field(static=True, default="auto")
+    exchange: str | AbstractExchange = eqx.field(static=True, default="auto")
     axis_name: str = eqx.field(static=True, default="expert")
 
     def __check_init__(self):
@@ -181,11 +188,17 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`num_slots` must be an integer >= 0, got {self.num_slots!r}."
             )
-        if self.gmm_backend not in GMM_BACKENDS:
+        if (
+            not isinstance(self.gmm_backend, AbstractGMMBackend)
+            and self.gmm_backend not in GMM_BACKENDS
+        ):
             raise ValueError(
                 f"`gmm_backend` must be one of {GMM_BACKENDS}, got {self.gmm_backend!r}."
             )
-        if self.exchange not in EXCHANGES:
+        if (
+            not isinstance(self.exchange, AbstractExchange)
+            and self.exchange not in EXCHANGES
+        ):
             raise ValueError(
                 f"`exchange` must be one of {EXCHANGES}, got {self.exchange!r}."
             )

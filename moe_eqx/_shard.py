@@ -8,7 +8,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._config import MoEConfig
 from ._dispatch import dedup_rows
-from ._exchange import exchange_name
+from ._exchange import DenseExchange, exchange_name
 from ._experts import SharedExperts
 from ._fallback import chunked_dropless, fallback_chunking
 from ._gmm import auto_backend_name
@@ -101,7 +101,8 @@ def expert_parallel_shard_body(
     num_groups = num_local + num_slots
     exchange = exchange_name(cfg.exchange, platform)
     backend = cfg.gmm_backend
-    backend = auto_backend_name(platform) if backend == "auto" else backend
+    if isinstance(backend, str) and backend == "auto":
+        backend = auto_backend_name(platform)
 
     # 1-2. Route, then share the per-expert counts: every plan below is identical on
     # all shards, so every lax.cond takes the same branch everywhere.
@@ -215,11 +216,15 @@ def expert_parallel_shard_body(
         fallback_used=fallback_used,
         required=_over_groups(required, other_axes, "max"),
         num_chunks=num_chunks,
-        block_rows=bufs.block_rows if exchange == "dense" else 0,
+        block_rows=bufs.block_rows if _is_dense(exchange) else 0,
         mean_probs=mean_probs,
         router_z_loss=router_z_loss,
     )
     return y, stats
+
+
+def _is_dense(exchange) -> bool:
+    return exchange == "dense" or isinstance(exchange, DenseExchange)
 
 
 def _over_groups(tree, axes: tuple[str, ...], how: str):

@@ -10,8 +10,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._combine import combine, scatter_to_tokens
 from ._dispatch import WireRows, dedup_rows, expand_rows
-from ._exchange import make_exchange_plan, resolve_exchange
+from ._exchange import AbstractExchange, make_exchange_plan, resolve_exchange
 from ._experts import expert_ffn
+from ._gmm import AbstractGMMBackend
 from ._overflow import BufferSizes
 
 
@@ -23,8 +24,8 @@ class TripSpec(eqx.Module):
     num_groups: int = eqx.field(static=True)
     buffers: BufferSizes
     dedup: bool = eqx.field(static=True)
-    exchange: str = eqx.field(static=True)
-    gmm_backend: str = eqx.field(static=True)
+    exchange: str | AbstractExchange = eqx.field(static=True)
+    gmm_backend: str | AbstractGMMBackend = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
 
 

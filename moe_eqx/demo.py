@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import _checkpoint as ckpt
-from ._config import MoEConfig
+from ._config import GMM_BACKENDS, MoEConfig
 from ._data import ZipfMarkovData
 from ._layer import MoELayer, MoEStats
 
@@ -249,6 +249,21 @@ class MoELM(eqx.Module):
         return logits, stats
 
 
+def _deepseek_options(args) -> dict:
+    groups = args.experts // 2 if args.experts % 4 == 0 else 1
+    top_groups = max(1, groups // 2)
+    if top_groups * (args.experts // groups) < args.top_k:
+        groups = top_groups = 1
+    return dict(
+        score_func="sigmoid",
+        norm_topk=False,
+        num_groups=groups,
+        top_groups=top_groups,
+        routed_scaling_factor=2.5,
+        shared_d_ff=2 * args.d_ff,
+    )
+
+
 def _buffer_factor(text: str) -> float | None:
     if text.lower() in ("none", "worst"):
         return None
@@ -291,9 +306,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send one wire row per (token, expert) instead of per shard",
     )
-    g.add_argument("--on-overflow", choices=("fallback", "drop"), default="fallback")
     g.add_argument(
-        "--gmm-backend", default="auto", help="grouped-matmul backend of the experts"
+        "--on-overflow",
+        choices=("fallback", "drop"),
+        default="fallback",
+        help="what the EP layer does when a shard's receive buffer would overflow: "
+        "'fallback' runs the chunked dropless path (nothing dropped), 'drop' drops "
+        "the pairs that do not fit and counts them",
+    )
+    g.add_argument(
+        "--gmm-backend",
+        choices=GMM_BACKENDS,
+        default="auto",
+        help="grouped-matmul backend of the experts",
+    )
+    g.add_argument(
+        "--deepseek",
+        action="store_true",
+        help="DeepSeek-V3-style routing: sigmoid scores, group-limited top-k "
+        "(experts/2 groups, best half), selection bias, raw (unnormalised) weights "
+        "scaled by 2.5, and a shared expert of width 2 * d_ff",
     )
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=200, help="training steps")
@@ -398,6 +430,10 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.vocab < 2:
         p.error("--vocab must be >= 2")
+    if a.top_k > a.experts:
+        p.error(f"--top-k ({a.top_k}) must not exceed --experts ({a.experts})")
+    if a.ep is not None and a.experts % a.ep:
+        p.error(f"--experts ({a.experts}) must be divisible by --ep ({a.ep})")
     if a.d_model % a.heads:
         p.error(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
     if a.ep is not None and a.ep < 1:
@@ -519,6 +555,7 @@ def _run(args: argparse.Namespace) -> dict:
         num_slots=args.num_slots,
         dedup=not args.no_dedup,
         gmm_backend=args.gmm_backend,
+        **(_deepseek_options(args) if args.deepseek else {}),
     )
     init_key, train_key = jr.split(jr.PRNGKey(args.seed))
     model = MoELM(

@@ -12,10 +12,14 @@ from .emulator import emulate_ragged_all_to_all as emulate_ragged_all_to_all
 from .ragged import RaggedExchange as RaggedExchange
 
 
-def exchange_name(name: str, platform: str | None = None) -> str:
+def exchange_name(
+    name: "str | AbstractExchange", platform: str | None = None
+) -> "str | AbstractExchange":
     """The exchange `name` resolves to on `platform` (default: the default backend):
     `"auto"` picks `ragged` on GPU/TPU and `dense` on CPU, where XLA has no lowering of
     `ragged_all_to_all`."""
+    if isinstance(name, AbstractExchange):
+        return name
     platform = jax.default_backend() if platform is None else platform
     if name == "auto":
         return "dense" if platform == "cpu" else "ragged"
@@ -32,9 +36,20 @@ def exchange_name(name: str, platform: str | None = None) -> str:
 
 
 def resolve_exchange(
-    name: str, *, axis_name: str, block_rows: int, platform: str | None = None
+    name: "str | AbstractExchange",
+    *,
+    axis_name: str,
+    block_rows: int,
+    platform: str | None = None,
 ) -> AbstractExchange:
-    """The exchange backend for `name` (see [`exchange_name`][] for `"auto"`)."""
-    if exchange_name(name, platform) == "dense":
+    """The exchange backend for `name` (see [`exchange_name`][] for `"auto"`). A
+    `DenseExchange` instance is rebuilt with this trip's `axis_name` and `block_rows`;
+    any other instance is used as given."""
+    name = exchange_name(name, platform)
+    if isinstance(name, DenseExchange):
+        name = "dense"
+    if isinstance(name, AbstractExchange):
+        return name
+    if name == "dense":
         return DenseExchange(axis_name=axis_name, block_rows=block_rows)
     return RaggedExchange(axis_name=axis_name)
