@@ -22,6 +22,7 @@ from hypothesis import given, settings, strategies as st
 
 import moe_eqx as me
 import moe_eqx._layer as layer_module
+import moe_eqx._shard as shard_module
 
 # (R, E, k, S, buffer_factor): one expert per shard and more slots than home experts.
 EDGE_CONFIGS = [
@@ -140,7 +141,7 @@ def _broken_plan(plan_duplication):
 
 def test_broken_plan_shows_as_lost_pairs(getkey, monkeypatch):
     monkeypatch.setattr(
-        layer_module, "plan_duplication", _broken_plan(layer_module.plan_duplication)
+        shard_module, "plan_duplication", _broken_plan(shard_module.plan_duplication)
     )
     # d_ff unique to this test: the layer's jitted call must not reuse a compilation
     # made with the real planner.
