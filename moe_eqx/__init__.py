@@ -2,13 +2,6 @@
 Equinox stages."""
 
 from . import workloads as workloads
-from ._checkpoint import (
-    CheckpointError as CheckpointError,
-    list_checkpoints as list_checkpoints,
-    load_checkpoint as load_checkpoint,
-    read_checkpoint as read_checkpoint,
-    save_checkpoint as save_checkpoint,
-)
 from ._combine import combine as combine, scatter_to_tokens as scatter_to_tokens
 from ._config import MoEConfig as MoEConfig
 from ._dispatch import (

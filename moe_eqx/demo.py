@@ -37,7 +37,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from . import _checkpoint as ckpt
+from .train import checkpoint as ckpt
 from ._config import GMM_BACKENDS, MoEConfig
 from ._data import ZipfMarkovData
 from ._layer import MoELayer, MoEStats

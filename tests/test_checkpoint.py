@@ -14,8 +14,8 @@ import optax
 import pytest
 from helpers import load_params, run_module
 
-from moe_eqx import _checkpoint as ckpt
-from moe_eqx._checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from moe_eqx.train import checkpoint as ckpt
+from moe_eqx.train import CheckpointError, load_checkpoint, save_checkpoint
 
 TINY = [
     "--batch",

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import load_params, run_module
 
-from moe_eqx import _checkpoint as ckpt
+from moe_eqx.train import checkpoint as ckpt
 
 # Worst-case buffers (`--buffer-factor none`) have no fallback branch, which halves
 # the compile time of each process; the fallback itself is covered by test_demo.py.
