@@ -92,6 +92,19 @@ def oracle_value_and_grad(layer, x):
     return y, grads, gx
 
 
+def received_token_by_token(experts, num_shards: int, num_local: int, dedup: bool):
+    """Wire rows and pairs each shard receives on home placement (no duplication),
+    counted token by token from the routing `experts: [tokens, k]`, independently of
+    the layer's own counting."""
+    rows = np.zeros(num_shards, int)
+    pairs = np.zeros(num_shards, int)
+    for row in np.asarray(experts):
+        dests = [int(e) // num_local for e in row]
+        np.add.at(pairs, dests, 1)
+        np.add.at(rows, sorted(set(dests)) if dedup else dests, 1)
+    return rows, pairs
+
+
 def assert_nothing_lost(stats, num_tokens: int, top_k: int):
     """Every routed pair was computed or counted as dropped: `lost_pairs` is 0, and
     the pairs the shards report computing plus the dropped ones are all the pairs."""

@@ -15,6 +15,7 @@ from helpers import (
     assert_nothing_lost,
     make_layer,
     mesh,
+    received_token_by_token,
     tokens,
     with_bias,
 )
@@ -97,19 +98,6 @@ def test_one_expert_per_shard_two_slots_regression(getkey):
     assert float(stats.max_over_mean) < float(stats.max_over_mean_before)
 
 
-def _brute_force_received(experts, num_shards, num_local, dedup):
-    """Rows and pairs each shard receives without duplication, token by token."""
-    rows = np.zeros(num_shards, int)
-    pairs = np.zeros(num_shards, int)
-    for row in experts:
-        dests = [e // num_local for e in row]
-        for d in dests:
-            pairs[d] += 1
-        for d in set(dests) if dedup else dests:
-            rows[d] += 1
-    return rows, pairs
-
-
 @pytest.mark.parametrize("dedup", [True, False], ids=["dedup", "nodedup"])
 def test_fallback_sums_what_its_chunks_did(getkey, dedup):
     """Under the forced fallback the stats are the chunks' real counts summed: rows and
@@ -121,7 +109,7 @@ def test_fallback_sums_what_its_chunks_did(getkey, dedup):
     stats = assert_matches_oracle(layer, x, mesh(4))
     assert bool(stats.fallback_used) and int(stats.num_chunks) > 1
     experts = np.asarray(layer.router(x).experts)
-    rows, pairs = _brute_force_received(experts, 4, 2, dedup)
+    rows, pairs = received_token_by_token(experts, 4, 2, dedup)
     np.testing.assert_array_equal(stats.recv_pairs, pairs)
     np.testing.assert_array_equal(stats.wire_rows, rows)
 

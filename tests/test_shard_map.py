@@ -9,6 +9,7 @@ from helpers import (
     assert_nothing_lost,
     make_layer,
     mesh,
+    received_token_by_token,
     tokens,
 )
 
@@ -29,12 +30,7 @@ def test_expert_parallel_matches_oracle(getkey, num_shards, dedup, routing):
     local = 8 // num_shards
     tokens_per_shard = 64 // num_shards
     experts = np.asarray(layer.router(x).experts)
-    rows = np.zeros(num_shards, int)
-    pairs = np.zeros(num_shards, int)
-    for row in experts:
-        dests = [int(e) // local for e in row]
-        np.add.at(pairs, dests, 1)
-        np.add.at(rows, sorted(set(dests)) if dedup else dests, 1)
+    rows, pairs = received_token_by_token(experts, num_shards, local, dedup)
     np.testing.assert_array_equal(stats.recv_pairs, pairs)
     np.testing.assert_array_equal(stats.wire_rows, rows)
     if routing in ("one_expert", "one_shard"):
