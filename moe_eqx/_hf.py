@@ -32,14 +32,15 @@ def layer_from_hf_state_dict(
     - router: `gate.weight [E, H]`; DeepSeek-V3's selection bias
       `gate.e_score_correction_bias [E]` (needs `config.use_router_bias`).
     - routed experts, one of:
-        - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`, `experts.{i}.up_proj.
-          weight [F, H]`, `experts.{i}.down_proj.weight [H, F]` (Qwen2/3-MoE,
-          DeepSeek-V3), or `experts.{i}.w1/w3/w2.weight` (Mixtral: w1 gate, w3 up,
-          w2 down);
+        - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`,
+          `experts.{i}.up_proj.weight [F, H]`, `experts.{i}.down_proj.weight [H, F]`
+          (Qwen2/3-MoE, DeepSeek-V3), or `experts.{i}.w1/w3/w2.weight` (Mixtral: w1
+          gate, w3 up, w2 down);
         - fused: `experts.gate_up_proj [E, 2F, H]` (gate rows first) and
           `experts.down_proj [E, H, F]`.
-    - shared expert (`config.shared_d_ff > 0`): `shared_experts.{gate,up,down}_proj.
-      weight` (DeepSeek-V3, `F_s = n_shared_experts * moe_intermediate_size`) or
+    - shared expert (`config.shared_d_ff > 0`):
+      `shared_experts.{gate,up,down}_proj.weight` (DeepSeek-V3,
+      `F_s = n_shared_experts * moe_intermediate_size`) or
       `shared_expert.{gate,up,down}_proj.weight` (Qwen2-MoE), with Qwen2-MoE's gate
       `shared_expert_gate.weight [1, H]` when `config.shared_gate`.
 
