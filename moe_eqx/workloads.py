@@ -1,10 +1,10 @@
 """Synthetic routing workloads: who sends how many tokens to which expert.
 
 Each workload is a per-expert preference (probabilities `[E]`, or `[R, E]` for one row
-per source shard) from which `sample_choices` draws, for every token, `k` *distinct*
-experts without replacement (Gumbel-top-k on the log-probabilities, i.e. Plackett-Luce
-sampling). Everything is drawn from a local `np.random.Generator` seeded by the `seed`
-argument, so a workload is a pure function of its arguments.
+per source shard) from which [`sample_choices`][] draws, for every token, `k`
+*distinct* experts without replacement (Gumbel-top-k on the log-probabilities, i.e.
+Plackett-Luce sampling). Everything is drawn from a local `np.random.Generator` seeded
+by the `seed` argument, so a workload is a pure function of its arguments.
 
 ```python
 import moe_eqx.workloads as wl
@@ -17,8 +17,8 @@ Expert `e` lives on shard `e // (E / R)` (the layout of the expert-parallel laye
 "contiguous" hot experts share home shards while "spread" ones do not.
 
 To make a real router follow a workload in a layer test, give it a selection-only bias
-(`MoEConfig(use_router_bias=True)`) built by `forcing_bias` (every token picks exactly
-the given experts) or `preference_bias` (a soft, Zipf-like skew).
+(`MoEConfig(use_router_bias=True)`) built by [`forcing_bias`][] (every token picks
+exactly the given experts) or [`preference_bias`][] (a soft, Zipf-like skew).
 """
 
 import math
@@ -45,6 +45,9 @@ __all__ = [
 ]
 
 HOT_LAYOUTS = ("spread", "contiguous", "random")
+"""Where the hot ranks of [`zipf_probs`][] and [`drifting_zipf_probs`][] live
+(`hot=`)."""
+
 WORKLOADS = (
     "uniform",
     "zipf",
@@ -54,6 +57,7 @@ WORKLOADS = (
     "same_experts",
     "one_shard",
 )
+"""The workload names [`sample_workload`][] takes."""
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -221,7 +225,7 @@ def drifting_zipf_probs(
     - `step`: the step index `t >= 0`.
     - `s`: Zipf exponent at step 0.
     - `drift`: per-step standard deviation of the log-weight walk.
-    - `hot`, `num_shards`: layout of the step-0 ranks, as in `zipf_probs`.
+    - `hot`, `num_shards`: layout of the step-0 ranks, as in [`zipf_probs`][].
     - `seed`: seed of the layout and of the walk.
 
     **Returns:**
@@ -396,13 +400,13 @@ def sample_workload(
     sigma: float = 1.0,
     drift: float = 0.1,
 ) -> Int[np.ndarray, "shards tokens k"]:
-    """Expert choices of a named workload (one of `WORKLOADS`).
+    """Expert choices of a named workload (one of [`WORKLOADS`][]).
 
     **Arguments:**
 
     - `name`: `"uniform"`, `"zipf"` (exponent `s`, layout `hot`), `"lognormal"`
         (`sigma`), `"rotating_hotspot"` (at `step`), `"drifting_zipf"` (`s`, `hot`, at
-        `step`), `"same_experts"` (`adversarial_choices`) or `"one_shard"`.
+        `step`), `"same_experts"` ([`adversarial_choices`][]) or `"one_shard"`.
     - `num_shards`, `tokens`, `num_experts`, `top_k`: `R`, `T`, `E`, `k`.
     - `seed`: seed of the draw (and of random layouts).
     - `step`, `s`, `hot`, `sigma`, `drift`: workload parameters, ignored where
@@ -497,11 +501,12 @@ def preference_bias(
 ) -> Float[np.ndarray, " experts"]:
     """A selection-only router bias `scale * log(probs / max(probs))` (soft skew).
 
-    Unlike `forcing_bias` this does not reproduce `probs` exactly: tokens still choose
-    by `score + bias`, so the router's own scores add the per-token randomness. Larger
-    `scale` follows the preference more strictly (hot experts are picked by nearly every
-    token). Use it to make a layer test see a Zipf-like skew, and `counts_from_choices`
-    on the router's output to know the counts it actually produced.
+    Unlike [`forcing_bias`][] this does not reproduce `probs` exactly: tokens still
+    choose by `score + bias`, so the router's own scores add the per-token randomness.
+    Larger `scale` follows the preference more strictly (hot experts are picked by
+    nearly every token). Use it to make a layer test see a Zipf-like skew, and
+    [`counts_from_choices`][] on the router's output to know the counts it actually
+    produced.
 
     **Arguments:**
 
