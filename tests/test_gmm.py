@@ -412,7 +412,7 @@ def test_mosaic_default_configs_valid(kernel, shape):
     m, k, n, g = shape
     config = mosaic.default_tile_config(kernel, m, k, n, g)
     assert mosaic.config_is_valid(kernel, config, m, k, n)
-    assert mosaic._smem_bytes(kernel, config, 2) <= 227 * 1024
+    assert mosaic.tiling.smem_bytes(kernel, config, 2) <= 227 * 1024
 
 
 def test_mosaic_config_validity():
@@ -437,9 +437,9 @@ def test_mosaic_tuning_table(tmp_path, monkeypatch):
     path = tmp_path / "tuning.json"
     monkeypatch.setenv("MOE_EQX_GMM_TUNING", str(path))
     assert mosaic.tuning_path() == str(path)
-    kind = mosaic._device_kind()
+    kind = mosaic.tuning.current_device_kind()
     tuned = MosaicTileConfig(64, 64, 64, 2, 1)
-    key = mosaic._table_key("fwd", kind, jnp.bfloat16, 4096, 512, 1024, 8)
+    key = mosaic.tuning.table_key("fwd", kind, jnp.bfloat16, 4096, 512, 1024, 8)
     path.write_text(json.dumps({"version": 1, "entries": {key: tuned.as_dict()}}))
     # Exact shape, and the nearest row count for the same (K, N, G).
     for m in (4096, 5000):
@@ -456,7 +456,7 @@ def test_autotune_two_shapes_with_stubbed_timings(tmp_path, monkeypatch):
     but every shape gets its own entries and the table round-trips."""
     path = tmp_path / "tuning.json"
     monkeypatch.setenv("MOE_EQX_GMM_TUNING", str(path))
-    monkeypatch.setattr(mosaic, "mosaic_gpu_available", lambda: True)
+    monkeypatch.setattr(mosaic.autotune, "mosaic_gpu_available", lambda: True)
     candidates = [
         MosaicTileConfig(64, 64, 64, 2, 1),
         MosaicTileConfig(64, 128, 64, 2, 1),
@@ -470,13 +470,13 @@ def test_autotune_two_shapes_with_stubbed_timings(tmp_path, monkeypatch):
         calls.append(config)
         return timings[config]
 
-    monkeypatch.setattr(mosaic, "_time", fake_time)
+    monkeypatch.setattr(mosaic.autotune, "_time", fake_time)
     shapes = [(256, 128, 256, 4), (512, 256, 128, 8)]
     entries = mosaic.autotune_gmm(shapes, candidates=candidates, verbose=False)
     assert len(calls) > 0
-    kind = mosaic._device_kind()
+    kind = mosaic.tuning.current_device_kind()
     expected = {
-        mosaic._table_key(kernel, kind, jnp.bfloat16, m, k, n, g)
+        mosaic.tuning.table_key(kernel, kind, jnp.bfloat16, m, k, n, g)
         for kernel in mosaic.KERNELS
         for m, k, n, g in shapes
     }
@@ -532,8 +532,8 @@ def _interpreter_runs_backward() -> bool:
     config = MosaicTileConfig(64, 64, 64, 2, 1)
     try:
         with _interpreted():
-            jax.jit(lambda a: mosaic._transposed_ragged(a, a, sizes, config))(x)
-            jax.jit(lambda a: mosaic._ragged(a, a[None], sizes, config, True))(x)
+            jax.jit(lambda a: mosaic.kernels.transposed_ragged(a, a, sizes, config))(x)
+            jax.jit(lambda a: mosaic.kernels.ragged(a, a[None], sizes, config, True))(x)
     except Exception:
         return False
     return True

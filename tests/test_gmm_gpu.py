@@ -19,8 +19,8 @@ from moe_eqx._gmm import (
     MosaicTileConfig,
     accumulating_gmm,
     auto_backend_name,
+    autotune_gmm,
     gmm,
-    mosaic_gpu as mosaic,
     mosaic_gpu_available,
     resolve_backend,
 )
@@ -202,7 +202,7 @@ def test_autotune_writes_table_the_backend_reads(tmp_path, monkeypatch):
         MosaicTileConfig(64, 64, 64, 2, 1),
         MosaicTileConfig(64, 128, 64, 2, 1),
     ]
-    entries = mosaic.autotune_gmm(
+    entries = autotune_gmm(
         [(1024, 256, 384, 8)], candidates=candidates, iters=2, verbose=False
     )
     assert len(entries) == 3 and path.exists()
