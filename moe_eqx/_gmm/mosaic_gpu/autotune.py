@@ -10,6 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Int
 
 from .kernels import mosaic_gpu_available, ragged, transposed_ragged
 from .tiling import KERNELS, Kernel, MosaicTileConfig, config_is_valid, padded_dims
@@ -50,10 +51,10 @@ def candidate_configs(kernel: Kernel, quick: bool = False) -> list[MosaicTileCon
 class _Operands(NamedTuple):
     """Random inputs of one tuned shape, `K` and `N` already padded."""
 
-    lhs: jax.Array  # [M, K]
-    rhs: jax.Array  # [G, K, N]
-    d_out: jax.Array  # [M, N]
-    group_sizes: jax.Array  # [G], uniform
+    lhs: Float[Array, "rows k_dim"]
+    rhs: Float[Array, "groups k_dim n_dim"]
+    d_out: Float[Array, "rows n_dim"]
+    group_sizes: Int[Array, " groups"]
 
 
 def _operands(keys, m: int, kp: int, np_: int, g: int, dtype) -> _Operands:
