@@ -8,6 +8,7 @@ import numpy as np
 
 from ._exchange import AbstractExchange
 from ._gmm import AbstractGMMBackend
+from ._slots import SLOT_BACKWARDS
 
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "dense", "mosaic_gpu")
 EXCHANGES = ("auto", "dense", "ragged")
@@ -63,6 +64,14 @@ class MoEConfig(eqx.Module):
     - `on_overflow`: `"fallback"` (chunked dropless path; no token ever dropped) or
         `"drop"` (pairs beyond the buffer are dropped, counted in `stats.dropped_pairs`).
     - `num_slots`: spare expert slots per shard for dynamic duplication (0 = off).
+    - `slot_backward`: how the slot weights' gradients reach their home shards:
+        `"all_gather"` (all-gather the `[S, ...]` slot gradients, `R*S` expert-sized
+        buffers per device), `"home"` (send each only to its home shard: `S + C` with
+        the ragged exchange) or `"auto"` (the one with fewer buffers); see
+        [`moe_eqx.gather_slot_weights`][].
+    - `max_slot_exports`: `C`, the most slot copies of one shard's home experts per
+        step (the plan's out-degree bound, which sizes the slot exchange);
+        `None` = `default_max_exports(R, L, S)` of the planner.
     - `dedup`: send a token once per destination shard rather than once per pair.
     - `gmm_backend`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"` or `"mosaic_gpu"`,
         or a backend instance (e.g. a tuned `TiledGMM(tile_rows=...)` or
@@ -94,6 +103,10 @@ class MoEConfig(eqx.Module):
     )
     on_overflow: str = eqx.field(static=True, default="fallback")
     num_slots: int = eqx.field(static=True, default=0, converter=_integer)
+    slot_backward: str = eqx.field(static=True, default="auto")
+    max_slot_exports: int | None = eqx.field(
+        static=True, default=None, converter=_integer
+    )
     dedup: bool = eqx.field(static=True, default=True, converter=_boolean)
     gmm_backend: str | AbstractGMMBackend = eqx.field(static=True, default="auto")
     exchange: str | AbstractExchange = eqx.field(static=True, default="auto")
@@ -187,6 +200,20 @@ class MoEConfig(eqx.Module):
         ):
             raise ValueError(
                 f"`num_slots` must be an integer >= 0, got {self.num_slots!r}."
+            )
+        if self.slot_backward not in SLOT_BACKWARDS:
+            raise ValueError(
+                f"`slot_backward` must be one of {SLOT_BACKWARDS}, got "
+                f"{self.slot_backward!r}."
+            )
+        if self.max_slot_exports is not None and (
+            not isinstance(self.max_slot_exports, int)
+            or isinstance(self.max_slot_exports, bool)
+            or self.max_slot_exports < 1
+        ):
+            raise ValueError(
+                f"`max_slot_exports` must be a positive integer or None, got "
+                f"{self.max_slot_exports!r}."
             )
         if (
             not isinstance(self.gmm_backend, AbstractGMMBackend)

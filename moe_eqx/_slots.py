@@ -1,78 +1,424 @@
 """Slot weights of duplicated experts, as an explicit `custom_vjp`.
 
-Forward: each home shard exports the experts it owns that sit in some shard's slots;
-one `all_to_all` of `[R, S, ...]` blocks delivers each shard exactly its `S` slot
-experts (volume bounded by the plan's `R * S` slots, never by `E`). Backward: the slot
-gradients `[S, ...]` are all-gathered, and each home shard scatter-adds the ones it owns
-into its `[L, ...]` home gradient. No global `[E, ...]` gradient is ever built or
-psum-ed.
+Forward: each home shard exports the copies of its experts that the plan put in other
+shards' slots, at most `C` of them (`max_exports`, the plan's out-degree bound); one
+exchange delivers each shard exactly its `S` slot experts.
+
+- `exchange="ragged"` (GPU/TPU): one `lax.ragged_all_to_all` from a `[C, ...]` export
+  buffer into an `[S, ...]` receive buffer: only owned copies travel, and a device
+  holds `O(S + C)` expert-sized arrays.
+- `exchange="dense"` (every platform, the CPU path): one `lax.all_to_all` of
+  `[R, min(S, C), ...]` blocks, since a block must hold what one home shard may send
+  one receiver (at most `S` slots there, at most `C` copies in all). That is
+  `O(R min(S, C))`, as the dense token exchange keeps `[R, block_rows]` blocks.
+
+Backward, `backward=`:
+
+- `"all_gather"`: the slot gradients `[S, ...]` are all-gathered (`[R, S, ...]`) and each
+  home shard scatter-adds the ones it owns: one collective, `R*S` expert-sized arrays.
+- `"home"`: the reverse exchange: each slot gradient travels only to its home shard,
+  which receives `[C, ...]` (ragged) or `[R, min(S, C), ...]` blocks (dense) and
+  scatter-adds them.
+- `"auto"`: the one with fewer expert-sized temporaries per device
+  ([`slot_backward_copies`][]).
+
+No global `[E, ...]` weight or gradient is ever built or psum-ed, and at `R = 1` no
+collective runs. The offsets of both ragged trips come from [`slot_routes`][], a pure
+function of the slot table that the tests check against `emulate_ragged_all_to_all`.
 """
 
 import functools as ft
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+SLOT_BACKWARDS = ("auto", "all_gather", "home")
+SLOT_EXCHANGES = ("dense", "ragged")
+
+# A module-level name, so that tests can run the ragged path on CPU (where XLA has no
+# lowering of the collective) through an emulation of its documented semantics.
+_ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
-def _owned(slot_expert, num_local, axis_name):
+def max_exports_bound(num_shards: int, num_local: int, num_slots: int) -> int:
+    """The most copies one home shard can export under any plan: each of the other
+    `R - 1` shards holds at most `min(S, L)` of its experts (one copy per expert)."""
+    return max(1, (num_shards - 1) * min(num_slots, num_local))
+
+
+class SlotRoutes(eqx.Module):
+    """Where every slot copy comes from and travels, for both exchanges and both trips.
+
+    Identical on all shards (a function of the slot table only). The copies a home
+    shard `h` exports are ordered by (destination shard, slot); only the first
+    `max_exports` of them are delivered.
+
+    **Fields:**
+
+    - `owner`: `[R, S]` home shard of each slot's expert (`-1`: empty slot).
+    - `local`: `[R, S]` the expert's index among its home shard's `L` experts.
+    - `export_rank`: `[R, S]` position of the copy in its owner's export buffer.
+    - `block_pos`: `[R, S]` position among the slots of the same shard with the same
+        owner (the row in the dense exchange's block).
+    - `recv_pos`: `[R, S]` position in the shard's ragged receive buffer, which holds
+        the copies grouped by owner (`S`, out of range, for an undelivered slot).
+    - `sizes`: `[R, R]` copies home shard `h` (row) delivers to shard `d` (column).
+    - `delivered`: `[R, S]` the slot is filled and its copy within the bound.
+    """
+
+    owner: Int[Array, "shards slots"]
+    local: Int[Array, "shards slots"]
+    export_rank: Int[Array, "shards slots"]
+    block_pos: Int[Array, "shards slots"]
+    recv_pos: Int[Array, "shards slots"]
+    sizes: Int[Array, "shards shards"]
+    delivered: Bool[Array, "shards slots"]
+
+    @property
+    def send_offsets(self) -> Int[Array, "shards shards"]:
+        """`[h, d]` where `d`'s copies start in `h`'s export buffer."""
+        return _exclusive_cumsum(self.sizes, axis=1)
+
+    @property
+    def recv_offsets(self) -> Int[Array, "shards shards"]:
+        """`[h, d]` where `h`'s copies start in `d`'s receive buffer."""
+        return _exclusive_cumsum(self.sizes, axis=0)
+
+
+def _exclusive_cumsum(x, axis):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def slot_routes(
+    slot_expert: Int[Array, "shards slots"], num_local: int, max_exports: int
+) -> SlotRoutes:
+    """The routes of every slot copy (pure index arithmetic, `O(R^2 S)` integers).
+
+    **Arguments:**
+
+    - `slot_expert`: `[R, S]` the plan's slot table (`-1`: empty).
+    - `num_local`: `L`, home experts per shard.
+    - `max_exports`: `C`, copies a home shard may export; later ones are undelivered.
+
+    **Returns:**
+
+    A [`SlotRoutes`][].
+    """
+    num_shards, num_slots = slot_expert.shape
+    slot_expert = slot_expert.astype(jnp.int32)
+    filled = slot_expert >= 0
+    owner = jnp.where(filled, slot_expert // num_local, -1)
+    local = jnp.where(filled, slot_expert % num_local, 0)
+    onehot = (owner[..., None] == jnp.arange(num_shards)[None, None, :]).astype(
+        jnp.int32
+    )  # [d, s, h]
+    flat = onehot.reshape(num_shards * num_slots, num_shards)
+    rank = jnp.take_along_axis(
+        _exclusive_cumsum(flat, axis=0), jnp.maximum(owner, 0).reshape(-1, 1), axis=1
+    ).reshape(num_shards, num_slots)
+    pos = jnp.take_along_axis(
+        _exclusive_cumsum(onehot, axis=1), jnp.maximum(owner, 0)[..., None], axis=2
+    )[..., 0]
+    delivered = filled & (rank < max_exports)
+    # Copies past the bound are the last ones of their owner, in (destination, slot)
+    # order: cutting them off keeps every delivered block contiguous.
+    sizes = jnp.sum(jnp.where(delivered[..., None], onehot, 0), axis=1).T  # [h, d]
+    recv_start = _exclusive_cumsum(sizes, axis=0)  # [h, d]
+    recv_pos = recv_start[jnp.maximum(owner, 0), jnp.arange(num_shards)[:, None]] + pos
+    return SlotRoutes(
+        owner=owner,
+        local=local,
+        export_rank=jnp.where(filled, rank, 0),
+        block_pos=jnp.where(filled, pos, 0),
+        recv_pos=jnp.where(delivered, recv_pos, num_slots),
+        sizes=sizes,
+        delivered=delivered,
+    )
+
+
+RaggedArgs = tuple[Int[Array, " shards"], ...]
+
+
+def ragged_slot_args(
+    routes: SlotRoutes, me: Int[Array, ""] | int
+) -> tuple[RaggedArgs, RaggedArgs]:
+    """Shard `me`'s `(input_offsets, send_sizes, output_offsets, recv_sizes)` of the
+    forward trip (`[C]` export buffer -> `[S]` receive buffer grouped by owner) and of
+    the `"home"` backward trip (the reverse)."""
+    sizes, send_off, recv_off = routes.sizes, routes.send_offsets, routes.recv_offsets
+    forward = (send_off[me], sizes[me], recv_off[me], sizes[:, me])
+    backward = (recv_off[:, me], sizes[:, me], send_off[:, me], sizes[me])
+    return forward, backward
+
+
+def export_slots(
+    routes: SlotRoutes, me: Int[Array, ""] | int, max_exports: int
+) -> Int[Array, " exports"]:
+    """`[C]` the flat slot index (`d * S + s`) of each copy shard `me` exports, in its
+    export order; `-1` past the copies it really exports."""
+    num_shards, num_slots = routes.owner.shape
+    mine = (routes.owner == me) & routes.delivered
+    where = jnp.where(mine, routes.export_rank, max_exports).reshape(-1)
+    return (
+        jnp.full((max_exports,), -1, jnp.int32)
+        .at[where]
+        .set(jnp.arange(num_shards * num_slots, dtype=jnp.int32), mode="drop")
+    )
+
+
+def _block_slots(routes: SlotRoutes, me, block: int) -> Int[Array, "shards block"]:
+    """`[d, j]`: the slot of shard `d` that holds `me`'s `j`-th copy for `d` (-1)."""
+    num_shards, num_slots = routes.owner.shape
+    mine = (routes.owner == me) & routes.delivered
+    rows = jnp.broadcast_to(jnp.arange(num_shards)[:, None], mine.shape)
+    cols = jnp.where(mine, routes.block_pos, block)
+    slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), mine.shape)
+    return (
+        jnp.full((num_shards, block), -1, jnp.int32)
+        .at[rows, cols]
+        .set(slots, mode="drop")
+    )
+
+
+def _take(x, idx, *, fill=0):
+    """`x[idx]` along axis 0; out-of-range indices (`-1` or `len(x)`) give `fill`."""
+    idx = jnp.where(idx < 0, x.shape[0], idx)
+    return jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
+
+
+def _scatter_home(num_local, idx, values, shape, dtype):
+    """`[L, ...]` home gradient: `values` added at `idx` (out-of-range dropped)."""
+    idx = jnp.where(idx < 0, num_local, idx).reshape(-1)
+    values = values.reshape(-1, *shape[1:]).astype(dtype)
+    return jnp.zeros(shape, dtype).at[idx].add(values, mode="drop")
+
+
+def _undelivered(slots, routes, me):
+    """NaN in the slots a bound-violating plan left undelivered: never silently a wrong
+    expert (the layer's planner makes such a plan impossible)."""
+    if not jnp.issubdtype(slots.dtype, jnp.inexact):
+        return slots
+    lost = (routes.owner[me] >= 0) & ~routes.delivered[me]
+    lost = lost.reshape(lost.shape + (1,) * (slots.ndim - 1))
+    return jnp.where(lost, jnp.asarray(jnp.nan, slots.dtype), slots)
+
+
+def _forward(w_home, routes, me, num_local, axis_name, max_exports, exchange):
+    num_shards, num_slots = routes.owner.shape
+    if exchange == "ragged":
+        exports = export_slots(routes, me, max_exports)
+        send = _take(w_home, _take(routes.local.reshape(-1), exports, fill=-1))
+        out = jnp.zeros((num_slots, *w_home.shape[1:]), w_home.dtype)
+        args = ragged_slot_args(routes, me)[0]
+        recv = _ragged_all_to_all(send, out, *args, axis_name=axis_name)
+        slots = _take(recv, routes.recv_pos[me])
+    else:
+        block = min(num_slots, max_exports)
+        which = _block_slots(routes, me, block)  # [d, j] -> slot of d
+        local = jnp.take_along_axis(routes.local, jnp.maximum(which, 0), axis=1)
+        send = _take(w_home, jnp.where(which >= 0, local, -1))  # [R, block, ...]
+        recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)
+        flat = recv.reshape(num_shards * block, *recv.shape[2:])
+        idx = routes.owner[me] * block + routes.block_pos[me]
+        slots = _take(flat, jnp.where(routes.delivered[me], idx, -1))
+    return _undelivered(slots, routes, me)
+
+
+def _backward_home(g_slots, routes, me, num_local, axis_name, max_exports, exchange):
+    num_shards, num_slots = routes.owner.shape
+    if exchange == "ragged":
+        # Group my slot gradients by owner (the forward's receive layout) ...
+        send = jnp.zeros_like(g_slots).at[routes.recv_pos[me]].set(g_slots, mode="drop")
+        out = jnp.zeros((max_exports, *g_slots.shape[1:]), g_slots.dtype)
+        args = ragged_slot_args(routes, me)[1]
+        recv = _ragged_all_to_all(send, out, *args, axis_name=axis_name)
+        # ... and each home shard receives them in its export order.
+        exports = export_slots(routes, me, max_exports)
+        return recv, _take(routes.local.reshape(-1), exports, fill=-1)
+    block = min(num_slots, max_exports)
+    # [h, j] -> my slot holding h's j-th copy for me (the forward's receive view).
+    rows = jnp.where(routes.delivered[me], routes.owner[me], num_shards)
+    which = (
+        jnp.full((num_shards, block), -1, jnp.int32)
+        .at[rows, routes.block_pos[me]]
+        .set(jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+    )
+    recv = jax.lax.all_to_all(_take(g_slots, which), axis_name, 0, 0, tiled=False)
+    mine = _block_slots(routes, me, block)  # [d, j] -> slot of d holding my copy
+    local = jnp.take_along_axis(routes.local, jnp.maximum(mine, 0), axis=1)
+    return recv, jnp.where(mine >= 0, local, -1)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _gather(w_home, slot_expert, num_local, axis_name, max_exports, backward, exchange):
+    routes = slot_routes(slot_expert, num_local, max_exports)
     me = jax.lax.axis_index(axis_name)
-    owner = jnp.where(slot_expert >= 0, slot_expert // num_local, -1)
-    local = jnp.clip(slot_expert % num_local, 0, num_local - 1)
-    return owner == me, local
+    return _forward(w_home, routes, me, num_local, axis_name, max_exports, exchange)
 
 
-def _bcast(mask, like):
-    return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
+def _gather_fwd(w_home, slot_expert, num_local, axis_name, max_exports, backward, ex):
+    out = _gather(w_home, slot_expert, num_local, axis_name, max_exports, backward, ex)
+    # `w_home` is a parameter that is alive anyway; it only provides shape and dtype.
+    return out, (slot_expert, w_home)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gather_bwd(num_local, axis_name, max_exports, backward, exchange, res, g_slots):
+    slot_expert, w_home = res
+    routes = slot_routes(slot_expert, num_local, max_exports)
+    me = jax.lax.axis_index(axis_name)
+    if backward == "all_gather":
+        g_all = jax.lax.all_gather(g_slots, axis_name)  # [R, S, ...]
+        keep = (routes.owner == me) & routes.delivered
+        idx = jnp.where(keep, routes.local, -1)
+    else:
+        g_all, idx = _backward_home(
+            g_slots, routes, me, num_local, axis_name, max_exports, exchange
+        )
+    g_home = _scatter_home(num_local, idx, g_all, w_home.shape, w_home.dtype)
+    return g_home, None
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def slot_backward_copies(
+    backward: str,
+    *,
+    num_shards: int,
+    num_slots: int,
+    max_exports: int,
+    exchange: str,
+) -> int:
+    """Expert-sized buffers per device of one backward mode's exchange (send plus
+    receive), which `"auto"` compares.
+
+    `"all_gather"`: the `[R, S, ...]` gathered gradients. `"home"`: `S + C` with the
+    ragged exchange (`[S]` grouped send, `[C]` receive), `2 R min(S, C)` with the dense
+    one (two `[R, min(S, C)]` block arrays). Both add the `[S]` cotangent and the
+    `[L]` home gradient, which any backward has. Measured with compiled memory
+    analysis on CPU in `benchmarks/slots.py`.
+    """
+    if backward == "all_gather":
+        return num_shards * num_slots
+    if backward != "home":
+        raise ValueError(f"`backward` must be one of {SLOT_BACKWARDS[1:]}.")
+    if exchange == "ragged":
+        return num_slots + max_exports
+    return 2 * num_shards * min(num_slots, max_exports)
+
+
+def choose_slot_backward(
+    backward: str, *, num_shards: int, num_slots: int, max_exports: int, exchange: str
+) -> str:
+    """`backward`, with `"auto"` resolved to the mode with fewer expert-sized buffers
+    (ties: `"all_gather"`, one plain collective)."""
+    if backward != "auto":
+        return backward
+    sizes = dict(num_shards=num_shards, num_slots=num_slots, max_exports=max_exports)
+    home = slot_backward_copies("home", exchange=exchange, **sizes)
+    gather = slot_backward_copies("all_gather", exchange=exchange, **sizes)
+    return "home" if home < gather else "all_gather"
+
+
+def _check_args(slot_expert, num_local, max_exports, backward, exchange):
+    if not isinstance(num_local, int) or isinstance(num_local, bool) or num_local < 1:
+        raise ValueError(f"`num_local` must be a positive integer, got {num_local!r}.")
+    if slot_expert.ndim != 2:
+        raise ValueError(
+            f"`slot_expert` must be [shards, slots], got {slot_expert.shape}."
+        )
+    if max_exports is not None and (
+        not isinstance(max_exports, int)
+        or isinstance(max_exports, bool)
+        or max_exports < 1
+    ):
+        raise ValueError(
+            f"`max_exports` must be a positive integer or None, got {max_exports!r}."
+        )
+    if backward not in SLOT_BACKWARDS:
+        raise ValueError(
+            f"`backward` must be one of {SLOT_BACKWARDS}, got {backward!r}."
+        )
+    if exchange not in SLOT_EXCHANGES:
+        raise ValueError(
+            f"`exchange` must be one of {SLOT_EXCHANGES}, got {exchange!r}."
+        )
+
+
+def check_slot_exports(
+    slot_expert: Int[Array, "shards slots"] | np.ndarray,
+    num_local: int,
+    max_exports: int,
+) -> None:
+    """Raises a `ValueError` if a (concrete) slot table has some home shard export more
+    than `max_exports` copies."""
+    table = np.asarray(slot_expert)
+    owners = table[table >= 0] // num_local
+    exports = np.bincount(owners, minlength=table.shape[0])
+    if exports.size and exports.max() > max_exports:
+        worst = int(exports.argmax())
+        raise ValueError(
+            f"The slot table makes home shard {worst} export {int(exports.max())} "
+            f"copies, more than `max_exports={max_exports}`: plan it with "
+            f"`plan_duplication(..., max_exports={max_exports})`."
+        )
+
+
 def gather_slot_weights(
     w_home: Float[Array, "local_experts ..."],
     slot_expert: Int[Array, "shards slots"],
     num_local: int,
     axis_name: str,
+    *,
+    max_exports: int | None = None,
+    backward: str = "auto",
+    exchange: str = "dense",
 ) -> Float[Array, "slots ..."]:
     """Fetches the weights of this shard's slot experts from their home shards.
 
-    Called inside `shard_map` over `axis_name`.
+    Called inside `shard_map` over `axis_name`. Memory and wire bytes per device are
+    `O(S + C)` expert weights with the ragged exchange (see the module docstring).
 
     **Arguments:**
 
     - `w_home`: `[L, ...]` this shard's home expert weights.
-    - `slot_expert`: `[R, S]` the plan's slot table (identical on all shards; -1 empty).
+    - `slot_expert`: `[R, S]` the plan's slot table (identical on all shards; -1
+        empty), e.g. `plan_duplication(..., max_exports=C).slot_expert`.
     - `num_local`: `L`.
     - `axis_name`: the expert-parallel axis.
+    - `max_exports`: `C` (static), the most copies of one home shard's experts in the
+        table; `None` allows any plan (`C = (R - 1) min(S, L)`). A concrete table that
+        breaks the bound raises a `ValueError`; inside `jit` the copies past it come
+        back as NaN, never as another expert's weights.
+    - `backward`: `"all_gather"`, `"home"` or `"auto"` (see the module docstring).
+    - `exchange`: `"ragged"` (GPU/TPU: `lax.ragged_all_to_all`) or `"dense"` (every
+        platform: `lax.all_to_all` of `[R, min(S, C), ...]` blocks).
 
     **Returns:**
 
     `[S, ...]` the weights of `slot_expert[me]` (zeros for empty slots).
     """
-    owned, local = _owned(slot_expert, num_local, axis_name)
-    send = jnp.where(_bcast(owned, w_home[local]), w_home[local], 0)  # [R, S, ...]
-    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)
-    # Exactly one source holds each filled slot; the others sent zeros.
-    return jnp.sum(recv, axis=0)
-
-
-def _fwd(w_home, slot_expert, num_local, axis_name):
-    out = gather_slot_weights(w_home, slot_expert, num_local, axis_name)
-    # `w_home` is a parameter that is alive anyway; it only provides shape and dtype.
-    return out, (slot_expert, w_home)
-
-
-def _bwd(num_local, axis_name, res, g_slots):
-    slot_expert, w_home = res
-    shape, dtype = w_home.shape, w_home.dtype
-    g_all = jax.lax.all_gather(g_slots, axis_name)  # [R, S, ...]
-    owned, local = _owned(slot_expert, num_local, axis_name)
-    g_all = jnp.where(_bcast(owned, g_all), g_all, 0)
-    g_home = (
-        jnp.zeros(shape, dtype)
-        .at[local.ravel()]
-        .add(g_all.reshape(-1, *shape[1:]).astype(dtype))
+    _check_args(slot_expert, num_local, max_exports, backward, exchange)
+    num_shards, num_slots = slot_expert.shape
+    bound = max_exports_bound(num_shards, num_local, num_slots)
+    max_exports = bound if max_exports is None else min(max_exports, bound)
+    if not isinstance(slot_expert, jax.core.Tracer):
+        check_slot_exports(slot_expert, num_local, max_exports)
+    if num_shards == 1:
+        # One shard: the weights are all here, no collective (a plan never puts a
+        # home expert in a slot, so a table from the planner is all empty).
+        return _take(w_home, jnp.where(slot_expert[0] >= 0, slot_expert[0], -1))
+    mode = choose_slot_backward(
+        backward,
+        num_shards=num_shards,
+        num_slots=num_slots,
+        max_exports=max_exports,
+        exchange=exchange,
     )
-    return g_home, None
-
-
-gather_slot_weights.defvjp(_fwd, _bwd)
+    with jax.named_scope("moe_eqx.slot_weights"):
+        return _gather(
+            w_home, slot_expert, num_local, axis_name, max_exports, mode, exchange
+        )
