@@ -63,6 +63,13 @@ from ._planner import (
     plan_duplication as plan_duplication,
     slot_pair_counts as slot_pair_counts,
 )
+from ._rebalance import (
+    permute_experts as permute_experts,
+    physical_routing as physical_routing,
+    plan_placement as plan_placement,
+    rebalance as rebalance,
+    rebalance_experts as rebalance_experts,
+)
 from ._router import (
     Router as Router,
     Routing as Routing,

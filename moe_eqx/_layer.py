@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jax.sharding import Mesh, PartitionSpec as P
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._combine import combine
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts
+from ._rebalance import physical_routing
 from ._router import Router
 from ._rules import local_experts
 from ._shard import MoEStats, add_shared, expert_parallel_shard_body, routed_stats
@@ -45,12 +46,17 @@ class MoELayer(eqx.Module):
     - `shared_experts`: the [`moe_eqx.SharedExperts`][] (`w_gate_up: [d_model,
         2 shared_d_ff]`, `w_down: [shared_d_ff, d_model]`, optional `gate: [d_model]`),
         or `None` when `config.shared_d_ff == 0`.
+    - `expert_ids`: `[E]` int32, the logical expert held at each physical position:
+        `experts.w_gate_up[p]` is expert `expert_ids[p]`, on shard `p // (E / R)`.
+        Identity by default; [`moe_eqx.rebalance_experts`][] re-places experts. The
+        router and its bias keep logical ids.
     - `config`: the static [`moe_eqx.MoEConfig`][].
     """
 
     router: Router
     experts: Experts
     shared_experts: SharedExperts | None
+    expert_ids: Int[Array, " experts"]
     config: MoEConfig = eqx.field(static=True)
 
     def __init__(self, config: MoEConfig, *, key: PRNGKeyArray, dtype=jnp.float32):
@@ -63,6 +69,7 @@ class MoELayer(eqx.Module):
             if config.shared_d_ff > 0
             else None
         )
+        self.expert_ids = jnp.arange(config.num_experts, dtype=jnp.int32)
 
     def __call__(
         self, x: Float[Array, "*batch d_model"], *, mesh: Mesh | None = None
@@ -102,6 +109,7 @@ class MoELayer(eqx.Module):
                 self.router,
                 self.experts,
                 self.shared_experts,
+                self.expert_ids,
                 x.reshape(-1, cfg.d_model),
             )
             return y.reshape(*batch_shape, cfg.d_model), stats
@@ -112,6 +120,7 @@ class MoELayer(eqx.Module):
             self.experts.w_gate_up,
             self.experts.w_down,
             self.shared_experts,
+            self.expert_ids,
             x,
         )
 
@@ -171,10 +180,11 @@ def _empty_stats(cfg: MoEConfig, num_shards: int) -> MoEStats:
 # Jitted with the config static, like the expert-parallel call: an eager call compiles
 # once instead of running op by op; under an outer jit this is inlined.
 @ft.partial(jax.jit, static_argnums=0)
-def _single_device_call(cfg: MoEConfig, router, experts, shared, x):
+def _single_device_call(cfg: MoEConfig, router, experts, shared, expert_ids, x):
     tokens = x.shape[0]
     routing = router(x)
-    pairs = sort_by_expert(routing.experts, routing.weights, cfg.num_experts)
+    physical, _ = physical_routing(routing, expert_ids)
+    pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
     out = experts(x[pairs.row], pairs.group_sizes, backend=cfg.gmm_backend)
     y = add_shared(cfg, combine(out, pairs, tokens), shared, x)
     stats = routed_stats(
@@ -201,7 +211,7 @@ def _single_device_call(cfg: MoEConfig, router, experts, shared, x):
 # this is inlined.
 @ft.partial(jax.jit, static_argnums=(0, 1))
 def _expert_parallel_call(
-    cfg: MoEConfig, mesh: Mesh, router, w_gate_up, w_down, shared, x
+    cfg: MoEConfig, mesh: Mesh, router, w_gate_up, w_down, shared, expert_ids, x
 ):
     ax = cfg.axis_name
     explicit = _has_explicit_axes(mesh)
@@ -218,7 +228,7 @@ def _expert_parallel_call(
             expert_parallel_shard_body, cfg, mesh.shape[ax], _platform(mesh), other
         ),
         mesh=mesh,
-        in_specs=(P(), P(ax), P(ax), P(), tokens),
+        in_specs=(P(), P(ax), P(ax), P(), P(), tokens),
         out_specs=(tokens, P()),
         check_vma=False,
     )
@@ -234,8 +244,8 @@ def _expert_parallel_call(
         )
     else:
         x = x.reshape(flat)
-    args = (router, w_gate_up, w_down, shared, x)
-    specs = (P(), P(ax), P(ax), P(), tokens)
+    args = (router, w_gate_up, w_down, shared, expert_ids, x)
+    specs = (P(), P(ax), P(ax), P(), P(), tokens)
     place = _reshard if explicit else _place
     args = tuple(
         jax.tree.map(lambda a, s=s: place(a, mesh, s), a)
@@ -300,8 +310,11 @@ def shard_model(tree: PyTree, mesh: Mesh) -> PyTree:
 
     ```python
     model = me.shard_model(model, mesh)
-    opt_state = me.shard_model(opt.init(eqx.filter(model, eqx.is_array)), mesh)
+    opt_state = me.shard_model(opt.init(eqx.filter(model, eqx.is_inexact_array)), mesh)
     ```
+
+    (Inexact arrays only: a layer's integer `expert_ids` is placement state, not a
+    weight; it has no gradient and no optimizer state.)
 
     **Arguments:**
 
@@ -332,7 +345,8 @@ def shard_model(tree: PyTree, mesh: Mesh) -> PyTree:
 
 def shard_specs(layer: MoELayer) -> MoELayer:
     """The `shard_map` in-specs of a layer for expert parallelism: `P(axis_name)` on
-    the expert weights, `P()` (replicated) on every other array. Use it with
+    the expert weights, `P()` (replicated) on every other array (the router,
+    the shared experts, `expert_ids`). Use it with
     [`moe_eqx.expert_parallel_shard`][].
 
     **Arguments:**
@@ -379,6 +393,8 @@ def reference_moe(
     dense_w = dense_w.at[jnp.arange(x.shape[0])[:, None], routing.experts].add(
         routing.weights
     )
+    # Columns in physical order: the weights at position p are expert expert_ids[p].
+    dense_w = dense_w[:, layer.expert_ids]
     xf = x.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     gu = jnp.einsum(

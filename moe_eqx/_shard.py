@@ -14,6 +14,7 @@ from ._fallback import chunked_dropless, fallback_chunking
 from ._gmm import auto_backend_name
 from ._overflow import buffer_sizes, overflow_predicate, required_buffer_factor
 from ._planner import assign_destinations, plan_duplication
+from ._rebalance import physical_routing
 from ._router import Router, load_balance_loss
 from ._slots import gather_slot_weights
 from ._trip import TripSpec, trip_wire_rows
@@ -85,6 +86,7 @@ def expert_parallel_shard_body(
     w_gate_up: Float[Array, "local_experts d_model two_d_ff"],
     w_down: Float[Array, "local_experts d_ff d_model"],
     shared: SharedExperts | None,
+    expert_ids: Int[Array, " experts"],
     x: Float[Array, "tokens d_model"],
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
     """One shard's part of the expert-parallel layer (inside `shard_map`).
@@ -107,7 +109,10 @@ def expert_parallel_shard_body(
     # 1-2. Route, then share the per-expert counts: every plan below is identical on
     # all shards, so every lax.cond takes the same branch everywhere.
     routing = router(x)
-    counts = jax.lax.all_gather(routing.counts, ax)  # [R, E]
+    # Logical expert ids -> physical positions (`expert_ids[p]` is held at `p`): from
+    # here on everything (plan, dispatch, GMM, slots) works in physical order.
+    routing, position = physical_routing(routing, expert_ids)
+    counts = jax.lax.all_gather(routing.counts, ax)  # [R, E], physical
 
     # 3. Each pair's physical destination (shard, local group), with the duplication
     # plan applied; a pair the plan gives no destination is marked -1 and not sent.
@@ -211,7 +216,7 @@ def expert_parallel_shard_body(
         wire_rows=recv_rows,
         dropped=dropped,
         home_load=global_counts.reshape(num_shards, num_local).sum(axis=1),
-        expert_counts=global_counts,
+        expert_counts=global_counts[position],  # logical order
         overflow=overflow,
         fallback_used=fallback_used,
         required=_over_groups(required, other_axes, "max"),
@@ -355,5 +360,6 @@ def expert_parallel_shard(
         layer.experts.w_gate_up,
         layer.experts.w_down,
         layer.shared_experts,
+        layer.expert_ids,
         x,
     )

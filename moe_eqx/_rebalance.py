@@ -1,0 +1,482 @@
+"""Slow re-placement of home experts (EPLB-style), on top of per-step slots.
+
+The per-step planner ([`moe_eqx.plan_duplication`][]) moves load into `S` spare slots,
+but home experts never move: with stable, skewed popularity, hot experts that share a
+home shard keep it the straggler. Every few hundred steps a training loop can re-place
+the experts on their home shards from the load of the last window:
+
+```python
+load = sum(stats.expert_counts over the window)          # [E] (or [layers, E])
+model, opt_state = me.rebalance(model, opt_state, load, num_shards=R)
+```
+
+`layer.expert_ids[p]` is the logical expert held at physical position `p`
+(`layer.experts.w_gate_up[p]` is expert `expert_ids[p]`; shard `p // L` holds it).
+The router keeps logical ids, and so does its optional selection bias (and the bias's
+state): nothing router-side is permuted. The layer maps each routed expert to its
+physical position once, right after the router, so the planner, dispatch and grouped
+matmuls work in physical order unchanged; `stats.expert_counts` stays logical.
+"""
+
+import functools as ft
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int, PyTree
+
+from ._router import Routing
+from ._rules import local_experts
+
+__all__ = [
+    "permute_experts",
+    "physical_routing",
+    "plan_placement",
+    "rebalance",
+    "rebalance_experts",
+]
+
+
+# ---------------------------------------------------------------------------------
+# In the layer: logical -> physical.
+
+
+def physical_routing(
+    routing: Routing, expert_ids: Int[Array, " experts"]
+) -> tuple[Routing, Int[Array, " experts"]]:
+    """Maps a [`moe_eqx.Routing`][] from logical expert ids to physical positions.
+
+    **Arguments:**
+
+    - `routing`: the router's output (logical expert ids).
+    - `expert_ids`: `[E]` the logical expert held at each physical position
+        (`layer.expert_ids`).
+
+    **Returns:**
+
+    `(routing, position)`: the routing with `experts` and `counts` in physical order
+    (`counts_phys[p] = counts[expert_ids[p]]`), and `position: [E]`, the physical
+    position of each logical expert (`position[expert_ids[p]] = p`).
+    """
+    expert_ids = expert_ids.astype(jnp.int32)
+    num_experts = expert_ids.shape[0]
+    position = (
+        jnp.zeros((num_experts,), jnp.int32)
+        .at[expert_ids]
+        .set(jnp.arange(num_experts, dtype=jnp.int32), unique_indices=True)
+    )
+    routing = eqx.tree_at(
+        lambda r: (r.experts, r.counts),
+        routing,
+        (position[routing.experts], routing.counts[expert_ids]),
+    )
+    return routing, position
+
+
+# ---------------------------------------------------------------------------------
+# Placement: E experts into R shards of exactly L each.
+
+
+def _to_host(x, name: str) -> np.ndarray:
+    if isinstance(x, jax.core.Tracer):
+        raise ValueError(
+            f"`{name}` is traced: re-placement is planned on the host between steps "
+            "(outside `jit`); inside `jit` apply a precomputed placement with "
+            "`moe_eqx.permute_experts`."
+        )
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not x.is_fully_replicated:
+            raise ValueError(
+                f"`{name}` is sharded across processes; pass a replicated array "
+                "(e.g. `stats.expert_counts`, which is identical on every shard)."
+            )
+        x = x.addressable_data(0)
+    return np.asarray(x)
+
+
+def _check_load(expert_load, num_experts: int | None = None) -> np.ndarray:
+    load = _to_host(expert_load, "expert_load")
+    if load.ndim < 1 or load.shape[-1] == 0:
+        raise ValueError(
+            f"`expert_load` must be [..., num_experts], got shape {load.shape}."
+        )
+    if num_experts is not None and load.shape[-1] != num_experts:
+        raise ValueError(
+            f"`expert_load` has {load.shape[-1]} experts (shape {load.shape}), the "
+            f"layer has {num_experts}."
+        )
+    if not (
+        np.issubdtype(load.dtype, np.integer) or np.issubdtype(load.dtype, np.floating)
+    ):
+        raise ValueError(f"`expert_load` must be numeric, got dtype {load.dtype}.")
+    load = load.astype(np.float64)
+    if not np.all(np.isfinite(load)):
+        raise ValueError("`expert_load` must be finite.")
+    if np.any(load < 0):
+        raise ValueError(
+            f"`expert_load` must be >= 0 (pairs per expert), got min {load.min()}."
+        )
+    return load
+
+
+def _check_ids(ids: np.ndarray, name: str) -> np.ndarray:
+    ids = np.asarray(ids)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"`{name}` must be integer expert ids, got {ids.dtype}.")
+    num_experts = ids.shape[-1]
+    if np.any(np.sort(ids, axis=-1) != np.arange(num_experts)):
+        raise ValueError(
+            f"`{name}` must be a permutation of 0..{num_experts - 1} along its last "
+            "axis (the logical expert at each physical position)."
+        )
+    return ids.astype(np.int64)
+
+
+def _lpt(load: np.ndarray, num_shards: int, local: int) -> np.ndarray:
+    """Longest processing time first with a cardinality limit: the heaviest expert
+    goes to the least-loaded shard with room (ties: lower expert, lower shard)."""
+    bins = np.empty((num_shards, local), np.int64)
+    fill = np.zeros(num_shards, np.int64)
+    bin_load = np.zeros(num_shards)
+    for e in np.argsort(-load, kind="stable"):
+        r = int(np.argmin(np.where(fill < local, bin_load, np.inf)))
+        bins[r, fill[r]] = e
+        fill[r] += 1
+        bin_load[r] += load[e]
+    return bins
+
+
+def _improve(load: np.ndarray, bins: np.ndarray) -> np.ndarray:
+    """Swaps pairs of experts between the most loaded shard and another one while
+    that strictly lowers the larger of the two loads (best swap first). Each swap
+    strictly lowers the sum of squared shard loads, so this terminates."""
+    bins = bins.copy()
+    num_shards, local = bins.shape
+    if num_shards == 1:
+        return bins
+    for _ in range(16 * bins.size):
+        item = load[bins]
+        bin_load = item.sum(axis=1)
+        h = int(np.argmax(bin_load))
+        delta = item[h][:, None, None] - item[None, :, :]  # [L, R, L]: a out, b in
+        new_other = bin_load[None, :, None] + delta
+        worse = np.maximum(bin_load[h] - delta, new_other)
+        worse[:, h, :] = np.inf
+        worse[delta <= 0] = np.inf
+        best = int(np.argmin(worse))
+        if not worse.flat[best] < bin_load[h]:
+            break
+        a, r, b = np.unravel_index(best, worse.shape)
+        bins[h, a], bins[r, b] = bins[r, b], bins[h, a]
+    return bins
+
+
+def _align(bins: np.ndarray, current: np.ndarray) -> np.ndarray:
+    """Physical layout of a partition that moves as few experts as possible: each
+    group of experts goes to the shard holding most of them now (greedy matching),
+    and experts that stay on their shard keep their slot."""
+    num_shards, local = bins.shape
+    cur = current.reshape(num_shards, local)
+    overlap = (bins[:, :, None, None] == cur[None, None, :, :]).sum(axis=(1, 3))
+    shard_of = np.full(num_shards, -1)
+    taken = np.zeros(num_shards, bool)
+    for flat in np.argsort(-overlap, axis=None, kind="stable"):
+        b, r = divmod(int(flat), num_shards)
+        if shard_of[b] < 0 and not taken[r]:
+            shard_of[b], taken[r] = r, True
+    out = np.empty_like(cur)
+    for b, r in enumerate(shard_of):
+        keep = np.isin(cur[r], bins[b])
+        out[r] = np.where(keep, cur[r], -1)
+        out[r, ~keep] = np.sort(bins[b][~np.isin(bins[b], cur[r])])
+    return out.reshape(-1)
+
+
+def _place_one(load: np.ndarray, num_shards: int, current: np.ndarray) -> np.ndarray:
+    local = load.shape[0] // num_shards
+    candidates = [
+        _align(_improve(load, current.reshape(num_shards, local)), current),
+        _align(_improve(load, _lpt(load, num_shards, local)), current),
+    ]
+
+    def score(ids):
+        # Lowest max shard load first; then fewest moved experts.
+        return (
+            load[ids].reshape(num_shards, local).sum(axis=1).max(),
+            np.sum(ids != current),
+        )
+
+    return min(candidates, key=score)
+
+
+def plan_placement(
+    expert_load, *, num_shards: int, current=None
+) -> Int[np.ndarray, "*batch experts"]:
+    """Chooses which logical experts each shard holds, balancing `expert_load`.
+
+    Places `E` experts on `R` shards of exactly `L = E / R` each, minimising the
+    largest shard load: greedy LPT (heaviest expert to the least-loaded shard with
+    room), then pairwise swaps off the most loaded shard; the current placement
+    improved by swaps alone is a second candidate, kept when it is as balanced (it
+    moves fewer experts). The result is laid out to move as few experts as possible
+    (a group of experts goes to the shard that holds most of them, and an expert
+    that stays on its shard keeps its slot). Deterministic; runs on the host (NumPy)
+    between steps.
+
+    **Arguments:**
+
+    - `expert_load`: `[..., E]` non-negative load per logical expert, e.g. the sum of
+        `stats.expert_counts` over the last window (NumPy or JAX; leading axes, such as
+        the `layers` axis of stacked layers, are placed independently).
+    - `num_shards`: `R`, the size of the expert-parallel axis; must divide `E`.
+    - `current`: `[..., E]` the current `layer.expert_ids` (default: identity).
+
+    **Returns:**
+
+    `[..., E]` int32 NumPy array: the new `expert_ids` (logical expert at each
+    physical position). `np.sum(new != current)` experts move.
+    """
+    load = _check_load(expert_load)
+    num_experts = load.shape[-1]
+    if not isinstance(num_shards, int | np.integer) or isinstance(num_shards, bool):
+        raise ValueError(f"`num_shards` must be an integer, got {num_shards!r}.")
+    local_experts(num_experts, int(num_shards), shards="shards (`num_shards`)")
+    if current is None:
+        current = np.broadcast_to(np.arange(num_experts), load.shape)
+    current = _check_ids(_to_host(current, "current"), "current")
+    if current.shape != load.shape:
+        raise ValueError(
+            f"`current` has shape {current.shape}, `expert_load` {load.shape}."
+        )
+    flat_load = load.reshape(-1, num_experts)
+    flat_cur = current.reshape(-1, num_experts)
+    out = [
+        _place_one(lo, int(num_shards), cu)
+        for lo, cu in zip(flat_load, flat_cur, strict=True)
+    ]
+    return np.stack(out).reshape(load.shape).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------
+# Applying a placement to a model and its optimizer state.
+
+
+def _is_layer(node) -> bool:
+    from ._layer import MoELayer  # _layer imports this module (physical_routing)
+
+    return isinstance(node, MoELayer)
+
+
+@ft.partial(jax.jit, static_argnames=("sharding",))
+def _gather_placed(a, perm, *, sharding):
+    index = _index(perm)
+    if sharding is None:
+        return a[index]
+    if _has_explicit_axes(sharding.mesh):
+        # A gather along an explicitly sharded axis must name its output sharding.
+        return a.at[index].get(out_sharding=sharding)
+    return jax.lax.with_sharding_constraint(a[index], sharding)
+
+
+def _has_explicit_axes(mesh) -> bool:
+    types = getattr(mesh, "axis_types", None) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def _index(perm):
+    """`a[_index(perm)][..., p, ...] == a[..., perm[..., p], ...]` for `a` of shape
+    `perm.shape + rest` (leading axes of `perm`: stacked layers)."""
+    xp = np if isinstance(perm, np.ndarray) else jnp
+    batch = perm.shape[:-1]
+    grids = tuple(
+        xp.arange(n).reshape((n,) + (1,) * (len(batch) - i))
+        for i, n in enumerate(batch)
+    )
+    return grids + (perm,)
+
+
+def _permute_leaf(a, perm, where: str):
+    if not eqx.is_array(a):
+        return a  # None, or an optimizer's placeholder for a masked leaf
+    axis = perm.ndim - 1
+    if a.shape[: axis + 1] != perm.shape:
+        raise ValueError(
+            f"{where}: leaf of shape {a.shape} does not start with the permutation's "
+            f"shape {perm.shape} ([..., experts])."
+        )
+    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+        # The placed result keeps the input's sharding (experts split over the mesh).
+        sharding = a.sharding
+        sharding = (
+            sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+        )
+        return _gather_placed(a, jnp.asarray(perm), sharding=sharding)
+    if isinstance(a, np.ndarray) and isinstance(perm, np.ndarray):
+        return a[_index(perm)]
+    return a[_index(jnp.asarray(perm))]
+
+
+def _permute_layer(node, perm, where: str):
+    def fix(a):
+        return _permute_leaf(a, perm, where)
+
+    experts = jax.tree.map(fix, node.experts)
+    ids = fix(node.expert_ids)
+    return eqx.tree_at(
+        lambda l: (l.experts, l.expert_ids),
+        node,
+        (experts, ids),
+        is_leaf=lambda x: x is None,
+    )
+
+
+def permute_experts(tree: PyTree, perm) -> PyTree:
+    """Applies one permutation of physical expert positions to every
+    [`moe_eqx.MoELayer`][] node of `tree`: its expert weights and its `expert_ids`.
+
+    Use it for a model and equally for its optimizer state: optax's moments (e.g.
+    `optax.adam`'s `mu` and `nu`) hold `MoELayer` nodes of the model's structure, whose
+    expert moments must move with the experts. The router (and its selection bias)
+    keeps logical ids and is not touched. Jit-able; outside `jit` each placed array
+    keeps its sharding.
+
+    **Arguments:**
+
+    - `tree`: any PyTree containing `MoELayer` nodes (a model, an optimizer state).
+    - `perm`: `[..., E]` integers: new physical position `p` takes what old position
+        `perm[..., p]` held (leading axes: stacked layers). Applied to every node.
+
+    **Returns:**
+
+    `tree` with every `MoELayer` node permuted (`new.expert_ids[p] ==
+    old.expert_ids[perm[p]]`).
+    """
+    if isinstance(perm, jax.core.Tracer):
+        index = perm
+    else:
+        index = _check_ids(_to_host(perm, "perm"), "perm")
+    return jax.tree.map(
+        lambda n: _permute_layer(n, index, "permute_experts") if _is_layer(n) else n,
+        tree,
+        is_leaf=_is_layer,
+    )
+
+
+def _layer_paths(tree) -> list:
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_layer)[0]
+    return [(path, node) for path, node in flat if _is_layer(node)]
+
+
+def _plan_perms(model, expert_load, num_shards: int) -> dict:
+    """`{path: perm}` for every `MoELayer` node of `model`, from its load."""
+    layers = _layer_paths(model)
+    if not layers:
+        raise ValueError("`model` contains no `MoELayer` to re-place.")
+    if isinstance(expert_load, list | tuple):
+        loads = list(expert_load)
+    else:
+        loads = [expert_load]
+    if len(loads) != len(layers):
+        raise ValueError(
+            f"`expert_load` must be one array per `MoELayer` of `model` (found "
+            f"{len(layers)}, in tree-flatten order), got {len(loads)}."
+        )
+    perms = {}
+    for (path, node), load in zip(layers, loads, strict=True):
+        current = _check_ids(
+            _to_host(node.expert_ids, "layer.expert_ids"), "expert_ids"
+        )
+        load = _check_load(load, node.config.num_experts)
+        if load.shape != current.shape:
+            raise ValueError(
+                f"`expert_load` for layer {jax.tree_util.keystr(path) or '(root)'} has "
+                f"shape {load.shape}, its `expert_ids` {current.shape}."
+            )
+        new = plan_placement(load, num_shards=num_shards, current=current)
+        position = np.argsort(current, axis=-1)  # old position of each logical expert
+        perms[path] = np.take_along_axis(position, new.astype(np.int64), axis=-1)
+    return perms
+
+
+def _apply_perms(tree, perms: dict):
+    """Permutes every `MoELayer` node of `tree` by the perm of the model layer whose
+    path is the longest suffix of the node's path (optimizer states nest the model's
+    structure under their own keys, e.g. `[0].mu.blocks.moe`)."""
+
+    def match(path):
+        best = None
+        for model_path in perms:
+            n = len(model_path)
+            if tuple(path[len(path) - n :]) == tuple(model_path) and n <= len(path):
+                if best is None or n > len(best):
+                    best = model_path
+        return best
+
+    def fix(path, node):
+        if not _is_layer(node):
+            return node
+        key = match(path)
+        if key is None:
+            raise ValueError(
+                f"`MoELayer` at {jax.tree_util.keystr(path)} matches no layer of the "
+                "model (an optimizer state must mirror the model's structure)."
+            )
+        return _permute_layer(node, perms[key], jax.tree_util.keystr(path))
+
+    return jax.tree_util.tree_map_with_path(fix, tree, is_leaf=_is_layer)
+
+
+def rebalance_experts(model: PyTree, expert_load, *, num_shards: int) -> PyTree:
+    """Re-places experts on their home shards to balance `expert_load`.
+
+    Plans with [`moe_eqx.plan_placement`][] from the layer's current `expert_ids` and
+    moves the expert weights accordingly; the layer computes the same function
+    before and after (the router keeps logical ids). Runs between steps (outside
+    `jit`); placed arrays keep their sharding. For the optimizer state as well, use
+    [`moe_eqx.rebalance`][].
+
+    **Arguments:**
+
+    - `model`: a [`moe_eqx.MoELayer`][], or any PyTree containing them (a model;
+        stacked layers with leading axes are fine).
+    - `expert_load`: `[..., E]` load per logical expert for the (single) layer, e.g.
+        the sum of `stats.expert_counts` over a window; for several layers a list,
+        one per layer in tree-flatten order.
+    - `num_shards`: `R`, the size of the expert-parallel mesh axis.
+
+    **Returns:**
+
+    `model` with its experts re-placed and `expert_ids` updated.
+    """
+    return _apply_perms(model, _plan_perms(model, expert_load, num_shards))
+
+
+def rebalance(
+    model: PyTree, opt_state: PyTree, expert_load, *, num_shards: int
+) -> tuple[PyTree, PyTree]:
+    """[`moe_eqx.rebalance_experts`][] for a model and its optimizer state together.
+
+    The optimizer's per-expert state (e.g. Adam's moments of the expert weights) is
+    permuted exactly as the weights, so training continues as if nothing moved: one
+    step after re-placement equals re-placement after the step. The router's bias
+    and its state are logical and stay as they are.
+
+    ```python
+    if step % every == 0:
+        model, opt_state = me.rebalance(model, opt_state, load, num_shards=R)
+    ```
+
+    **Arguments:**
+
+    - `model`: a PyTree containing [`moe_eqx.MoELayer`][]s.
+    - `opt_state`: its optimizer state (any PyTree; its `MoELayer` nodes are matched
+        to the model's by path), or `None`.
+    - `expert_load`, `num_shards`: as for [`moe_eqx.rebalance_experts`][].
+
+    **Returns:**
+
+    `(model, opt_state)`, re-placed.
+    """
+    perms = _plan_perms(model, expert_load, num_shards)
+    return _apply_perms(model, perms), _apply_perms(opt_state, perms)
