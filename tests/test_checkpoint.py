@@ -14,8 +14,12 @@ import optax
 import pytest
 from helpers import load_params, run_module
 
-from moe_eqx.train import checkpoint as ckpt
-from moe_eqx.train import CheckpointError, load_checkpoint, save_checkpoint
+from moe_eqx.train import (
+    CheckpointError,
+    checkpoint as ckpt,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 TINY = [
     "--batch",

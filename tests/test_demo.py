@@ -1,22 +1,37 @@
-"""The demo trains (one device and expert-parallel), and its skew phase triggers the
-dropless fallback. The demo runs in subprocesses (it sets up its own devices), each
-bounded by a timeout; a per-module persistent compilation cache lets runs with the same
-shapes skip recompiling."""
+"""The demo trains (one device and expert-parallel), its skew phase triggers the
+dropless fallback, its defaults show deduplication and duplication, Ctrl-C checkpoints
+and says how to resume, a finished run says it is complete, and bad flags are usage
+errors. The demo runs in subprocesses (it sets up its own devices), each bounded by a
+timeout; a per-module persistent compilation cache lets runs with the same shapes skip
+recompiling."""
 
+import argparse
 import json
 import math
+import re
+import shlex
+import signal
 import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers import run_module
+from helpers import demo_env, run_module
 
-from moe_eqx._data import ZipfMarkovData
+from moe_eqx.train import cli, list_checkpoints
+from moe_eqx.train.data import ZipfMarkovData
+from moe_eqx.train.resume import resume_command, schedule_steps
 
 TINY = [
     "--batch", "8", "--seq", "8", "--d-model", "16", "--d-ff", "16", "--heads", "2",
     "--experts", "8", "--top-k", "2", "--layers", "1", "--vocab", "32",
     "--dropout", "0.1", "--no-progress", "--strict-promotion",
+]  # fmt: skip
+
+# The model's size flags only: the layer's defaults (experts, top-k, slots) stay.
+TINY_WIDTHS = [
+    "--batch", "8", "--seq", "8", "--d-model", "16", "--d-ff", "16", "--heads", "2",
+    "--layers", "1", "--vocab", "32", "--no-progress", "--strict-promotion",
 ]  # fmt: skip
 
 
@@ -49,12 +64,13 @@ def test_single_device_loss_decreases(tmp_path, cache_dir):
     assert last < first - 0.3, (first, last)
     assert result["summary"]["ep"] == 1
     assert result["summary"]["fallback_steps"] == 0
+    assert result["summary"]["dropped_pairs"] == 0
 
 
 def test_expert_parallel_skew_phase_triggers_fallback(tmp_path, cache_dir):
     out = tmp_path / "h.json"
     proc = run_demo(
-        [*TINY, "--ep", "8", "--steps", "24", "--log-every", "4",
+        [*TINY, "--ep", "8", "--steps", "24", "--log-every", "4", "--num-slots", "0",
          "--skew-from", "12", "--skew-to", "16", "--json", str(out)],
         cache_dir,
     )  # fmt: skip
@@ -83,6 +99,194 @@ def test_expert_parallel_skew_phase_triggers_fallback(tmp_path, cache_dir):
     )
 
 
+def test_expert_parallel_defaults_show_dedup_and_duplication(tmp_path, cache_dir):
+    # The default layer (32 experts, top-4, one spare slot per shard with --ep) on 8
+    # shards: 4 experts per shard, so tokens hit several experts of one shard and are
+    # sent once; in the skew phase every token picks shard 0's 4 experts, and the
+    # replicas in the other shards' slots take that load.
+    out = tmp_path / "h.json"
+    proc = run_demo(
+        [*TINY_WIDTHS, "--ep", "8", "--steps", "8", "--log-every", "4",
+         "--skew-from", "4", "--skew-to", "8", "--json", str(out)],
+        cache_dir,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["args"]["num_slots"] == 1
+    assert (result["args"]["experts"], result["args"]["top_k"]) == (32, 4)
+    balanced, skewed = result["history"]
+    assert skewed["skew_steps"] == 4 and balanced["skew_steps"] == 0
+    # Deduplication saves wire rows on balanced routing ...
+    assert balanced["dedup_ratio"] < 0.95, balanced
+    assert "dedup 0." in proc.stdout
+    # ... and duplication flattens the skew: shard 0 would get every pair (8x the
+    # balanced load); after the plan, no shard gets more than twice its share.
+    assert skewed["max_over_mean_before"] == pytest.approx(8.0)
+    assert skewed["max_over_mean"] < 2.0, skewed
+    # Nothing lost: no pair dropped, no non-finite loss.
+    assert all(e["dropped_pairs"] == 0 for e in result["history"])
+    assert result["summary"]["dropped_pairs"] == 0
+    assert all(math.isfinite(x) for x in _losses(result["history"]))
+
+
+def _start_demo(args, cache_dir) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "moe_eqx.demo", *args],
+        env=demo_env(cache_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_ctrl_c_checkpoints_and_says_how_to_resume(tmp_path, cache_dir):
+    ck = tmp_path / "ck"
+    argv = [*TINY, "--steps", "100000", "--log-every", "1", "--ckpt-dir", str(ck)]
+    proc = _start_demo(argv, cache_dir)
+    try:
+        # After the first logged step the run is in its loop: interrupt it there.
+        for line in proc.stdout:
+            if line.startswith("step"):
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err
+    assert "Ctrl-C: stopping after this step" in err
+    steps = list_checkpoints(ck)
+    assert len(steps) == 1 and 1 <= steps[0] < 100000
+    step = steps[0]
+    assert f"interrupted after step {step} (Ctrl-C)" in err
+    assert f"checkpoint of step {step} saved: {ck / f'ckpt_{step:010d}.json'}" in err
+    command = shlex.join(["python", "-m", "moe_eqx.demo", *argv, "--resume"])
+    assert f"resume with:\n  {command}\n" in err
+
+    # The printed command resumes (to two more steps), keeping the schedule of the
+    # interrupted run (100000 steps) and saying so.
+    resume_args = shlex.split(command)[3:]
+    resumed = run_demo([*resume_args, "--steps", str(step + 2)], cache_dir)
+    assert f"resumed at step {step}" in resumed.stdout
+    assert "keeping the learning-rate schedule of the first run" in resumed.stdout
+    assert "at step 100000" in resumed.stdout
+    assert f"step {step + 2:5d}  loss" in resumed.stdout
+    assert "dropped pairs 0" in resumed.stdout
+    assert list_checkpoints(ck) == [step, step + 2]
+
+    # Resuming the finished run again says it is complete instead of training.
+    again = run_demo([*resume_args, "--steps", str(step + 2)], cache_dir)
+    assert f"is complete: its latest checkpoint is at step {step + 2}" in again.stdout
+    assert not re.search(r"\bnan\b", again.stdout)
+    assert "done: final loss" not in again.stdout
+
+
+def test_ctrl_c_without_checkpoint_dir_exits_cleanly(cache_dir):
+    proc = _start_demo([*TINY, "--steps", "100000", "--log-every", "1"], cache_dir)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "Traceback" not in err
+    assert "nothing saved: run with --ckpt-dir DIR to be able to resume" in err
+
+
+def test_schedule_kept_on_resume_with_more_steps():
+    said = []
+    # A fresh run: --schedule-steps, else --steps.
+    fresh = dict(lr=1e-3, start=0, metadata=None, say=said.append)
+    assert schedule_steps(steps=100, requested=None, **fresh) == 100
+    assert schedule_steps(steps=100, requested=300, **fresh) == 300
+    assert said == []
+    stored = {"schedule_steps": 100, "lr": 1e-3}
+    # Resumed with a larger --steps: the checkpoint's schedule is kept, with a note.
+    kept = schedule_steps(
+        steps=150, lr=1e-3, requested=None, start=100, metadata=stored, say=said.append
+    )
+    assert kept == 100
+    assert len(said) == 1 and "keeping the learning-rate schedule" in said[0]
+    assert "stays at 0.0001 until step 150" in said[0]
+    # An explicit different length is obeyed, with a warning quoting the jump.
+    said.clear()
+    longer = schedule_steps(
+        steps=150, lr=1e-3, requested=300, start=100, metadata=stored, say=said.append
+    )
+    assert longer == 300
+    assert len(said) == 1 and said[0].startswith("WARNING")
+    assert "at step 100 the learning rate jumps from 0.0001 to 0.000" in said[0]
+    # So is a different --lr.
+    said.clear()
+    schedule_steps(
+        steps=100, lr=2e-3, requested=None, start=50, metadata=stored, say=said.append
+    )
+    assert len(said) == 1 and "peak lr 0.002" in said[0]
+    # Same flags: nothing to say.
+    said.clear()
+    schedule_steps(
+        steps=100, lr=1e-3, requested=None, start=50, metadata=stored, say=said.append
+    )
+    assert said == []
+
+
+def test_resume_command_drops_one_off_flags():
+    argv = [
+        "--steps",
+        "9",
+        "--die-at-step",
+        "3",
+        "--die-process=1",
+        "--ckpt-dir",
+        "a b",
+    ]
+    assert (
+        resume_command("python -m moe_eqx.demo", argv)
+        == "python -m moe_eqx.demo --steps 9 --ckpt-dir 'a b' --resume"
+    )
+    assert resume_command("p", ["--resume"]) == "p --resume"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--experts", "8", "--top-k", "9"],
+            "--top-k (9) must not exceed --experts (8)",
+        ),
+        (["--gmm-backend", "foo"], "argument --gmm-backend: invalid choice: 'foo'"),
+        (["--on-overflow", "ignore"], "argument --on-overflow: invalid choice"),
+        (["--buffer-factor", "0"], "argument --buffer-factor: must be > 0 or 'none'"),
+        (["--buffer-factor", "lots"], "argument --buffer-factor: must be > 0"),
+        (["--ep", "3"], "--experts (32) must be divisible by --ep (3)"),
+        (["--ep", "4", "--batch", "6"], "--batch (6) must be divisible by --ep (4)"),
+        (["--resume"], "--resume needs --ckpt-dir"),
+        (["--num-slots", "-1"], "--num-slots must be >= 0"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--schedule-steps", "0"], "--schedule-steps must be >= 1"),
+        (["--skew-from", "5"], "--skew-from and --skew-to go together"),
+    ],
+)
+def test_bad_flags_are_usage_errors(flags, message, capsys):
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as e:
+        cli.check_args(parser, parser.parse_args(flags))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: python -m moe_eqx.demo" in err
+    assert message in err, err
+
+
+def test_every_flag_has_help():
+    parser = cli.build_parser()
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and len(action.help) > 10, action.option_strings
+
+
 def test_bad_flags_fail_cleanly(cache_dir):
     proc = run_module(
         "moe_eqx.demo",
@@ -90,8 +294,9 @@ def test_bad_flags_fail_cleanly(cache_dir):
         cache_dir=cache_dir,
         timeout=120,
     )
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "--experts (8) must be divisible by --ep (3)" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_data_is_a_pure_function_of_seed_and_step():

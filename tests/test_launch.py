@@ -2,18 +2,23 @@
 2 processes x 4 CPU devices train like 1 process x 8 devices (losses within rtol 1e-5,
 parameters within 1e-5); a process that dies makes the launcher fail fast, and a
 restart from the last checkpoint reaches the uninterrupted run's parameters; an
-unreachable coordinator fails within a timeout.
+unreachable coordinator fails within a timeout; Ctrl-C says how to resume; gloo's
+connection reports are not streamed.
 
 Every subprocess is bounded by a timeout, so CI cannot hang here."""
 
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
-from helpers import load_params, run_module
+from helpers import demo_env, load_params, run_module
 
 from moe_eqx.train import checkpoint as ckpt
+from moe_eqx.train.launch import is_noise
 
 # Worst-case buffers (`--buffer-factor none`) have no fallback branch, which halves
 # the compile time of each process; the fallback itself is covered by test_demo.py.
@@ -21,10 +26,8 @@ TINY = [
     "--batch", "8", "--seq", "8", "--d-model", "16", "--d-ff", "16", "--heads", "2",
     "--experts", "8", "--top-k", "2", "--layers", "1", "--vocab", "32",
     "--dropout", "0.1", "--no-progress", "--strict-promotion", "--steps", "24",
-    "--log-every", "4", "--buffer-factor", "none",
+    "--log-every", "4", "--buffer-factor", "none", "--num-slots", "0",
 ]  # fmt: skip
-
-pytestmark = pytest.mark.slow
 
 
 def _launch(demo_args, *, timeout=300):
@@ -95,6 +98,7 @@ def crash_and_restart(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_dead_process_fails_fast(crash_and_restart):
     died = crash_and_restart["died"]
     assert died.returncode != 0
@@ -107,14 +111,17 @@ def test_dead_process_fails_fast(crash_and_restart):
     assert crash_and_restart["checkpoints"] == [6, 12]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(single_process, crash_and_restart):
     ref_losses, ref_params = single_process
     resumed = crash_and_restart["resumed"]
     out = resumed.stdout
     assert "[p0] moe_eqx demo" in out and "EP 8 over 2 process(es)" in out
-    assert "[p1]" in out  # process 1 is streamed too, but only process 0 logs
+    # Only process 0 logs (process 1's output is streamed too: see the dead process).
     assert "[p1] step" not in out and "[p0] step    24" in out
     assert "[p0] resumed at step 12" in out
+    # Gloo's routine "[Gloo] Rank i is connected to 7 peer ranks" lines are dropped.
+    assert "[Gloo]" not in out
     assert "all 2 process(es) finished" in resumed.stderr
     # Steps 0-11 before the crash (logged every 4 steps), 12-23 after the restart.
     losses = np.concatenate(
@@ -134,6 +141,7 @@ def test_two_processes_match_one_process(single_process, crash_and_restart):
         )
 
 
+@pytest.mark.slow
 def test_unreachable_coordinator_fails_within_timeout():
     # Only process 1 starts, so nobody hosts the coordinator.
     t0 = time.monotonic()
@@ -148,3 +156,44 @@ def test_unreachable_coordinator_fails_within_timeout():
     assert proc.returncode != 0
     assert "could not register with the coordinator" in proc.stderr
     assert took < 90
+
+
+def test_gloo_connection_reports_are_noise():
+    ok = "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected "
+    assert is_noise(ok + "peer ranks is : 7")
+    # A rank with missing peers, and anything else, is shown.
+    assert not is_noise(ok.replace("to 7", "to 5") + "peer ranks is : 7")
+    assert not is_noise("[Gloo] connect error: Connection refused")
+    assert not is_noise("step    4  loss 3.2")
+
+
+def test_ctrl_c_stops_the_processes_and_says_how_to_resume(tmp_path):
+    # Only process 1 starts and waits for a coordinator that never comes: the
+    # launcher is interrupted while its processes are up.
+    ck = tmp_path / "ck"
+    argv = ["--processes", "2", "--devices-per-process", "1", "--timeout", "60",
+            "--grace", "2", "--only", "1", "--", "--steps", "3", "--ckpt-dir", str(ck),
+            "--die-at-step", "2"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_eqx.launch", *argv],
+        env=demo_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "[launch] 1 of 2 process(es)" in proc.stderr.readline()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert "interrupted (SIGINT/SIGTERM); stopping every process." in err
+    resume = (
+        "python -m moe_eqx.launch --processes 2 --devices-per-process 1 --timeout 60 "
+        f"--grace 2 --only 1 -- --steps 3 --ckpt-dir {ck} --resume"
+    )
+    assert f"resume from the latest checkpoint in {ck}" in err
+    assert f"with:\n  {resume}\n" in err

@@ -202,10 +202,7 @@ def _check_like(loaded: Any, like: Any, where: str) -> Any:
     if not isinstance(like, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
         return loaded
     want_dtype = like.dtype
-    if _is_key(like) or (
-        isinstance(like, jax.ShapeDtypeStruct)
-        and jnp.issubdtype(like.dtype, jax.dtypes.prng_key)
-    ):
+    if _is_key_like(like):
         impl = jax.random.key_impl(like) if isinstance(like, jax.Array) else None
         want_shape = jax.eval_shape(jax.random.key_data, like).shape
         if tuple(loaded.shape) != tuple(want_shape):
@@ -232,6 +229,33 @@ def _check_like(loaded: Any, like: Any, where: str) -> Any:
         # collective, which processes that load at different times would deadlock on.
         return jax.device_put(loaded, sharding)
     return loaded
+
+
+def _is_key_like(x: Any) -> bool:
+    return _is_key(x) or (
+        isinstance(x, jax.ShapeDtypeStruct)
+        and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    )
+
+
+def _verified_payload(path: Path, manifest: dict) -> bytes:
+    """The payload's bytes, checked against the manifest's size and sha256."""
+    try:
+        payload = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint payload {path} is unreadable: {e}") from e
+    if len(payload) != manifest["size"]:
+        raise CheckpointError(
+            f"checkpoint payload {path} is truncated or altered: {len(payload)} bytes, "
+            f"the manifest says {manifest['size']}."
+        )
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != manifest["sha256"]:
+        raise CheckpointError(
+            f"checkpoint payload {path} is corrupt: sha256 {digest[:16]}... does not "
+            f"match the manifest's {manifest['sha256'][:16]}...."
+        )
+    return payload
 
 
 def read_checkpoint(
@@ -261,32 +285,10 @@ def read_checkpoint(
     directory = Path(directory)
     manifest = read_manifest(directory, step)
     path = directory / manifest["payload"]
-    try:
-        payload = path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"checkpoint payload {path} is unreadable: {e}") from e
-    if len(payload) != manifest["size"]:
-        raise CheckpointError(
-            f"checkpoint payload {path} is truncated or altered: {len(payload)} bytes, "
-            f"the manifest says {manifest['size']}."
-        )
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != manifest["sha256"]:
-        raise CheckpointError(
-            f"checkpoint payload {path} is corrupt: sha256 {digest[:16]}... does not "
-            f"match the manifest's {manifest['sha256'][:16]}...."
-        )
+    payload = _verified_payload(path, manifest)
     # Keys are stored as key data: deserialise against a like tree of raw key data.
     raw_like = jax.tree.map(
-        lambda x: (
-            jax.eval_shape(jax.random.key_data, x)
-            if _is_key(x)
-            or (
-                isinstance(x, jax.ShapeDtypeStruct)
-                and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-            )
-            else x
-        ),
+        lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key_like(x) else x,
         like_tree,
     )
     try:

@@ -1,4 +1,4 @@
-"""Synthetic, learnable, exactly resumable token sequences for the demo.
+"""Synthetic, learnable, exactly resumable token sequences for the training demo.
 
 Every batch is a pure function of `(seed, step, row)`: resuming at step `s` reproduces
 the batches an uninterrupted run would have seen, and every process of a multi-process
