@@ -189,6 +189,12 @@ def _take(x, idx, *, fill=0):
     return jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
 
 
+def _take_rows(x, idx):
+    """`x[idx]` along axis 0 for a send buffer: indices `-1` give some row of `x`,
+    which the receiver never reads. One gather, without the masked copy of `_take`."""
+    return jnp.take(x, jnp.maximum(idx, 0), axis=0, mode="clip")
+
+
 def _scatter_home(num_local, idx, values, shape, dtype):
     """`[L, ...]` home gradient: `values` added at `idx` (out-of-range dropped)."""
     idx = jnp.where(idx < 0, num_local, idx).reshape(-1)
@@ -210,7 +216,7 @@ def _forward(w_home, routes, me, num_local, axis_name, max_exports, exchange):
     num_shards, num_slots = routes.owner.shape
     if exchange == "ragged":
         exports = export_slots(routes, me, max_exports)
-        send = _take(w_home, _take(routes.local.reshape(-1), exports, fill=-1))
+        send = _take_rows(w_home, _take(routes.local.reshape(-1), exports, fill=-1))
         out = jnp.zeros((num_slots, *w_home.shape[1:]), w_home.dtype)
         args = ragged_slot_args(routes, me)[0]
         recv = _ragged_all_to_all(send, out, *args, axis_name=axis_name)
@@ -219,7 +225,7 @@ def _forward(w_home, routes, me, num_local, axis_name, max_exports, exchange):
         block = min(num_slots, max_exports)
         which = _block_slots(routes, me, block)  # [d, j] -> slot of d
         local = jnp.take_along_axis(routes.local, jnp.maximum(which, 0), axis=1)
-        send = _take(w_home, jnp.where(which >= 0, local, -1))  # [R, block, ...]
+        send = _take_rows(w_home, jnp.where(which >= 0, local, -1))  # [R, block, ...]
         recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)
         flat = recv.reshape(num_shards * block, *recv.shape[2:])
         idx = routes.owner[me] * block + routes.block_pos[me]
@@ -246,7 +252,7 @@ def _backward_home(g_slots, routes, me, num_local, axis_name, max_exports, excha
         .at[rows, routes.block_pos[me]]
         .set(jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
     )
-    recv = jax.lax.all_to_all(_take(g_slots, which), axis_name, 0, 0, tiled=False)
+    recv = jax.lax.all_to_all(_take_rows(g_slots, which), axis_name, 0, 0, tiled=False)
     mine = _block_slots(routes, me, block)  # [d, j] -> slot of d holding my copy
     local = jnp.take_along_axis(routes.local, jnp.maximum(mine, 0), axis=1)
     return recv, jnp.where(mine >= 0, local, -1)
@@ -295,14 +301,16 @@ def slot_backward_copies(
     """Expert-sized buffers per device of one backward mode's exchange (send plus
     receive), which `"auto"` compares.
 
-    `"all_gather"`: the `[R, S, ...]` gathered gradients. `"home"`: `S + C` with the
-    ragged exchange (`[S]` grouped send, `[C]` receive), `2 R min(S, C)` with the dense
-    one (two `[R, min(S, C)]` block arrays). Both add the `[S]` cotangent and the
-    `[L]` home gradient, which any backward has. Measured with compiled memory
-    analysis on CPU in `benchmarks/slots.py`.
+    `"all_gather"`: the `[R, S, ...]` gathered gradients (counted twice with the
+    dense exchange: compiled on CPU, `R S` at `S = 1` and `2 R S` from `S = 2`, where
+    XLA keeps a second copy of the gathered block). `"home"`:
+    `S + C` with the ragged exchange (`[S]` grouped send, `[C]` receive),
+    `2 R min(S, C)` with the dense one (two `[R, min(S, C)]` block arrays, measured).
+    Both add the `[S]` cotangent and the `[L]` home gradient, which any backward has.
+    Measured with compiled memory analysis on CPU in `benchmarks/slots.py`.
     """
     if backward == "all_gather":
-        return num_shards * num_slots
+        return num_shards * num_slots * (2 if exchange == "dense" else 1)
     if backward != "home":
         raise ValueError(f"`backward` must be one of {SLOT_BACKWARDS[1:]}.")
     if exchange == "ragged":
