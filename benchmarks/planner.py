@@ -6,8 +6,14 @@ Measures, on synthetic routing (`moe_eqx.workloads`):
    `plan_duplication` ("after"), for R in {8, 16, 32, 64}, Zipf s in {0.8, 1.0, 1.2},
    hot experts "spread" (round-robin over shards), "contiguous" (hottest = experts
    0, 1, ...) or "random", S in {1, 2, 4} spare slots per shard; slot
-   copies used per shard; the planner's jitted time (median after warm-up) on this
-   machine's CPU; and `assign_destinations` time for one shard.
+   copies used per shard and sent by the busiest home shard; the planner's jitted
+   time (median after warm-up) on this machine's CPU; and `assign_destinations`
+   time for one shard.
+   Goals (E=256, k=8, 1024 tokens per shard, Zipf(1.2)): max/mean <= 1.001 at EP32
+   and EP64 with S=1 when hot experts are spread and S=2 when they are contiguous,
+   at the default out-degree bound, with a pass/fail column.
+   Out-degree: max/mean against the bound `max_exports` C (slot copies of one home
+   shard's experts) at C = 1, 2, S, 2S, the default and unbounded, EP8/32/64.
 2. Backward communication of the slot-expert gradients at DeepSeek-like sizes
    (d_model 7168, d_ff 2048, bf16): the all-gather of `[R, S, ...]` slot gradients and
    their indices (the design), a targeted send of each slot gradient to its home shard
@@ -40,7 +46,12 @@ import numpy as np
 from scipy.optimize import linprog
 
 import moe_eqx.workloads as wl
-from moe_eqx._planner import assign_destinations, plan_duplication
+from moe_eqx._planner import (
+    _plan,
+    assign_destinations,
+    default_max_exports,
+    plan_duplication,
+)
 
 NUM_EXPERTS = 256
 TOP_K = 8
@@ -50,9 +61,39 @@ BYTES_BF16 = 2
 BYTES_INDEX = 4
 
 
+GOAL = 1.001
+
+
 @functools.cache
 def _jitted_plan(num_slots: int):
     return jax.jit(functools.partial(plan_duplication, num_slots=num_slots))
+
+
+@functools.cache
+def _jitted_bounded(num_slots: int):
+    # The bound is traced: one compilation per shape serves every bound.
+    return jax.jit(functools.partial(_plan, num_slots=num_slots))
+
+
+def _exports_max(plan, local: int) -> int:
+    """Slot copies of the experts of the busiest home shard (its out-degree)."""
+    slots = np.asarray(plan.slot_expert)
+    homes = slots[slots >= 0] // local
+    return int(np.bincount(homes, minlength=slots.shape[0]).max()) if homes.size else 0
+
+
+def _zipf_counts(num_shards: int, tokens: int, s: float, hot: str, seed: int):
+    choices = wl.sample_workload(
+        "zipf",
+        num_shards=num_shards,
+        tokens=tokens,
+        num_experts=NUM_EXPERTS,
+        top_k=TOP_K,
+        s=s,
+        hot=hot,
+        seed=seed,
+    )
+    return wl.counts_from_choices(choices, NUM_EXPERTS)
 
 
 def _time(fn, *args, reps: int) -> dict:
@@ -99,6 +140,7 @@ def balance(args) -> list[dict]:
                     timing = _time(fn, counts_j, reps=args.reps)
                     plan = fn(counts_j)
                     used = (np.asarray(plan.slot_expert) >= 0).sum(axis=1)
+                    sent = _exports_max(plan, NUM_EXPERTS // num_shards)
                     rows.append(
                         dict(
                             shards=num_shards,
@@ -109,6 +151,7 @@ def balance(args) -> list[dict]:
                             after=_max_over_mean(plan.shard_load),
                             copies_mean=float(used.mean()),
                             copies_max=int(used.max()),
+                            exports_max=sent,
                             plan_median_us=timing["median_us"],
                             plan_min_us=timing["min_us"],
                         )
@@ -117,9 +160,101 @@ def balance(args) -> list[dict]:
                         f"R={num_shards:3d} {hot:10s} s={s:.1f} S={num_slots}  "
                         f"max/mean {before:7.3f} -> {rows[-1]['after']:.4f}  "
                         f"copies/shard {used.mean():.2f} (max {used.max()})  "
+                        f"sent by a home <= {sent:2d}  "
                         f"plan {timing['median_us']:7.0f} us",
                         flush=True,
                     )
+    return rows
+
+
+def goals(args) -> list[dict]:
+    """The balance goals, at the default bound, against home-only in the same run."""
+    rows = []
+    for num_shards in args.goal_shards:
+        for hot, num_slots in (("spread", 1), ("contiguous", 2)):
+            counts = jnp.asarray(
+                _zipf_counts(num_shards, args.goal_tokens, 1.2, hot, args.seed)
+            )
+            fn = _jitted_plan(num_slots)
+            timing = _time(fn, counts, reps=args.reps)
+            plan = fn(counts)
+            after = _max_over_mean(plan.shard_load)
+            local = NUM_EXPERTS // num_shards
+            rows.append(
+                dict(
+                    shards=num_shards,
+                    hot=hot,
+                    slots=num_slots,
+                    tokens_per_shard=args.goal_tokens,
+                    before=_max_over_mean(_home_load(np.asarray(counts))),
+                    after=after,
+                    goal=GOAL,
+                    passed=after <= GOAL,
+                    exports_max=_exports_max(plan, local),
+                    max_exports=default_max_exports(num_shards, local, num_slots),
+                    plan_median_us=timing["median_us"],
+                )
+            )
+    print(
+        f"{'EP':>3} {'hot':>10} {'S':>2} {'before':>7} {'after':>7} {'goal':>6} "
+        f"{'pass':>5} {'sent':>5} {'C':>3} {'plan us':>8}"
+    )
+    for row in rows:
+        print(
+            f"{row['shards']:3d} {row['hot']:>10} {row['slots']:2d} "
+            f"{row['before']:7.3f} {row['after']:7.4f} {row['goal']:6.3f} "
+            f"{'PASS' if row['passed'] else 'FAIL':>5} {row['exports_max']:5d} "
+            f"{row['max_exports']:3d} {row['plan_median_us']:8.0f}",
+            flush=True,
+        )
+    return rows
+
+
+def out_degree(args) -> list[dict]:
+    """Balance against the out-degree bound C (slot copies of one home shard)."""
+    rows = []
+    for num_shards in args.degree_shards:
+        for hot, num_slots in (("spread", 1), ("contiguous", 2)):
+            counts = jnp.asarray(
+                _zipf_counts(num_shards, args.goal_tokens, 1.2, hot, args.seed)
+            )
+            local = NUM_EXPERTS // num_shards
+            unbounded = num_shards * num_slots  # no home shard can send more
+            bounds = {
+                "1": 1,
+                "2": 2,
+                "S": num_slots,
+                "2S": 2 * num_slots,
+                "default": default_max_exports(num_shards, local, num_slots),
+                "unbounded": unbounded,
+            }
+            row = dict(shards=num_shards, hot=hot, slots=num_slots)
+            for name, bound in bounds.items():
+                bound = min(bound, unbounded)
+                plan = _jitted_bounded(num_slots)(counts, max_exports=jnp.int32(bound))
+                row[f"C={name}"] = dict(
+                    bound=bound,
+                    after=_max_over_mean(plan.shard_load),
+                    exports_max=_exports_max(plan, local),
+                )
+            rows.append(row)
+    names = ["1", "2", "S", "2S", "default", "unbounded"]
+    print(
+        f"{'EP':>3} {'hot':>10} {'S':>2} "
+        + " ".join(f"{'C=' + n:>14}" for n in names)
+        + "   (max/mean, copies sent by the busiest home / C)"
+    )
+    for row in rows:
+        cells = []
+        for n in names:
+            cell = row[f"C={n}"]
+            cells.append(
+                f"{cell['after']:7.4f} {cell['exports_max']:2d}/{cell['bound']:<3d}"
+            )
+        print(
+            f"{row['shards']:3d} {row['hot']:>10} {row['slots']:2d} " + " ".join(cells),
+            flush=True,
+        )
     return rows
 
 
@@ -323,8 +458,10 @@ def main():
     args.shards, args.zipf, args.slots = [8, 16, 32, 64], [0.8, 1.0, 1.2], [1, 2, 4]
     args.hot = ["spread", "contiguous", "random"]
     args.static_shards, args.static_tokens, args.steps, args.window = 32, 1024, 60, 10
+    args.goal_shards, args.degree_shards, args.goal_tokens = [32, 64], [8, 32, 64], 1024
     if args.quick:
-        args.shards, args.zipf, args.slots = [8], [1.2], [2]
+        args.shards, args.zipf, args.slots = [8], [1.2], [1, 2]
+        args.goal_shards, args.degree_shards = [32], [8]
         args.hot = ["spread", "contiguous"]
         args.tokens, args.reps = min(args.tokens, 256), 5
         args.static_shards, args.static_tokens, args.steps, args.window = 8, 128, 6, 2
@@ -347,6 +484,13 @@ def main():
     print(f"config: {config}")
     print("\n== balance (rank load max/mean, home only -> planned) ==")
     balance_rows = balance(args)
+    print(
+        f"\n== goals (E={NUM_EXPERTS}, k={TOP_K}, {args.goal_tokens} tokens per shard,"
+        f" Zipf(1.2), default bound C) =="
+    )
+    goal_rows = goals(args)
+    print("\n== out-degree bound C (same loads) ==")
+    degree_rows = out_degree(args)
     print("\n== assign_destinations (one shard) ==")
     assign = assign_timing(args)
     print(
@@ -380,6 +524,8 @@ def main():
     result = dict(
         config=config,
         balance=balance_rows,
+        goals=goal_rows,
+        out_degree=degree_rows,
         assign=assign,
         communication=comm,
         static_vs_dynamic=static,

@@ -8,6 +8,9 @@ quota. Both are pure, jit-able, deterministic integer computations with static s
 identical on every shard because their input is.
 """
 
+import math
+from typing import NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from ._rules import local_experts
 __all__ = [
     "DuplicationPlan",
     "assign_destinations",
+    "default_max_exports",
     "plan_duplication",
     "slot_pair_counts",
 ]
@@ -48,91 +52,394 @@ class DuplicationPlan(eqx.Module):
         return self.expert_shard_pairs.sum(axis=0)
 
 
-# Candidate levels of the coarse search, as fractions of the mean load above the mean.
-# Dense near the mean, where a plan with S >= 2 usually lands; the refinement then
-# searches linearly inside the bracket that the coarse search found.
+# Search for the lowest feasible level: the first round tries these levels (fractions
+# of the mean load above the lowest possible level, ceil(mean)), since most plans land
+# at or just above the mean; later rounds split the bracket evenly until it is exact.
 # fmt: off
-_COARSE_STEPS = (
-    0.0, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.045, 0.065, 0.09,
-    0.125, 0.175, 0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0, 5.0, 8.0,
+_FIRST_FRACTIONS = (
+    0.0, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02,
+    0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0,
 )
 # fmt: on
-_FINE_LEVELS = 16
+_LEVELS_PER_ROUND = len(_FIRST_FRACTIONS)
+# Donors a remainder may be passed through within one slot (a chain of small donors).
+_CHAIN_HOPS = 2
+_INT32_MAX = 2**31 - 1
 
 
-def _piece_ends(
-    levels: Int[Array, " levels"],
-    threshold: Int[Array, " pieces"],
-    pairs: Int[Array, " pieces"],
-    num_slots: int,
-) -> Int[Array, "levels pieces_padded"]:
-    """End of each piece on the line of every candidate level, padded by `S` copies of
-    the line's total so that looking `S` pieces past the last one is harmless."""
-    zero = jnp.zeros((), jnp.int32)
-    sizes = jnp.minimum(
-        jnp.maximum(threshold[None, :] - levels[:, None], zero), pairs[None, :]
-    )
-    ends = jnp.cumsum(sizes, axis=1)
-    pad = jnp.broadcast_to(ends[:, -1:], (levels.shape[0], num_slots))
-    return jnp.concatenate([ends, pad], axis=1)
+def default_max_exports(num_shards: int, num_local: int, num_slots: int) -> int:
+    """The default bound `C` on the slot copies of one home shard's experts.
 
+    `2 S + 4 ceil(sqrt(R))`, but never more than `(R - 1) min(S, L)` (the most any
+    plan can make: every other shard holds at most `min(S, L)` copies of one shard's
+    experts), and `0` without slots or without another shard.
 
-def _wrap_around(
-    piece_end: Int[Array, "levels pieces_padded"],
-    deficit: Int[Array, "shards levels"],
-    num_slots: int,
-    *,
-    record: bool,
-):
-    """McNaughton's wrap-around fill of the line by the receivers, at every level.
+    Why: a home shard `X` times as loaded as the mean needs at least `X - 1` copies
+    to come down to the mean (a copy takes at most a shard's mean load). Zipf(1.2-1.5)
+    routing whose hot experts share home shards has `X` = 15-21 at EP32 and 21-26 at
+    EP64, and the planner then makes up to 21 and 28 copies of that shard's experts
+    (`benchmarks/planner.py`): within this bound (28 and 36), so the balance is the
+    unbounded one. With the hot experts spread over shards a shard sends at most 10.
+    The bound grows like `sqrt(R)` (as that skew does), so the slot weights one shard
+    sends per step stay far below the `R S` slots at large `R`.
 
-    Receivers (by increasing load) take consecutive intervals of the line, so an
-    expert's piece lands on consecutive receivers, once on each. A receiver takes its
-    deficit but stops at the end of its `S`-th piece, so that no shard needs more than
-    `S` slots; the rest goes on to the next receiver. A level is feasible if the
-    receivers consume the whole line.
+    **Arguments:**
 
-    Returns `done [levels]`, and with `record` also the start of each receiver's
-    interval and the index of its first piece (`[shards, levels]` each).
+    - `num_shards`: `R`.
+    - `num_local`: `L = E / R`.
+    - `num_slots`: `S`.
+
+    **Returns:**
+
+    The bound, an `int >= 0`.
     """
-    window = jnp.arange(num_slots, dtype=jnp.int32)[None, :]
+    for name, value in (
+        ("num_shards", num_shards),
+        ("num_local", num_local),
+        ("num_slots", num_slots),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+    most = max(num_shards - 1, 0) * min(num_slots, num_local)
+    if most == 0:
+        return 0
+    ceil_sqrt = math.isqrt(num_shards - 1) + 1
+    return min(most, 2 * num_slots + 4 * ceil_sqrt)
 
-    def step(carry, deficit_j):
-        start, first = carry
-        # Once the line is consumed `first` keeps advancing past the padding: clip,
-        # so the read sees the line's total (the padding's value), never a fill value.
-        ends = jnp.take_along_axis(
-            piece_end, first[:, None] + window, axis=1, mode="clip"
+
+class _Loads(NamedTuple):
+    """What the plan depends on, independent of the level."""
+
+    by_shard: Int[Array, "shards local"]  # pairs of each home expert
+    load: Int[Array, " shards"]
+    donors: Int[Array, " shards"]  # shards by decreasing load: the donor order
+    receivers: Int[Array, " shards"]  # shards by increasing load: the receiver order
+    # top[r, m]: pairs of the m hottest experts of shard r (m = 0..L).
+    top: Int[Array, "shards local_plus_one"]
+
+
+class _Donor(NamedTuple):
+    """The donor being emptied, at each candidate level."""
+
+    position: Int[Array, " levels"]  # in the donor order; past the donors when done
+    shard: Int[Array, " levels"]
+    left: Int[Array, " levels"]  # pairs it still has to shed
+    avail: Int[Array, "levels local"]  # pairs of each of its experts not yet shed
+    exports: Int[Array, " levels"]  # slot copies of its experts so far
+
+
+def _loads(counts: Int[Array, "shards experts"]) -> _Loads:
+    num_shards, num_experts = counts.shape
+    by_shard = counts.astype(jnp.int32).sum(axis=0).reshape(num_shards, -1)
+    load = by_shard.sum(axis=1)
+    hot_first = -jnp.sort(-by_shard, axis=1)
+    top = jnp.concatenate(
+        [jnp.zeros_like(load)[:, None], jnp.cumsum(hot_first, axis=1)], axis=1
+    )
+    return _Loads(
+        by_shard=by_shard,
+        load=load,
+        donors=jnp.argsort(-load, stable=True).astype(jnp.int32),
+        receivers=jnp.argsort(load, stable=True).astype(jnp.int32),
+        top=top,
+    )
+
+
+def _enter(loads, levels, position, received):
+    """The donor at `position` of the donor order (clipped), having `received` pairs
+    of the previous donor's expert in a slot: it sheds its excess plus those."""
+    shard = loads.donors[jnp.minimum(position, loads.load.shape[0] - 1)]
+    return _Donor(
+        position=position,
+        shard=shard,
+        left=loads.load[shard] - levels + received,
+        avail=loads.by_shard[shard],
+        exports=jnp.zeros_like(position),
+    )
+
+
+def _select(pick, new, old):
+    return jax.tree.map(
+        lambda a, b: jnp.where(pick.reshape(pick.shape + (1,) * (a.ndim - 1)), a, b),
+        new,
+        old,
+    )
+
+
+def _chain(loads, levels, num_donors, max_exports, slots_left, donor, need, used):
+    """Passes the donor's whole remainder to the next donor, in one slot copy there,
+    when the receiver's remaining slots then fill better from the next donor alone.
+
+    A donor's remainder smaller than the receiver's deficit would otherwise take a
+    slot of the receiver for a small piece (or, in its last slot, leave it short);
+    the next donor sheds the received pairs along with its own excess. The next donor
+    is above the level, so its slots are otherwise unused, and it receives at most
+    this one copy. Returns the updated donor, used-mask and the copy (target shard,
+    expert, pairs; target -1 when not passed).
+    """
+    local = loads.by_shard.shape[1]
+    active = donor.position < num_donors
+    after = _enter(loads, levels, donor.position + 1, donor.left)
+    excess = after.left - donor.left
+    top = loads.top[after.shard]
+    stay = donor.left + jnp.minimum(
+        jnp.minimum(need - donor.left, top[:, jnp.minimum(slots_left - 1, local)]),
+        excess,
+    )
+    move = jnp.minimum(
+        jnp.minimum(need, top[:, jnp.minimum(slots_left, local)]), after.left
+    )
+    expert = jnp.argmax(donor.avail, axis=1).astype(jnp.int32)
+    biggest = donor.avail.max(axis=1)
+    go = (
+        active
+        & (donor.position + 1 < num_donors)
+        & (donor.left < need)
+        & (move > stay)
+        & (biggest >= donor.left)
+        & (donor.exports < max_exports)
+    )
+    copy = (
+        jnp.where(go, after.shard, -1),
+        donor.shard * local + expert,
+        jnp.where(go, donor.left, 0),
+    )
+    return _select(go, after, donor), used & ~go[:, None], copy
+
+
+def _take(loads, levels, num_donors, max_exports, last, donor, need, used):
+    """Fills one slot of the receiver from the donor: its expert with the most pairs
+    left, or in the receiver's last slot the one that fits the deficit most tightly.
+    Moves on to the next donor once this one has shed its excess."""
+    local = loads.by_shard.shape[1]
+    active = (donor.position < num_donors) & (donor.exports < max_exports)
+    avail = jnp.where(used, -1, donor.avail)
+    want = jnp.minimum(need, donor.left)
+    fits = avail >= want[:, None]
+    tightest = jnp.argmin(jnp.where(fits, avail, _INT32_MAX), axis=1)
+    largest = jnp.argmax(avail, axis=1)
+    expert = jnp.where(last & fits.any(axis=1), tightest, largest).astype(jnp.int32)
+    amount = jnp.minimum(
+        want, jnp.take_along_axis(avail, expert[:, None], axis=1)[:, 0]
+    )
+    amount = jnp.where(active, jnp.maximum(amount, 0), 0)
+    hit = (jnp.arange(local, dtype=jnp.int32)[None, :] == expert[:, None]) & (
+        amount > 0
+    )[:, None]
+    taken = donor._replace(
+        left=donor.left - amount,
+        avail=donor.avail - jnp.where(hit, amount[:, None], 0),
+        exports=donor.exports + (amount > 0).astype(jnp.int32),
+    )
+    finished = active & (taken.left == 0)
+    after = _enter(loads, levels, donor.position + 1, jnp.zeros_like(amount))
+    take = (donor.shard * local + expert, amount)
+    donor = _select(finished, after, taken)
+    used = (used | hit) & ~finished[:, None]
+    return donor, need - amount, used, take
+
+
+def _fill(loads, levels, num_slots, max_exports):
+    """The greedy fill at every candidate level.
+
+    Donors (shards above the level, by decreasing load) are emptied one after the
+    other; receivers (shards below it, by increasing load, so the largest deficits
+    meet the largest donors) each fill up to `num_slots` slots from the current
+    donor, each slot a different expert, `_take` and `_chain` choosing the piece. A
+    level is feasible if every donor has shed its excess.
+
+    Returns `done [levels]` and the history: the receivers' slot copies `(expert,
+    pairs, slot)` (`[shards, slots, levels]` each, in receiver order, slot
+    `num_slots` where none) and the passed copies `(target, expert, pairs)`
+    (`[shards, slots, hops, levels]` each, target `-1` where none).
+    """
+    num_donors = (loads.load[None, :] > levels[:, None]).sum(axis=1, dtype=jnp.int32)
+    zeros = jnp.zeros_like(levels)
+    first = _enter(loads, levels, zeros, zeros)
+
+    def receiver(donor, shard):
+        need = jnp.maximum(levels - loads.load[shard], 0)
+        used = jnp.zeros_like(donor.avail, dtype=bool)
+
+        def slot(carry, slots_left):
+            donor, need, used, filled = carry
+            copies = []
+            for _ in range(_CHAIN_HOPS):
+                donor, used, copy = _chain(
+                    loads,
+                    levels,
+                    num_donors,
+                    max_exports,
+                    slots_left,
+                    donor,
+                    need,
+                    used,
+                )
+                copies.append(copy)
+            donor, need, used, take = _take(
+                loads,
+                levels,
+                num_donors,
+                max_exports,
+                slots_left == 1,
+                donor,
+                need,
+                used,
+            )
+            # Where the copy goes among the receiver's slots: no gaps even after a
+            # slot that found nothing.
+            expert, pairs = take
+            column = jnp.where(pairs > 0, filled, num_slots)
+            filled = filled + (pairs > 0).astype(jnp.int32)
+            passed = tuple(jnp.stack(parts) for parts in zip(*copies, strict=True))
+            return (donor, need, used, filled), ((expert, pairs, column), passed)
+
+        slots_left = jnp.arange(num_slots, 0, -1, dtype=jnp.int32)
+        carry = (donor, need, used, jnp.zeros_like(need))
+        (donor, *_), out = jax.lax.scan(slot, carry, slots_left)
+        return donor, out
+
+    donor, history = jax.lax.scan(receiver, first, loads.receivers)
+    done = donor.position >= num_donors
+    return done, history
+
+
+def _search(loads, num_slots, max_exports):
+    """The lowest level at which `_fill` succeeds, searched exactly, and its fill.
+
+    The first round tries the levels of `_FIRST_FRACTIONS`; each later round tries
+    `_LEVELS_PER_ROUND` evenly spaced levels strictly inside the bracket (highest
+    failed, lowest feasible) until it closes. The highest load (nothing to shed,
+    no copies) starts as the feasible end, so the result is feasible even where
+    feasibility is not monotone. Each round keeps the fill of its best level, so
+    the fill is compiled once, not again to record the plan.
+
+    Returns `(level, done, history)` as `_fill` records them at that level.
+    """
+    num_shards = loads.load.shape[0]
+    total = loads.load.sum()
+    lowest = (total + num_shards - 1) // num_shards
+    highest = loads.load.max()
+    mean = total.astype(jnp.float32) / num_shards
+    fractions = jnp.asarray(_FIRST_FRACTIONS, jnp.float32)
+    # Clip in float32 before the cast so that no offset overflows int32.
+    room = (highest - lowest).astype(jnp.float32)
+    first = lowest + jnp.minimum(fractions * mean, room).astype(jnp.int32)
+    offsets = jnp.arange(1, _LEVELS_PER_ROUND + 1, dtype=jnp.int32)
+
+    def round_(state):
+        count, below, above, best = state
+        step = jnp.maximum((above - below) // (_LEVELS_PER_ROUND + 1), 1)
+        evenly = jnp.minimum(below + step * offsets, above - 1)
+        levels = jnp.where(count == 0, first, evenly)
+        fill = _fill(loads, levels, num_slots, max_exports)
+        done = fill[0]
+        pick = jnp.argmin(jnp.where(done, levels, _INT32_MAX))
+        better = done[pick] & (levels[pick] < above)
+        best = jax.tree.map(
+            lambda new, old: jnp.where(better, new[..., pick], old), fill, best
         )
-        stop = jnp.minimum(start + deficit_j, ends[:, -1])
-        passed = (ends <= stop[:, None]).sum(axis=1, dtype=jnp.int32)
-        return (stop, first + passed), ((start, first) if record else None)
+        above = jnp.where(better, levels[pick], above)
+        failed = jnp.where(~done & (levels < above), levels, below).max()
+        return count + 1, jnp.maximum(below, failed), above, best
 
-    # zeros_like keeps the varying-manual-axes type of the input inside shard_map.
-    zeros = jnp.zeros_like(piece_end[:, 0])
-    # Without per-step outputs this loop costs next to nothing on CPU; the outputs
-    # (dynamic-update-slices) dominate, so the coarse search does not record them.
-    (end, _), history = jax.lax.scan(step, (zeros, zeros), deficit)
-    done = end >= piece_end[:, -1]
-    return (done, history) if record else done
+    # No copies at all: the fill at the highest load.
+    zero = jnp.zeros_like(highest)
+    shapes = jax.eval_shape(lambda: _fill(loads, first, num_slots, max_exports))
+    done, ((expert, pairs, column), (to, passed_expert, passed_pairs)) = jax.tree.map(
+        lambda s: jnp.broadcast_to(zero, s.shape[:-1]), shapes
+    )
+    takes = (expert, pairs, column + num_slots)
+    nothing = (done == 0, (takes, (to - 1, passed_expert, passed_pairs)))
+    state = (zero, lowest - 1, highest, nothing)
+    _, _, level, (done, history) = jax.lax.while_loop(
+        lambda s: (s[0] == 0) | (s[2] - s[1] > 1), round_, state
+    )
+    return level, done, history
+
+
+def _home_only(pairs, num_shards, num_slots) -> DuplicationPlan:
+    home = jnp.arange(pairs.shape[0], dtype=jnp.int32) // (pairs.shape[0] // num_shards)
+    is_home = home[:, None] == jnp.arange(num_shards, dtype=jnp.int32)[None, :]
+    return DuplicationPlan(
+        slot_expert=jnp.full((num_shards, num_slots), -1, jnp.int32),
+        expert_shard_pairs=jnp.where(is_home, pairs[:, None], jnp.zeros((), jnp.int32)),
+    )
+
+
+def _assemble(loads, level, done, history, num_slots, max_exports) -> DuplicationPlan:
+    """The plan from the fill recorded at `level`: every copy's pairs come out of its
+    expert's home quota; each shard lists its copies in fill order (hottest donor
+    first), then its empty slots. Should the plan break an invariant (never
+    expected), the home-only plan, which always holds."""
+    num_shards, local = loads.by_shard.shape
+    num_experts = num_shards * local
+    (take_expert, take_pairs, column), (to, passed_expert, passed_pairs) = history
+    usable = take_expert.shape[1]
+    # (expert, pairs) of every slot; out-of-range indices (no copy) are dropped. A
+    # copy passed to a donor goes in its first slot: donors receive nothing else.
+    slots = jnp.stack([jnp.full((num_shards, usable), -1, jnp.int32)] * 2, axis=-1)
+    slots = slots.at[loads.receivers[:, None], column].set(
+        jnp.stack([take_expert, take_pairs], axis=-1), mode="drop"
+    )
+    to = jnp.where(to >= 0, to, num_shards).ravel()
+    slots = slots.at[to, 0].set(
+        jnp.stack([passed_expert.ravel(), passed_pairs.ravel()], axis=-1), mode="drop"
+    )
+    expert, pairs = slots[..., 0], jnp.maximum(slots[..., 1], 0)
+
+    shards = jnp.arange(num_shards, dtype=jnp.int32)
+    moved = jnp.zeros((num_experts, num_shards), jnp.int32)
+    moved = moved.at[jnp.where(expert >= 0, expert, num_experts), shards[:, None]].add(
+        pairs, mode="drop"
+    )
+    total = loads.by_shard.reshape(-1)
+    is_home = (jnp.arange(num_experts, dtype=jnp.int32) // local)[:, None] == shards[
+        None, :
+    ]
+    quota = moved + jnp.where(is_home, (total - moved.sum(axis=1))[:, None], 0)
+    sent = (expert[:, :, None] // local == shards[None, None, :]).sum(
+        axis=(0, 1), dtype=jnp.int32
+    )
+    ok = (
+        done
+        & (quota >= 0).all()
+        & (quota.sum(axis=0) <= level).all()
+        & (sent <= max_exports).all()
+    )
+    padding = jnp.full((num_shards, num_slots - usable), -1, jnp.int32)
+    plan = DuplicationPlan(
+        slot_expert=jnp.concatenate([expert, padding], axis=1),
+        expert_shard_pairs=quota,
+    )
+    fallback = _home_only(total, num_shards, num_slots)
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), plan, fallback)
 
 
 def plan_duplication(
-    counts: Int[Array, "shards experts"], *, num_slots: int
+    counts: Int[Array, "shards experts"],
+    *,
+    num_slots: int,
+    max_exports: int | None = None,
 ) -> DuplicationPlan:
     """Chooses the experts of every spare slot and each replica's quota of pairs.
 
-    Balances the pairs processed per shard. At a level `c`, every shard above `c`
-    sheds its excess `load - c`, hottest home expert first (the fewest pieces); the
-    pieces are laid end to end on a line and the shards below `c` (by increasing load)
-    take consecutive intervals of it as slot copies (McNaughton's wrap-around rule),
-    each up to its deficit `c - load` and at most `S` pieces. The level is the lowest
-    feasible one found by a vectorised two-stage search (a coarse grid from the mean
-    load up, then a linear refinement), so every shard ends at or below it.
+    Balances the pairs processed per shard. At a level `c`, every shard above `c` (a
+    donor) sheds its excess `load - c` and every shard below `c` (a receiver) can take
+    up to its deficit `c - load` in its `S` slots. Donors are emptied one after the
+    other, from the most loaded; receivers, from the least loaded, fill their slots
+    from the current donor, each slot one expert piece up to the deficit: the
+    donor's expert with the most pairs left, or in the last slot the one that fits
+    most tightly. A donor's remainder too small to fill a receiver is passed on, as
+    one slot copy, to the next donor, which sheds it with its own excess (its slots
+    are otherwise unused), so receivers end exactly at `c`. The level is the lowest
+    at which this succeeds, found by an exact search over the integers.
 
-    The result is exact in integers (quotas sum to each expert's pairs),
-    deterministic, and has static shapes, so it can run inside `jit`/`shard_map` on
-    every shard. Slot copies of a shard are listed hottest source first.
+    Every shard computes the same plan from the same counts: exact integers (quotas
+    sum to each expert's pairs), deterministic, static shapes, so it runs inside
+    `jit`/`shard_map`. A shard never holds a copy of its own home expert nor two
+    copies of one expert, and at most `max_exports` slot copies of the experts of any
+    one home shard exist (the out-degree of a home shard: the slot weights it sends).
 
     **Arguments:**
 
@@ -140,122 +447,55 @@ def plan_duplication(
         (all-gathered, so identical on every shard). `E` must be a multiple of `R`;
         the total must stay below `2**30` (int32 arithmetic).
     - `num_slots`: `S`, spare slots per shard (static). `0` gives the home-only plan.
+    - `max_exports`: `C`, the most slot copies of one home shard's experts (static),
+        which bounds the slot weights one shard sends; `None` is
+        `default_max_exports(R, L, S)` (this module). `0` gives the home-only plan.
+        A home shard `X` times as loaded as the mean needs about `X - 1` copies to
+        reach the mean, so a small `C` limits the balance where hot experts share a
+        home shard.
 
     **Returns:**
 
     A `DuplicationPlan`; `plan.shard_load` is the resulting load per shard.
 
-    Cost: two `lax.scan`s of `R` tiny steps (each vectorised over the candidate
-    levels), a few sorts of `E` or `R` integers and `O(E R)` element-wise work. On CPU
-    at `R=64, E=256` this is a few hundred microseconds.
+    Cost: a few rounds of the fill (a `lax.scan` over the `R` receivers and their
+    slots, vectorised over 16 candidate levels), one more to record it, and `O(E R)`
+    element-wise work. On CPU at `R=64, E=256` this is about a millisecond.
     """
     num_shards, num_experts = counts.shape
     local = local_experts(num_experts, num_shards)
     if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
         raise ValueError(f"`num_slots` must be an integer >= 0, got {num_slots!r}.")
+    if max_exports is None:
+        max_exports = default_max_exports(num_shards, local, num_slots)
+    elif (
+        not isinstance(max_exports, int)
+        or isinstance(max_exports, bool)
+        or max_exports < 0
+    ):
+        raise ValueError(
+            f"`max_exports` must be None or an integer >= 0, got {max_exports!r}."
+        )
+    # No home shard can send more copies than all the slots hold (keeps int32).
+    max_exports = min(max_exports, num_shards * num_slots)
+    return _plan(counts, num_slots, jnp.asarray(max_exports, jnp.int32))
+
+
+def _plan(counts, num_slots: int, max_exports: Int[Array, ""]) -> DuplicationPlan:
+    """`plan_duplication` after its checks; the bound may be traced (one compilation
+    serves every bound)."""
+    num_shards, num_experts = counts.shape
+    local = num_experts // num_shards
     with jax.named_scope("moe_eqx.planner"):
-        counts = counts.astype(jnp.int32)
-        pairs = counts.sum(axis=0)
-        zero = jnp.zeros((), jnp.int32)
-        experts = jnp.arange(num_experts, dtype=jnp.int32)
-        home = experts // local
-        is_home = home[:, None] == jnp.arange(num_shards, dtype=jnp.int32)[None, :]
         # Each slot holds a different foreign expert: at most E - L can be useful.
         usable = min(num_slots, num_experts - local)
         if usable == 0:
-            return DuplicationPlan(
-                slot_expert=jnp.full((num_shards, num_slots), -1, jnp.int32),
-                expert_shard_pairs=jnp.where(is_home, pairs[:, None], zero),
+            return _home_only(
+                counts.astype(jnp.int32).sum(axis=0), num_shards, num_slots
             )
-
-        by_shard = pairs.reshape(num_shards, local)
-        load = by_shard.sum(axis=1)
-        # Pairs of the hotter experts of the same shard (ties: lower id is hotter).
-        if local <= 64:
-            # Pairwise comparisons fuse into one cheap op; a sort costs more on CPU.
-            ids = experts.reshape(num_shards, local)
-            hotter = (by_shard[:, None, :] > by_shard[:, :, None]) | (
-                (by_shard[:, None, :] == by_shard[:, :, None])
-                & (ids[:, None, :] < ids[:, :, None])
-            )
-            before = jnp.where(hotter, by_shard[:, None, :], zero).sum(axis=2)
-        else:
-            order = jnp.argsort(-by_shard, axis=1, stable=True)
-            hot_first = jnp.take_along_axis(by_shard, order, axis=1)
-            rows = jnp.arange(num_shards)[:, None]
-            before = (
-                jnp.zeros_like(by_shard)
-                .at[rows, order]
-                .set(jnp.cumsum(hot_first, axis=1) - hot_first)
-            )
-        # At level c, expert e sheds min(max(threshold_e - c, 0), pairs_e). Ordering
-        # the pieces by decreasing threshold keeps the non-empty ones a prefix of the
-        # line at every level (no compaction), sources by decreasing load and each
-        # source's hottest experts first.
-        threshold = (load[:, None] - before).reshape(num_experts)
-        threshold = jnp.where(pairs > 0, threshold, -1)
-        piece_order = jnp.argsort(-threshold, stable=True).astype(jnp.int32)
-        piece_threshold = threshold[piece_order]
-        piece_pairs = pairs[piece_order]
-        recv_order = jnp.argsort(load, stable=True).astype(jnp.int32)
-        recv_load = load[recv_order]
-
-        def feasible(levels, *, record=False):
-            ends = _piece_ends(levels, piece_threshold, piece_pairs, usable)
-            deficit = jnp.maximum(levels[None, :] - recv_load[:, None], zero)
-            return ends, _wrap_around(ends, deficit, usable, record=record)
-
-        lowest = (load.sum() + num_shards - 1) // num_shards
-        highest = load.max()
-        mean = load.astype(jnp.float32).mean()
-        steps = jnp.asarray(_COARSE_STEPS, jnp.float32)
-        # Clip in float32 before the cast so that no step overflows int32.
-        room = jnp.maximum(highest - lowest, zero).astype(jnp.float32)
-        coarse = jnp.minimum(
-            lowest + jnp.minimum(steps * mean, room).astype(jnp.int32), highest
-        )
-        # The home-only level is always feasible (nothing to shed).
-        coarse = jnp.concatenate([coarse, highest[None]])
-        found = jnp.argmax(feasible(coarse)[1])
-        top = coarse[found]
-        bottom = jnp.where(found > 0, coarse[jnp.maximum(found - 1, 0)] + 1, top)
-        fractions = jnp.arange(1, _FINE_LEVELS + 1, dtype=jnp.float32) / _FINE_LEVELS
-        span = (top - bottom).astype(jnp.float32)
-        fine = jnp.minimum(bottom + (fractions * span).astype(jnp.int32), top)
-        fine = jnp.concatenate([bottom[None], fine])
-        fine_end, (fine_done, (fine_lo, fine_first)) = feasible(fine, record=True)
-        # `fine` ends at a feasible level, so some level is always done; should none
-        # be, the home-only plan (always valid) is used, never an arbitrary level.
-        any_done = jnp.any(fine_done)
-        pick = jnp.argmax(fine_done)
-        best = jnp.where(any_done, fine[pick], highest)
-        piece_end, lo, first = fine_end[pick], fine_lo[:, pick], fine_first[:, pick]
-        hi = jnp.concatenate([lo[1:], piece_end[-1:]])
-        piece_start = jnp.concatenate([zero[None], piece_end[:-1]])
-        piece_expert = jnp.concatenate(
-            [piece_order, jnp.full((usable,), -1, jnp.int32)]
-        )
-        index = jnp.minimum(
-            first[:, None] + jnp.arange(usable, dtype=jnp.int32)[None, :],
-            piece_end.shape[0] - 1,
-        )
-        amount = jnp.maximum(
-            jnp.minimum(piece_end[index], hi[:, None])
-            - jnp.maximum(piece_start[index], lo[:, None]),
-            zero,
-        )
-        amount = jnp.where(any_done, amount, zero)
-        recv_slots = jnp.where(amount > 0, piece_expert[index], -1)
-        slot_expert = jnp.full((num_shards, num_slots), -1, jnp.int32)
-        slot_expert = slot_expert.at[recv_order, :usable].set(recv_slots)
-
-        shed = jnp.minimum(jnp.maximum(threshold - best, zero), pairs)
-        q = jnp.where(is_home, (pairs - shed)[:, None], zero)
-        q = q.at[
-            jnp.where(recv_slots >= 0, recv_slots, num_experts),
-            jnp.broadcast_to(recv_order[:, None], recv_slots.shape),
-        ].add(amount, mode="drop")
-        return DuplicationPlan(slot_expert=slot_expert, expert_shard_pairs=q)
+        loads = _loads(counts)
+        level, done, history = _search(loads, usable, max_exports)
+        return _assemble(loads, level, done, history, num_slots, max_exports)
 
 
 def slot_pair_counts(
