@@ -242,9 +242,18 @@ def _over_groups(tree, axes: tuple[str, ...], how: str):
     return jax.tree.map(lambda a: op(a, axes), tree)
 
 
-def _destinations(cfg, counts, routing, w_gate_up, w_down, num_local, num_slots):
+def _destinations(
+    cfg, counts, routing, w_gate_up, w_down, num_local, num_slots, exchange=None
+):
     """Step 3: every pair's (shard, local group), and the local weights of all groups
-    (home experts, then the slot copies the plan fetched)."""
+    (home experts, then the slot copies the plan fetched).
+
+    `exchange`: the layer's resolved token exchange; the slot weights travel by the
+    ragged collective only with a ragged one (default: `cfg.exchange` as given, so
+    `"auto"` takes the dense slot exchange, which runs on every platform)."""
+    from ._exchange import RaggedExchange
+    from ._planner import default_max_exports
+
     if num_slots == 0:
         return (
             routing.experts // num_local,
@@ -252,20 +261,38 @@ def _destinations(cfg, counts, routing, w_gate_up, w_down, num_local, num_slots)
             w_gate_up,
             w_down,
         )
+    num_shards = counts.shape[0]
     shard = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
-    plan = plan_duplication(counts, num_slots=num_slots)
+    # C bounds the slot copies of one shard's experts: the slot exchange is sized by
+    # it (O(S + C) expert weights per device), so the plan must respect it.
+    max_exports = cfg.max_slot_exports
+    if max_exports is None:
+        max_exports = max(1, default_max_exports(num_shards, num_local, num_slots))
+    plan = plan_duplication(counts, num_slots=num_slots, max_exports=max_exports)
     dest_shard, dest_group = assign_destinations(
         plan, counts, routing.experts, shard, num_local_experts=num_local
     )
-    slots_gu = gather_slot_weights(
-        w_gate_up, plan.slot_expert, num_local, cfg.axis_name
+    exchange = cfg.exchange if exchange is None else exchange
+    ragged = isinstance(exchange, RaggedExchange) or (
+        isinstance(exchange, str) and exchange == "ragged"
     )
-    slots_dn = gather_slot_weights(w_down, plan.slot_expert, num_local, cfg.axis_name)
+    slots = [
+        gather_slot_weights(
+            w,
+            plan.slot_expert,
+            num_local,
+            cfg.axis_name,
+            max_exports=max_exports,
+            backward=cfg.slot_backward,
+            exchange="ragged" if ragged else "dense",
+        )
+        for w in (w_gate_up, w_down)
+    ]
     return (
         dest_shard,
         dest_group,
-        jnp.concatenate([w_gate_up, slots_gu]),
-        jnp.concatenate([w_down, slots_dn]),
+        jnp.concatenate([w_gate_up, slots[0]]),
+        jnp.concatenate([w_down, slots[1]]),
     )
 
 

@@ -189,12 +189,6 @@ def _take(x, idx, *, fill=0):
     return jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
 
 
-def _take_rows(x, idx):
-    """`x[idx]` along axis 0 for a send buffer: indices `-1` give some row of `x`,
-    which the receiver never reads. One gather, without the masked copy of `_take`."""
-    return jnp.take(x, jnp.maximum(idx, 0), axis=0, mode="clip")
-
-
 def _scatter_home(num_local, idx, values, shape, dtype):
     """`[L, ...]` home gradient: `values` added at `idx` (out-of-range dropped)."""
     idx = jnp.where(idx < 0, num_local, idx).reshape(-1)
@@ -216,7 +210,7 @@ def _forward(w_home, routes, me, num_local, axis_name, max_exports, exchange):
     num_shards, num_slots = routes.owner.shape
     if exchange == "ragged":
         exports = export_slots(routes, me, max_exports)
-        send = _take_rows(w_home, _take(routes.local.reshape(-1), exports, fill=-1))
+        send = _take(w_home, _take(routes.local.reshape(-1), exports, fill=-1))
         out = jnp.zeros((num_slots, *w_home.shape[1:]), w_home.dtype)
         args = ragged_slot_args(routes, me)[0]
         recv = _ragged_all_to_all(send, out, *args, axis_name=axis_name)
@@ -225,7 +219,7 @@ def _forward(w_home, routes, me, num_local, axis_name, max_exports, exchange):
         block = min(num_slots, max_exports)
         which = _block_slots(routes, me, block)  # [d, j] -> slot of d
         local = jnp.take_along_axis(routes.local, jnp.maximum(which, 0), axis=1)
-        send = _take_rows(w_home, jnp.where(which >= 0, local, -1))  # [R, block, ...]
+        send = _take(w_home, jnp.where(which >= 0, local, -1))  # [R, block, ...]
         recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)
         flat = recv.reshape(num_shards * block, *recv.shape[2:])
         idx = routes.owner[me] * block + routes.block_pos[me]
@@ -252,7 +246,7 @@ def _backward_home(g_slots, routes, me, num_local, axis_name, max_exports, excha
         .at[rows, routes.block_pos[me]]
         .set(jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
     )
-    recv = jax.lax.all_to_all(_take_rows(g_slots, which), axis_name, 0, 0, tiled=False)
+    recv = jax.lax.all_to_all(_take(g_slots, which), axis_name, 0, 0, tiled=False)
     mine = _block_slots(routes, me, block)  # [d, j] -> slot of d holding my copy
     local = jnp.take_along_axis(routes.local, jnp.maximum(mine, 0), axis=1)
     return recv, jnp.where(mine >= 0, local, -1)
