@@ -250,6 +250,51 @@ def test_placement_balances():
     )
 
 
+@pytest.mark.parametrize("num_shards", [16, 32])
+def test_placement_leaves_room_for_slots(num_shards):
+    """Hot experts heavier than a shard's mean load need slot copies: a placement
+    planned for S = 1 lets the per-step planner (S = 1) reach max/mean ~1 where the
+    identity placement cannot, and the next step's routing (another draw) too."""
+    draws = [
+        wl.counts_from_choices(
+            wl.sample_workload(
+                "zipf",
+                num_shards=num_shards,
+                tokens=256,
+                num_experts=256,
+                top_k=8,
+                hot="contiguous",
+                seed=seed,
+            ),
+            256,
+        )
+        for seed in (0, 1)
+    ]
+    ids = me.plan_placement(draws[0].sum(axis=0), num_shards=num_shards, num_slots=1)
+
+    def planned(counts):
+        load = np.asarray(
+            me.plan_duplication(jnp.asarray(counts), num_slots=1).shard_load
+        )
+        return load.max() / load.mean()
+
+    assert planned(draws[1]) > 1.09
+    assert planned(draws[1][:, ids]) < 1.01
+
+
+def test_layer_slots_are_planned_for(getkey):
+    layer = make_layer(getkey(), num_experts=NUM_EXPERTS, num_slots=1)
+    load = wl.zipf_probs(NUM_EXPERTS, 1.5, hot="contiguous") * 1000
+    new = me.rebalance_experts(layer, load, num_shards=4)
+    want = me.plan_placement(load, num_shards=4, num_slots=1)
+    np.testing.assert_array_equal(new.expert_ids, want)
+    assert np.any(want != me.plan_placement(load, num_shards=4))
+    zero = me.rebalance_experts(layer, load, num_shards=4, num_slots=0)
+    np.testing.assert_array_equal(
+        zero.expert_ids, me.plan_placement(load, num_shards=4)
+    )
+
+
 def test_bad_input(getkey):
     layer = make_layer(getkey(), num_experts=NUM_EXPERTS)
     good = np.ones(NUM_EXPERTS)
@@ -261,6 +306,8 @@ def test_bad_input(getkey):
         me.rebalance_experts(layer, good * np.nan, num_shards=4)
     with pytest.raises(ValueError, match="divisible"):
         me.rebalance_experts(layer, good, num_shards=3)
+    with pytest.raises(ValueError, match="num_slots"):
+        me.plan_placement(good, num_shards=4, num_slots=-1)
     with pytest.raises(ValueError, match="one array per"):
         me.rebalance_experts(layer, [good, good], num_shards=4)
     with pytest.raises(ValueError, match="no `MoELayer`"):
