@@ -7,6 +7,7 @@ connection reports are not streamed.
 
 Every subprocess is bounded by a timeout, so CI cannot hang here."""
 
+import argparse
 import json
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from helpers import demo_env, load_params, run_module
 
 from moe_eqx.train import checkpoint as ckpt
-from moe_eqx.train.launch import is_noise
+from moe_eqx.train.launch import build_parser, is_noise
 
 # Worst-case buffers (`--buffer-factor none`) have no fallback branch, which halves
 # the compile time of each process; the fallback itself is covered by test_demo.py.
@@ -197,3 +198,11 @@ def test_ctrl_c_stops_the_processes_and_says_how_to_resume(tmp_path):
     )
     assert f"resume from the latest checkpoint in {ck}" in err
     assert f"with:\n  {resume}\n" in err
+
+
+def test_every_launcher_flag_has_help():
+    parser = build_parser()
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and len(action.help) > 10, action.option_strings

@@ -1,11 +1,18 @@
-"""Synthetic, learnable, exactly resumable token sequences for the training demo.
+"""Synthetic, learnable, exactly resumable token sequences for the training demo, and
+the feed that places each step's batch on the mesh.
 
 Every batch is a pure function of `(seed, step, row)`: resuming at step `s` reproduces
 the batches an uninterrupted run would have seen, and every process of a multi-process
 run can generate exactly its own rows of the same global batch.
 """
 
+import argparse
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from .step import Placement
 
 # Domain-separation words for `np.random.default_rng([...])`, so the structure of the
 # language and the per-step samples never share a random stream.
@@ -125,3 +132,65 @@ class ZipfMarkovData:
         q[np.arange(self.vocab), self.successor] += f
         h = -(q * np.log(np.maximum(q, 1e-300))).sum(axis=1)
         return float(pi @ h)
+
+
+class Feed:
+    """The batch and router selection bias of each step, for this process's rows of
+    the global batch.
+
+    **Arguments:**
+
+    - `data`: the token source.
+    - `placement`: where the batch goes.
+    - `args`: the flags (`batch`, `seq`, `experts`, `top_k`, `skew_*`).
+    - `ep`: expert-parallel size.
+    """
+
+    def __init__(
+        self,
+        data: ZipfMarkovData,
+        placement: Placement,
+        args: argparse.Namespace,
+        ep: int,
+    ):
+        self.data = data
+        self.placement = placement
+        self.seq = args.seq
+        self.global_shape = (args.batch, args.seq + 1)
+        self.local_rows = self._local_rows(args.batch, ep)
+        self.skew = (args.skew_from, args.skew_to)
+        self.no_bias = np.zeros((args.experts,), np.float32)
+        self.skew_bias = self.no_bias.copy()
+        # The experts of shard 0 (on one device: the first top_k experts).
+        self.skew_bias[: args.experts // ep if ep > 1 else args.top_k] = args.skew_bias
+
+    def _local_rows(self, batch: int, ep: int) -> range:
+        # Rows of the global batch that live on this process's devices.
+        if self.placement.batch is None:
+            return range(batch)
+        index_map = self.placement.batch.addressable_devices_indices_map(
+            self.global_shape
+        )
+        starts = sorted({idx[0].start or 0 for idx in index_map.values()})
+        per_device = batch // ep
+        rows = range(starts[0], starts[-1] + per_device)
+        if len(rows) != per_device * len(starts):
+            raise SystemExit("this process's devices do not hold contiguous batch rows")
+        return rows
+
+    def in_skew(self, step: int) -> bool:
+        lo, hi = self.skew
+        return lo is not None and lo <= step < hi
+
+    def batch(self, step: int) -> jax.Array:
+        local = self.data.rows(step, self.local_rows, self.seq, skew=self.in_skew(step))
+        if self.placement.batch is None:
+            return jnp.asarray(local)
+        return jax.make_array_from_process_local_data(
+            self.placement.batch, local, self.global_shape
+        )
+
+    def router_bias(self, step: int) -> jax.Array:
+        return self.placement.put(
+            self.skew_bias if self.in_skew(step) else self.no_bias
+        )

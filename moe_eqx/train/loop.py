@@ -3,7 +3,10 @@ checkpoints, Ctrl-C, and the final summary.
 
 The loop runs `between_steps` hooks before every step: functions
 `(TrainState) -> TrainState` that may transform the model and optimizer state (a
-periodic transform checks `state.step` itself). Fault injection for tests is one.
+periodic transform checks `state.step` itself, and returns a state placed like the one
+it got, so that the step keeps its compilation). `_hooks` builds them from the flags;
+fault injection for tests is one. Checkpoints are taken after a step, so a state a hook
+changed is saved at the next one.
 """
 
 import argparse
@@ -17,12 +20,11 @@ from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
 from .._config import MoEConfig
-from .data import ZipfMarkovData
+from .data import Feed, ZipfMarkovData
 from .log import Reporter, entropy
 from .model import MoELM
 from .resume import TrainState, load_state, resume_command, save_state, schedule_steps
@@ -41,68 +43,6 @@ Hook = Callable[[TrainState], TrainState]
 class Interrupted(Exception):
     """The run stopped on Ctrl-C (SIGINT); the message says what was saved and how to
     resume. The command line exits with code 130."""
-
-
-class Feed:
-    """The batch and router selection bias of each step, for this process's rows of
-    the global batch.
-
-    **Arguments:**
-
-    - `data`: the token source.
-    - `placement`: where the batch goes.
-    - `args`: the flags (`batch`, `seq`, `experts`, `top_k`, `skew_*`).
-    - `ep`: expert-parallel size.
-    """
-
-    def __init__(
-        self,
-        data: ZipfMarkovData,
-        placement: Placement,
-        args: argparse.Namespace,
-        ep: int,
-    ):
-        self.data = data
-        self.placement = placement
-        self.seq = args.seq
-        self.global_shape = (args.batch, args.seq + 1)
-        self.local_rows = self._local_rows(args.batch, ep)
-        self.skew = (args.skew_from, args.skew_to)
-        self.no_bias = np.zeros((args.experts,), np.float32)
-        self.skew_bias = self.no_bias.copy()
-        # The experts of shard 0 (on one device: the first top_k experts).
-        self.skew_bias[: args.experts // ep if ep > 1 else args.top_k] = args.skew_bias
-
-    def _local_rows(self, batch: int, ep: int) -> range:
-        # Rows of the global batch that live on this process's devices.
-        if self.placement.batch is None:
-            return range(batch)
-        index_map = self.placement.batch.addressable_devices_indices_map(
-            self.global_shape
-        )
-        starts = sorted({idx[0].start or 0 for idx in index_map.values()})
-        per_device = batch // ep
-        rows = range(starts[0], starts[-1] + per_device)
-        if len(rows) != per_device * len(starts):
-            raise SystemExit("this process's devices do not hold contiguous batch rows")
-        return rows
-
-    def in_skew(self, step: int) -> bool:
-        lo, hi = self.skew
-        return lo is not None and lo <= step < hi
-
-    def batch(self, step: int) -> jax.Array:
-        local = self.data.rows(step, self.local_rows, self.seq, skew=self.in_skew(step))
-        if self.placement.batch is None:
-            return jnp.asarray(local)
-        return jax.make_array_from_process_local_data(
-            self.placement.batch, local, self.global_shape
-        )
-
-    def router_bias(self, step: int) -> jax.Array:
-        return self.placement.put(
-            self.skew_bias if self.in_skew(step) else self.no_bias
-        )
 
 
 class _StopOnCtrlC:
@@ -375,7 +315,8 @@ def _prepare(args, config: MoEConfig, runtime: Runtime, reporter: Reporter):
 
 
 def _hooks(args, runtime: Runtime) -> list[Hook]:
-    """What runs between steps, in order."""
+    """What runs between steps, in order: the place for periodic transforms of the
+    model and optimizer state (e.g. a flag `--rebalance-every N`)."""
     hooks = []
     if args.die_at_step is not None:
         hooks.append(die_at_step(args, runtime))
