@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from helpers import demo_env, run_module
 
 from moe_eqx.train import cli, list_checkpoints
 from moe_eqx.train.data import ZipfMarkovData
+from moe_eqx.train.launch import build_parser as launch_parser
 from moe_eqx.train.resume import resume_command, schedule_steps
 
 TINY = [
@@ -318,3 +320,35 @@ def test_data_is_a_pure_function_of_seed_and_step():
     assert 0 < data.entropy_floor() < math.log(64)
     # Never the global NumPy RNG.
     np.testing.assert_array_equal(np.random.get_state()[1], state)
+
+
+def _readme_commands(module: str) -> list[list[str]]:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    commands = []
+    for line in readme.splitlines():
+        line = line.split("#", 1)[0].strip().rstrip("`")
+        for prefix in (f"python3 -m {module} ", f"python -m {module} "):
+            if prefix in line:
+                # Up to the end of an inline code span.
+                commands.append(shlex.split(line.split(prefix, 1)[1].split("`")[0]))
+    return commands
+
+
+def test_readme_commands_parse():
+    # Every demo and launcher command line of the README is accepted as written.
+    demo = [
+        c
+        for c in _readme_commands("moe_eqx.demo")
+        if "..." not in c and "--help" not in c
+    ]
+    assert len(demo) >= 4, demo
+    for args in demo:
+        parser = cli.build_parser()
+        cli.check_args(parser, parser.parse_args(args))
+    launches = _readme_commands("moe_eqx.launch")
+    assert launches, "the README shows the launcher"
+    for args in launches:
+        parsed = launch_parser().parse_args(args)
+        demo_args = [a for a in parsed.demo_args if a != "--"]
+        parser = cli.build_parser()
+        cli.check_args(parser, parser.parse_args([*demo_args, "--distributed"]))
