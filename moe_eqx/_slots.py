@@ -20,10 +20,10 @@ Backward, `backward=`:
   which receives `[C, ...]` (ragged) or `[R, min(S, C), ...]` blocks (dense) and
   scatter-adds them.
 - `"auto"`: the one with fewer expert-sized temporaries per device
-  ([`slot_backward_copies`][]).
+  (`slot_backward_copies`).
 
 No global `[E, ...]` weight or gradient is ever built or psum-ed, and at `R = 1` no
-collective runs. The offsets of both ragged trips come from [`slot_routes`][], a pure
+collective runs. The offsets of both ragged trips come from `slot_routes`, a pure
 function of the slot table that the tests check against `emulate_ragged_all_to_all`.
 """
 
@@ -105,7 +105,7 @@ def slot_routes(
 
     **Returns:**
 
-    A [`SlotRoutes`][].
+    A `SlotRoutes`.
     """
     num_shards, num_slots = slot_expert.shape
     slot_expert = slot_expert.astype(jnp.int32)
