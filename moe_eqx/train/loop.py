@@ -218,7 +218,7 @@ def _say_header(args, runtime: Runtime, data: ZipfMarkovData, reporter: Reporter
         f"{runtime.num_processes} process(es), {jax.device_count()} "
         f"{jax.default_backend()} device(s); buffer_factor {args.buffer_factor}, "
         f"num_slots {args.num_slots}, dedup {not args.no_dedup}, on_overflow "
-        f"{args.on_overflow}"
+        f"{args.on_overflow}" + ("; DeepSeek-V3 routing" if args.deepseek else "")
     )
     reporter.say(
         f"data: Zipf/Markov, unigram entropy {entropy(data.unigram):.3f} nats, "
