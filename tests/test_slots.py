@@ -3,6 +3,8 @@ tokens) with the math unchanged, `gather_slot_weights` is exact in both exchange
 both backward modes, the ragged offsets match the collective's semantics, and the
 out-degree bound `max_exports` holds."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -348,6 +350,39 @@ def test_backward_collectives(getkey, backward):
     assert "all-reduce" not in hlo
     assert ("all-gather" in hlo) == (backward == "all_gather")
     assert hlo.count("all-to-all") == (1 if backward == "all_gather" else 2)
+
+
+@pytest.mark.parametrize("backward", ["all_gather", "home"])
+def test_ragged_buffers_are_exports_and_slots(backward):
+    """The real ragged path, lowered for a GPU (XLA:CPU cannot compile it): forward
+    `[C] -> [S]`, and with `home` the reverse trip `[S] -> [C]`; nothing `[R, S]`
+    sized travels, unless the all-gather backward was asked for."""
+    r, local, s, c = 8, 2, 2, 3
+    f = jax.shard_map(
+        lambda w, t: me.gather_slot_weights(
+            w, t, local, "expert", max_exports=c, backward=backward, exchange="ragged"
+        )[None],
+        mesh=auto_mesh(r),
+        in_specs=(P("expert"), P()),
+        out_specs=P("expert"),
+        check_vma=False,
+    )
+    loss = jax.value_and_grad(lambda w, t: jnp.sum(jnp.square(f(w, t))))
+    args = (
+        jax.ShapeDtypeStruct((r * local, 64, 32), jnp.float32),
+        jax.ShapeDtypeStruct((r, s), jnp.int32),
+    )
+    text = jax.jit(loss).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(
+        r"@ragged_all_to_all\(.*: \((tensor<[^>]*>), (tensor<[^>]*>),.*-> (tensor<[^>]*>)",
+        text,
+    )
+    forward = ("tensor<3x64x32xf32>", "tensor<2x64x32xf32>", "tensor<2x64x32xf32>")
+    home = ("tensor<2x64x32xf32>", "tensor<3x64x32xf32>", "tensor<3x64x32xf32>")
+    assert sorted(calls) == sorted([forward] + ([home] if backward == "home" else []))
+    assert ("stablehlo.all_gather" in text) == (backward == "all_gather")
+    assert "all_reduce" not in text
+    assert "all_to_all" not in text.replace("ragged_all_to_all", "")
 
 
 def test_auto_backward_picks_fewer_buffers():
