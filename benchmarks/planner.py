@@ -18,9 +18,10 @@ Measures, on synthetic routing (`moe_eqx.workloads`):
    (d_model 7168, d_ff 2048, bf16): the all-gather of `[R, S, ...]` slot gradients and
    their indices (the design), a targeted send of each slot gradient to its home shard
    only, and the naive psum of a global `[E, ...]` gradient.
-3. Per-step planning vs a periodic static placement (replicas chosen from the experts
-   hot in the previous window of W steps and kept for the next W steps), on a rotating
-   hotspot and a drifting Zipf workload. The static placement is scored twice: with
+3. Per-step planning (at the default out-degree bound, and unbounded) vs a periodic
+   static placement (replicas chosen from the experts hot in the previous window of
+   W steps and kept for the next W steps), on a rotating hotspot and a drifting Zipf
+   workload. The static placement is scored twice: with
    the window's split fractions (as static redundancy does) and with the best possible
    per-step split over its stale replicas (a linear program): even that loses.
 
@@ -382,7 +383,13 @@ def static_vs_dynamic(args) -> list[dict]:
     rows = []
     for name in ("rotating_hotspot", "drifting_zipf"):
         history = []
-        scores = {"none": [], "per_step": [], "static_split": [], "static_best": []}
+        scores = {
+            "none": [],
+            "per_step": [],
+            "per_step_unbounded": [],
+            "static_split": [],
+            "static_best": [],
+        }
         placement = fractions = None
         for step in range(args.steps):
             choices = wl.sample_workload(
@@ -414,6 +421,11 @@ def static_vs_dynamic(args) -> list[dict]:
             scores["per_step"].append(
                 _max_over_mean(fn(jnp.asarray(counts)).shard_load)
             )
+            # The same without the out-degree bound (default C), for comparison.
+            unbounded = _jitted_bounded(num_slots)(
+                jnp.asarray(counts), max_exports=jnp.int32(num_shards * num_slots)
+            )
+            scores["per_step_unbounded"].append(_max_over_mean(unbounded.shard_load))
             scores["static_split"].append(
                 float((counts_e[:, None] * fractions).sum(axis=0).max() / mean)
             )
