@@ -163,11 +163,12 @@ def _fill(bins, weight, expert, items, cols) -> None:
         has[r, expert[it]] = True
 
 
-def _refine(bins, weight, expert, groups) -> np.ndarray:
+def _refine(bins, weight, expert, groups, min_gain: float = 0.0) -> np.ndarray:
     """Best-improvement swaps of two items of the same group (columns) on two shards
     while some swap lowers the sum of squared shard loads (which never raises the
-    largest load); never two copies of one expert on a shard. Each swap strictly
-    lowers that sum, so this terminates."""
+    largest load); never two copies of one expert on a shard. A swap must lower the
+    larger of its two shard loads by more than `min_gain`. Each swap strictly lowers
+    that sum, so this terminates."""
     bins = bins.copy()
     num_shards = bins.shape[0]
     if num_shards == 1:
@@ -188,7 +189,8 @@ def _refine(bins, weight, expert, groups) -> np.ndarray:
             d = wa[:, None] - wa[None, :]  # a: row item, moves to b's shard
             gap = load[where][:, None] - load[where][None, :]
             gain = 2 * d * (d - gap)
-            bad = (d <= 0) | (d >= gap)
+            # The pair's larger load drops by min(d, gap - d).
+            bad = (d <= min_gain) | (d >= gap - min_gain)
             bad |= count[where[None, :], ea[:, None]] > 0
             bad |= (count[where[:, None], ea[None, :]] > 0) & (ea[None, :] >= 0)
             gain = np.where(bad, np.inf, gain)
@@ -227,11 +229,16 @@ def _align(bins: np.ndarray, current: np.ndarray) -> np.ndarray:
 
 
 def _place_one(
-    load: np.ndarray, num_shards: int, num_slots: int, current: np.ndarray
+    load: np.ndarray,
+    num_shards: int,
+    num_slots: int,
+    current: np.ndarray,
+    tolerance: float,
 ) -> np.ndarray:
     num_experts = load.shape[0]
     local = num_experts // num_shards
     num_slots = num_slots if num_shards > 1 else 0
+    min_gain = tolerance * load.sum() / num_shards
     # Items: every expert's home copy, then the copies its share of the slots would
     # hold (each carrying load / copies); the home copies fill columns [0, L).
     copies = _replicas(load, num_shards, num_slots)
@@ -252,17 +259,26 @@ def _place_one(
     for bins in (from_current, from_scratch):
         if num_slots:
             _fill(bins, weight, expert, extra, slot_cols)
-        bins = _refine(bins, weight, expert, groups)
+        bins = _refine(bins, weight, expert, groups, min_gain)
         ids = _align(bins[:, :local], current)
         shard_load = np.append(weight, 0.0)[bins].sum(axis=1)
-        # Lowest max shard load, then sum of squares; then fewest moved experts.
-        key = (shard_load.max(), np.square(shard_load).sum(), np.sum(ids != current))
-        candidates.append((key, ids))
-    return min(candidates, key=lambda c: c[0])[1]
+        candidates.append((shard_load.max(), np.square(shard_load).sum(), ids))
+    # Fewest moved experts among those within the tolerance of the lowest max load,
+    # then the lowest sum of squares.
+    lowest = min(c[0] for c in candidates)
+    return min(
+        (c for c in candidates if c[0] <= lowest + min_gain),
+        key=lambda c: (np.sum(c[2] != current), c[1]),
+    )[2]
 
 
 def plan_placement(
-    expert_load, *, num_shards: int, num_slots: int = 0, current=None
+    expert_load,
+    *,
+    num_shards: int,
+    num_slots: int = 0,
+    current=None,
+    tolerance: float = 0.01,
 ) -> Int[np.ndarray, "*batch experts"]:
     """Chooses which logical experts each shard holds, balancing `expert_load`.
 
@@ -279,8 +295,11 @@ def plan_placement(
     no copy of that expert), then best-improvement swaps while they lower the sum of
     squared shard loads (lowering the load of every shard above the others, not only
     the largest). The current placement improved by swaps is a second candidate;
-    the better one wins (largest load, then sum of squares, then fewer moved
-    experts). The result is laid out to move as few experts as possible (a group of
+    the one that moves fewer experts wins unless the other's largest load is lower
+    by more than `tolerance` (then the lower sum of squares). A swap is made only
+    if it lowers the larger of its two shard loads by more than `tolerance`: with a
+    stable load, re-placement then moves few experts (routing noise alone moved
+    100-200 of 256 per window without it; `benchmarks/rebalance.py`). The result is laid out to move as few experts as possible (a group of
     experts goes to the shard that holds most of them, and an expert that stays on
     its shard keeps its slot). Deterministic; runs on the host (NumPy) between
     steps, in milliseconds (E = 256: 30-300 ms on one CPU core).
@@ -293,6 +312,8 @@ def plan_placement(
     - `num_shards`: `R`, the size of the expert-parallel axis; must divide `E`.
     - `num_slots`: `S`, the layer's spare slots per shard (`config.num_slots`).
     - `current`: `[..., E]` the current `layer.expert_ids` (default: identity).
+    - `tolerance`: improvements smaller than this fraction of the mean shard load do
+        not move experts (`0` balances as far as swaps go, whatever it moves).
 
     **Returns:**
 
@@ -306,6 +327,8 @@ def plan_placement(
     local_experts(num_experts, int(num_shards), shards="shards (`num_shards`)")
     if not isinstance(num_slots, int | np.integer) or num_slots < 0:
         raise ValueError(f"`num_slots` must be an integer >= 0, got {num_slots!r}.")
+    if not (isinstance(tolerance, int | float) and 0 <= tolerance < 1):
+        raise ValueError(f"`tolerance` must be in [0, 1), got {tolerance!r}.")
     if current is None:
         current = np.broadcast_to(np.arange(num_experts), load.shape)
     current = _check_ids(_to_host(current, "current"), "current")
@@ -316,7 +339,7 @@ def plan_placement(
     flat_load = load.reshape(-1, num_experts)
     flat_cur = current.reshape(-1, num_experts)
     out = [
-        _place_one(lo, int(num_shards), int(num_slots), cu)
+        _place_one(lo, int(num_shards), int(num_slots), cu, float(tolerance))
         for lo, cu in zip(flat_load, flat_cur, strict=True)
     ]
     return np.stack(out).reshape(load.shape).astype(np.int32)

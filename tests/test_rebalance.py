@@ -244,6 +244,11 @@ def test_placement_balances():
     np.testing.assert_array_equal(ids, me.plan_placement(counts, num_shards=8))
     again = me.plan_placement(counts, num_shards=8, current=ids)
     np.testing.assert_array_equal(again, ids)
+    # Noise well inside the tolerance (1% of a shard's mean load) moves nothing.
+    noisy = counts * (1 + 0.001 * np.random.default_rng(1).standard_normal(256))
+    np.testing.assert_array_equal(
+        me.plan_placement(noisy, num_shards=8, current=ids), ids
+    )
     # A balanced load keeps the current placement.
     np.testing.assert_array_equal(
         me.plan_placement(np.ones(256), num_shards=8), np.arange(256)
@@ -308,6 +313,8 @@ def test_bad_input(getkey):
         me.rebalance_experts(layer, good, num_shards=3)
     with pytest.raises(ValueError, match="num_slots"):
         me.plan_placement(good, num_shards=4, num_slots=-1)
+    with pytest.raises(ValueError, match="tolerance"):
+        me.plan_placement(good, num_shards=4, tolerance=1.5)
     with pytest.raises(ValueError, match="one array per"):
         me.rebalance_experts(layer, [good, good], num_shards=4)
     with pytest.raises(ValueError, match="no `MoELayer`"):
