@@ -117,7 +117,7 @@ def expert_parallel_shard_body(
     # 3. Each pair's physical destination (shard, local group), with the duplication
     # plan applied; a pair the plan gives no destination is marked -1 and not sent.
     dest_shard, dest_group, w_gate_up, w_down = _destinations(
-        cfg, counts, routing, w_gate_up, w_down, num_local, num_slots
+        cfg, counts, routing, w_gate_up, w_down, num_local, num_slots, exchange=exchange
     )
     valid = dest_shard >= 0
 

@@ -117,8 +117,8 @@ def test_fallback_sums_what_its_chunks_did(getkey, dedup):
 def _broken_plan(plan_duplication):
     """The real planner, then one pair of the hottest expert taken from its quota."""
 
-    def plan(counts, *, num_slots):
-        p = plan_duplication(counts, num_slots=num_slots)
+    def plan(counts, *, num_slots, **kwargs):
+        p = plan_duplication(counts, num_slots=num_slots, **kwargs)
         q = p.expert_shard_pairs
         hot = jnp.argmax(jnp.sum(q, axis=1))
         home = jnp.argmax(q[hot])
