@@ -84,7 +84,7 @@ def default_max_exports(num_shards: int, num_local: int, num_slots: int) -> int:
     shard sends per step stay far below the `R S` slots at large `R`. A load that puts
     most pairs on one home shard needs more copies (the rotating hotspot of
     `benchmarks/planner.py` needs 31 at EP32, S=2: max/mean 1.10 at this bound, 1.000
-    with `max_exports >= 40`); pass a larger `max_exports` for such loads.
+    with `max_exports >= 36`); pass a larger `max_exports` for such loads.
 
     **Arguments:**
 
