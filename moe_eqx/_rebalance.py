@@ -398,10 +398,89 @@ def _permute_leaf(a, perm, where: str):
         sharding = (
             sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
         )
+        axis_name = _split_axis(sharding, a.ndim, axis)
+        if axis_name is not None and isinstance(perm, np.ndarray):
+            return _move_sharded(a, perm, sharding, axis_name)
         return _gather_placed(a, jnp.asarray(perm), sharding=sharding)
     if isinstance(a, np.ndarray) and isinstance(perm, np.ndarray):
         return a[_index(perm)]
     return a[_index(jnp.asarray(perm))]
+
+
+def _split_axis(sharding, ndim: int, axis: int) -> str | None:
+    """The mesh axis that splits `axis` (the experts), if nothing else is split."""
+    if sharding is None:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    entry = spec[axis]
+    if isinstance(entry, tuple):
+        entry = entry[0] if len(entry) == 1 else None
+    others = spec[:axis] + spec[axis + 1 :]
+    if not isinstance(entry, str) or any(e is not None for e in others):
+        return None
+    return entry
+
+
+def _move_tables(perm: np.ndarray, num_shards: int):
+    """Per shift `d` of a cyclic exchange: `(d, send [R, M, 2], recv [R, M, 2])`, the
+    (row, local slot) each shard sends to shard `r + d`, and where shard `r` puts what
+    it receives from `r - d`; `M` is the most one shard sends at that shift, padding
+    points past the local slots (dropped on write)."""
+    rows = perm.reshape(-1, perm.shape[-1])
+    local = rows.shape[1] // num_shards
+    dest = np.arange(rows.shape[1])
+    moves = [[[] for _ in range(num_shards)] for _ in range(num_shards)]
+    for b, row in enumerate(rows):
+        for p, q in zip(dest, row, strict=True):
+            s, r = q // local, p // local
+            moves[(r - s) % num_shards][s].append((b, q % local, p % local))
+    tables = []
+    for d, by_source in enumerate(moves):
+        width = max(len(m) for m in by_source)
+        if width == 0:
+            continue
+        send = np.zeros((num_shards, width, 2), np.int32)
+        recv = np.zeros((num_shards, width, 2), np.int32)
+        recv[..., 1] = local  # padding: out of range, dropped
+        for s, items in enumerate(by_source):
+            r = (s + d) % num_shards
+            for i, (b, src, dst) in enumerate(items):
+                send[s, i] = (b, src)
+                recv[r, i] = (b, dst)
+        tables.append((d, send, recv))
+    return tables
+
+
+def _move_sharded(a, perm: np.ndarray, sharding, axis_name: str):
+    """`a[_index(perm)]` for experts split over `axis_name`, moving only the experts
+    that change shard, by cyclic shifts (`ppermute`): a device holds its shard, the
+    result and what it receives (at most its shard again). A gather along the split
+    axis instead materialises every expert on every device (measured: 8x a shard's
+    bytes of temporary memory at EP8)."""
+    mesh = sharding.mesh
+    num_shards = mesh.shape[axis_name]
+    batch = perm.shape[:-1]
+    tables = _move_tables(perm, num_shards)
+
+    def body(x):
+        shard = jax.lax.axis_index(axis_name)
+        flat = x.reshape((-1,) + x.shape[len(batch) :])  # [rows, L, ...]
+        out = flat
+        for d, send, recv in tables:
+            src = jnp.asarray(send)[shard]
+            dst = jnp.asarray(recv)[shard]
+            buf = flat[src[:, 0], src[:, 1]]
+            if d:
+                pairs = [(i, (i + d) % num_shards) for i in range(num_shards)]
+                buf = jax.lax.ppermute(buf, axis_name, pairs)
+            out = out.at[dst[:, 0], dst[:, 1]].set(buf, mode="drop")
+        return out.reshape(x.shape)
+
+    spec = sharding.spec
+    moved = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False
+    )
+    return jax.jit(moved, out_shardings=sharding)(a)
 
 
 def _permute_layer(node, perm, where: str):
@@ -425,8 +504,12 @@ def permute_experts(tree: PyTree, perm) -> PyTree:
     Use it for a model and equally for its optimizer state: optax's moments (e.g.
     `optax.adam`'s `mu` and `nu`) hold `MoELayer` nodes of the model's structure, whose
     expert moments must move with the experts. The router (and its selection bias)
-    keeps logical ids and is not touched. Jit-able; outside `jit` each placed array
-    keeps its sharding.
+    keeps logical ids and is not touched. Jit-able (a gather). Outside `jit` each
+    placed array keeps its sharding, and with a concrete `perm` experts split over
+    one mesh axis move by cyclic shifts between shards (`ppermute`), only those that
+    change shard, with at most about three shards' worth of expert memory per device
+    at EP8 (a gather along the split axis would materialise every expert on every
+    device: 8 shards' worth).
 
     **Arguments:**
 

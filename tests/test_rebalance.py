@@ -162,6 +162,23 @@ def test_sharded_model_stays_sharded(getkey):
     assert_matches_oracle(host, x, m)
 
 
+@pytest.mark.parametrize("num_shards", [2, 8])
+def test_sharded_permutation_moves_only_what_changes_shard(getkey, num_shards):
+    m = mesh(num_shards)
+    layer = make_layer(getkey(), num_experts=NUM_EXPERTS)
+    placed = me.shard_model(layer, m)
+    perm = np.random.default_rng(num_shards).permutation(NUM_EXPERTS)
+    got = me.permute_experts(placed, perm)  # by cyclic shifts between shards
+    for name in ("w_gate_up", "w_down"):
+        before = getattr(layer.experts, name)
+        after = getattr(got.experts, name)
+        np.testing.assert_array_equal(after, np.asarray(before)[perm])
+        assert after.sharding.is_equivalent_to(
+            getattr(placed.experts, name).sharding, after.ndim
+        )
+    np.testing.assert_array_equal(got.expert_ids, perm)
+
+
 def test_checkpoint_round_trip(getkey, tmp_path):
     layer = _skewed_layer(getkey(), 4)
     x = tokens(getkey(), 64)
