@@ -130,6 +130,38 @@ def test_expert_parallel_defaults_show_dedup_and_duplication(tmp_path, cache_dir
     assert all(math.isfinite(x) for x in _losses(result["history"]))
 
 
+def test_rebalance_every_re_places_hot_experts(tmp_path, cache_dir):
+    # No spare slots, so the rank load is the home placement's alone. In the skew
+    # phase every token picks shard 0's 4 experts (8x the balanced load); the
+    # re-placement at step 8, from steps 4-7's load, spreads them over 4 shards
+    # (2x at best with 4 hot experts on 8 shards; the re-placement at step 4 from a
+    # balanced window leaves at least 2 of them together). A resumed run keeps the placement.
+    out, ck = tmp_path / "h.json", tmp_path / "ck"
+    common = [*TINY_WIDTHS, "--ep", "8", "--num-slots", "0", "--log-every", "4",
+              "--skew-from", "4", "--skew-to", "16", "--rebalance-every", "4",
+              "--ckpt-dir", str(ck)]  # fmt: skip
+    proc = run_demo([*common, "--steps", "12", "--json", str(out)], cache_dir)
+    assert "step 4: re-placed experts" in proc.stdout  # balanced window: little moves
+    assert "step 8: re-placed experts" in proc.stdout, proc.stdout
+    skewed = re.search(
+        r"step 8: re-placed .* home max/mean ([\d.]+) -> ([\d.]+)", proc.stdout
+    )
+    assert float(skewed[1]) >= 4.0 and float(skewed[2]) == 2.0, proc.stdout
+    history = json.loads(out.read_text())["history"]
+    assert history[1]["max_over_mean_before"] >= 4.0
+    assert history[2]["max_over_mean_before"] == pytest.approx(2.0)
+    assert history[2]["max_over_mean"] == pytest.approx(2.0)
+    assert all(e["dropped_pairs"] == 0 for e in history)
+    losses = _losses(history)
+    assert all(math.isfinite(x) for x in losses)
+    # Resumed from step 12's checkpoint: the placement came back with it.
+    proc = run_demo(
+        [*common, "--steps", "16", "--resume", "--json", str(out)], cache_dir
+    )
+    (entry,) = json.loads(out.read_text())["history"]
+    assert entry["max_over_mean_before"] == pytest.approx(2.0), proc.stdout
+
+
 def _start_demo(args, cache_dir) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "moe_eqx.demo", *args],
@@ -269,6 +301,8 @@ def test_resume_command_drops_one_off_flags():
         (["--steps", "0"], "--steps must be >= 1"),
         (["--schedule-steps", "0"], "--schedule-steps must be >= 1"),
         (["--skew-from", "5"], "--skew-from and --skew-to go together"),
+        (["--rebalance-every", "4"], "--rebalance-every re-places experts over shards"),
+        (["--rebalance-every", "-1"], "--rebalance-every must be >= 0"),
     ],
 )
 def test_bad_flags_are_usage_errors(flags, message, capsys):

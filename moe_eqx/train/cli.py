@@ -77,6 +77,14 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "--distributed, else 0",
     )
     g.add_argument(
+        "--rebalance-every",
+        type=int,
+        default=0,
+        help="every N steps, re-place the experts on their home shards from the "
+        "last N steps' load, model and optimizer state together (slow re-placement; "
+        "the spare slots still balance every step); 0 = never",
+    )
+    g.add_argument(
         "--no-dedup",
         action="store_true",
         help="send one wire row per (token, expert) instead of one per (token, shard)",
@@ -249,7 +257,7 @@ def _check_ranges(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     for name in _POSITIVE:
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    for name in ("ckpt_every", "num_slots"):
+    for name in ("ckpt_every", "num_slots", "rebalance_every"):
         if getattr(a, name) is not None and getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if a.vocab < 2:
@@ -285,6 +293,8 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> MoEConfig:
         p.error("--skew-from and --skew-to go together")
     if a.skew_from is not None and not 0 <= a.skew_from < a.skew_to:
         p.error("need 0 <= --skew-from < --skew-to")
+    if a.rebalance_every and (a.ep or 1) == 1 and not a.distributed:
+        p.error("--rebalance-every re-places experts over shards: it needs --ep > 1")
     if a.resume and not a.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
     if a.num_slots is None:

@@ -27,6 +27,7 @@ from .._config import MoEConfig
 from .data import Feed, ZipfMarkovData
 from .log import Reporter, entropy
 from .model import MoELM
+from .rebalance import Rebalancer
 from .resume import TrainState, load_state, resume_command, save_state, schedule_steps
 from .runtime import Runtime, gather_to_host, make_runtime
 from .step import (
@@ -104,12 +105,14 @@ def _one_step(state: TrainState, train_step: Callable, feed: Feed):
         feed.batch(state.step),
         feed.router_bias(state.step),
     )
-    metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
+    metrics = jax.device_get(metrics)
+    counts = np.asarray(metrics.pop("expert_counts"))
+    metrics = {k: v.item() for k, v in metrics.items()}
     if not math.isfinite(metrics["loss"]):
         raise SystemExit(f"loss is not finite at step {state.step}: {metrics}")
     metrics["step"] = state.step
     metrics["skew"] = feed.in_skew(state.step)
-    return TrainState(state.step + 1, params, opt_state, key), metrics
+    return TrainState(state.step + 1, params, opt_state, key), metrics, counts
 
 
 def train(
@@ -137,7 +140,8 @@ def train(
     - `log_every`: steps per logged interval.
     - `checkpoint`: saves a state, or `None`.
     - `checkpoint_every`: checkpoint every N steps (0: only at the end).
-    - `between_steps`: hooks applied, in order, before every step.
+    - `between_steps`: hooks applied, in order, before every step; a hook with an
+        `observe(expert_counts)` method also gets each step's `[layers, E]` counts.
     - `stop_on_ctrl_c`: the first Ctrl-C stops the loop after the current step.
 
     **Returns:**
@@ -151,7 +155,10 @@ def train(
                 for hook in between_steps:
                     state = hook(state)
                 t0 = time.perf_counter()
-                state, metrics = _one_step(state, train_step, feed)
+                state, metrics, counts = _one_step(state, train_step, feed)
+                for hook in between_steps:
+                    if hasattr(hook, "observe"):
+                        hook.observe(counts)
                 reporter.step_done(
                     metrics, time.perf_counter() - t0, log_every=log_every, last=steps
                 )
@@ -286,8 +293,8 @@ def _interrupted(args, state: TrainState, start: int, save, command: str) -> str
 
 
 def _prepare(args, config: MoEConfig, runtime: Runtime, reporter: Reporter):
-    """The model, its placement, the state to start from (resumed or fresh), the
-    schedule's length and the step function."""
+    """The state to start from (resumed or fresh), the model's static part, the step
+    function, the placement, the schedule's length and the resumed metadata."""
     schedule = args.schedule_steps or args.steps
     state, static, placement, optimizer_for = _init_state(
         args, config, runtime, schedule
@@ -311,13 +318,23 @@ def _prepare(args, config: MoEConfig, runtime: Runtime, reporter: Reporter):
         strict=args.strict_promotion,
     )
     train_step = make_train_step(loss_fn, optimizer_for(schedule), placement)
-    return state, train_step, placement, schedule, metadata or {}
+    return state, static, train_step, placement, schedule, metadata or {}
 
 
-def _hooks(args, runtime: Runtime) -> list[Hook]:
-    """What runs between steps, in order: the place for periodic transforms of the
-    model and optimizer state (e.g. a flag `--rebalance-every N`)."""
+def _hooks(args, runtime: Runtime, static, placement, reporter) -> list[Hook]:
+    """What runs between steps, in order: periodic transforms of the model and
+    optimizer state (`--rebalance-every`), and fault injection for tests."""
     hooks = []
+    if args.rebalance_every:
+        hooks.append(
+            Rebalancer(
+                args.rebalance_every,
+                num_shards=runtime.ep,
+                static=static,
+                placement=placement,
+                say=reporter.say,
+            )
+        )
     if args.die_at_step is not None:
         hooks.append(die_at_step(args, runtime))
     return hooks
@@ -371,7 +388,7 @@ def run(
     )
     data = ZipfMarkovData(args.vocab, args.seed)
     _say_header(args, runtime, data, reporter)
-    state, train_step, placement, schedule, metadata = _prepare(
+    state, static, train_step, placement, schedule, metadata = _prepare(
         args, config, runtime, reporter
     )
     start = state.step
@@ -393,7 +410,7 @@ def run(
             log_every=args.log_every,
             checkpoint=save if args.ckpt_dir else None,
             checkpoint_every=args.ckpt_every,
-            between_steps=_hooks(args, runtime),
+            between_steps=_hooks(args, runtime, static, placement, reporter),
             stop_on_ctrl_c=runtime.num_processes == 1,
         )
     finally:

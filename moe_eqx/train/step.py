@@ -210,6 +210,8 @@ def step_metrics(
         "expert_max_over_mean": jnp.max(
             jnp.max(expert_counts, axis=-1) / jnp.mean(expert_counts, axis=-1)
         ),
+        # [layers, E], not a scalar: the window load of `--rebalance-every`.
+        "expert_counts": stats.expert_counts,
     }
 
 
