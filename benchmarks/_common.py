@@ -53,3 +53,21 @@ def compiled_memory(fn, *args) -> dict:
         "peak_mib": (temp + out) / 2**20,
         "argument_mib": ma.argument_size_in_bytes / 2**20,
     }
+
+
+def interleaved_min(candidates: dict, repeats: int) -> dict:
+    """Min seconds of each `name -> (fn, args)`, run round-robin `repeats` times after
+    one untimed call each, so every candidate sees the same load (the CPU is shared)."""
+    import time
+
+    import jax
+
+    for fn, args in candidates.values():
+        jax.block_until_ready(fn(*args))
+    best = {name: float("inf") for name in candidates}
+    for _ in range(repeats):
+        for name, (fn, args) in candidates.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
