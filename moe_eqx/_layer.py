@@ -59,7 +59,7 @@ class MoELayer(eqx.Module):
     expert_ids: Int[Array, " experts"]
     config: MoEConfig = eqx.field(static=True)
 
-    def __init__(self, config: MoEConfig, *, key: PRNGKeyArray, dtype=jnp.float32):
+    def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         router_key, experts_key = jr.split(key)
         self.config = config
         self.router = Router(config, key=router_key)

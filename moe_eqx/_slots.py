@@ -143,24 +143,24 @@ RaggedArgs = tuple[Int[Array, " shards"], ...]
 
 
 def ragged_slot_args(
-    routes: SlotRoutes, me: Int[Array, ""] | int
+    routes: SlotRoutes, shard: Int[Array, ""] | int
 ) -> tuple[RaggedArgs, RaggedArgs]:
-    """Shard `me`'s `(input_offsets, send_sizes, output_offsets, recv_sizes)` of the
+    """`shard`'s `(input_offsets, send_sizes, output_offsets, recv_sizes)` of the
     forward trip (`[C]` export buffer -> `[S]` receive buffer grouped by owner) and of
     the `"home"` backward trip (the reverse)."""
     sizes, send_off, recv_off = routes.sizes, routes.send_offsets, routes.recv_offsets
-    forward = (send_off[me], sizes[me], recv_off[me], sizes[:, me])
-    backward = (recv_off[:, me], sizes[:, me], send_off[:, me], sizes[me])
+    forward = (send_off[shard], sizes[shard], recv_off[shard], sizes[:, shard])
+    backward = (recv_off[:, shard], sizes[:, shard], send_off[:, shard], sizes[shard])
     return forward, backward
 
 
 def export_slots(
-    routes: SlotRoutes, me: Int[Array, ""] | int, max_exports: int
+    routes: SlotRoutes, shard: Int[Array, ""] | int, max_exports: int
 ) -> Int[Array, " exports"]:
-    """`[C]` the flat slot index (`d * S + s`) of each copy shard `me` exports, in its
+    """`[C]` the flat slot index (`d * S + s`) of each copy `shard` exports, in its
     export order; `-1` past the copies it really exports."""
     num_shards, num_slots = routes.owner.shape
-    mine = (routes.owner == me) & routes.delivered
+    mine = (routes.owner == shard) & routes.delivered
     where = jnp.where(mine, routes.export_rank, max_exports).reshape(-1)
     return (
         jnp.full((max_exports,), -1, jnp.int32)
@@ -169,10 +169,10 @@ def export_slots(
     )
 
 
-def _block_slots(routes: SlotRoutes, me, block: int) -> Int[Array, "shards block"]:
-    """`[d, j]`: the slot of shard `d` that holds `me`'s `j`-th copy for `d` (-1)."""
+def _block_slots(routes: SlotRoutes, shard, block: int) -> Int[Array, "shards block"]:
+    """`[d, j]`: the slot of shard `d` that holds `shard`'s `j`-th copy for `d` (-1)."""
     num_shards, num_slots = routes.owner.shape
-    mine = (routes.owner == me) & routes.delivered
+    mine = (routes.owner == shard) & routes.delivered
     rows = jnp.broadcast_to(jnp.arange(num_shards)[:, None], mine.shape)
     cols = jnp.where(mine, routes.block_pos, block)
     slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), mine.shape)
@@ -196,58 +196,60 @@ def _scatter_home(num_local, idx, values, shape, dtype):
     return jnp.zeros(shape, dtype).at[idx].add(values, mode="drop")
 
 
-def _undelivered(slots, routes, me):
+def _undelivered(slots, routes, shard):
     """NaN in the slots a bound-violating plan left undelivered: never silently a wrong
     expert (the layer's planner makes such a plan impossible)."""
     if not jnp.issubdtype(slots.dtype, jnp.inexact):
         return slots
-    lost = (routes.owner[me] >= 0) & ~routes.delivered[me]
+    lost = (routes.owner[shard] >= 0) & ~routes.delivered[shard]
     lost = lost.reshape(lost.shape + (1,) * (slots.ndim - 1))
     return jnp.where(lost, jnp.asarray(jnp.nan, slots.dtype), slots)
 
 
-def _forward(w_home, routes, me, num_local, axis_name, max_exports, exchange):
+def _forward(w_home, routes, shard, num_local, axis_name, max_exports, exchange):
     num_shards, num_slots = routes.owner.shape
     if exchange == "ragged":
-        exports = export_slots(routes, me, max_exports)
+        exports = export_slots(routes, shard, max_exports)
         send = _take(w_home, _take(routes.local.reshape(-1), exports, fill=-1))
         out = jnp.zeros((num_slots, *w_home.shape[1:]), w_home.dtype)
-        args = ragged_slot_args(routes, me)[0]
+        args = ragged_slot_args(routes, shard)[0]
         recv = _ragged_all_to_all(send, out, *args, axis_name=axis_name)
-        slots = _take(recv, routes.recv_pos[me])
+        slots = _take(recv, routes.recv_pos[shard])
     else:
         block = min(num_slots, max_exports)
-        which = _block_slots(routes, me, block)  # [d, j] -> slot of d
+        which = _block_slots(routes, shard, block)  # [d, j] -> slot of d
         local = jnp.take_along_axis(routes.local, jnp.maximum(which, 0), axis=1)
         send = _take(w_home, jnp.where(which >= 0, local, -1))  # [R, block, ...]
         recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)
         flat = recv.reshape(num_shards * block, *recv.shape[2:])
-        idx = routes.owner[me] * block + routes.block_pos[me]
-        slots = _take(flat, jnp.where(routes.delivered[me], idx, -1))
-    return _undelivered(slots, routes, me)
+        idx = routes.owner[shard] * block + routes.block_pos[shard]
+        slots = _take(flat, jnp.where(routes.delivered[shard], idx, -1))
+    return _undelivered(slots, routes, shard)
 
 
-def _backward_home(g_slots, routes, me, num_local, axis_name, max_exports, exchange):
+def _backward_home(g_slots, routes, shard, num_local, axis_name, max_exports, exchange):
     num_shards, num_slots = routes.owner.shape
     if exchange == "ragged":
         # Group my slot gradients by owner (the forward's receive layout) ...
-        send = jnp.zeros_like(g_slots).at[routes.recv_pos[me]].set(g_slots, mode="drop")
+        send = (
+            jnp.zeros_like(g_slots).at[routes.recv_pos[shard]].set(g_slots, mode="drop")
+        )
         out = jnp.zeros((max_exports, *g_slots.shape[1:]), g_slots.dtype)
-        args = ragged_slot_args(routes, me)[1]
+        args = ragged_slot_args(routes, shard)[1]
         recv = _ragged_all_to_all(send, out, *args, axis_name=axis_name)
         # ... and each home shard receives them in its export order.
-        exports = export_slots(routes, me, max_exports)
+        exports = export_slots(routes, shard, max_exports)
         return recv, _take(routes.local.reshape(-1), exports, fill=-1)
     block = min(num_slots, max_exports)
-    # [h, j] -> my slot holding h's j-th copy for me (the forward's receive view).
-    rows = jnp.where(routes.delivered[me], routes.owner[me], num_shards)
+    # [h, j] -> this shard's slot holding h's j-th copy (the forward's receive view).
+    rows = jnp.where(routes.delivered[shard], routes.owner[shard], num_shards)
     which = (
         jnp.full((num_shards, block), -1, jnp.int32)
-        .at[rows, routes.block_pos[me]]
+        .at[rows, routes.block_pos[shard]]
         .set(jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
     )
     recv = jax.lax.all_to_all(_take(g_slots, which), axis_name, 0, 0, tiled=False)
-    mine = _block_slots(routes, me, block)  # [d, j] -> slot of d holding my copy
+    mine = _block_slots(routes, shard, block)  # [d, j] -> slot of d holding our copy
     local = jnp.take_along_axis(routes.local, jnp.maximum(mine, 0), axis=1)
     return recv, jnp.where(mine >= 0, local, -1)
 
@@ -255,8 +257,8 @@ def _backward_home(g_slots, routes, me, num_local, axis_name, max_exports, excha
 @ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _gather(w_home, slot_expert, num_local, axis_name, max_exports, backward, exchange):
     routes = slot_routes(slot_expert, num_local, max_exports)
-    me = jax.lax.axis_index(axis_name)
-    return _forward(w_home, routes, me, num_local, axis_name, max_exports, exchange)
+    shard = jax.lax.axis_index(axis_name)
+    return _forward(w_home, routes, shard, num_local, axis_name, max_exports, exchange)
 
 
 def _gather_fwd(w_home, slot_expert, num_local, axis_name, max_exports, backward, ex):
@@ -268,14 +270,14 @@ def _gather_fwd(w_home, slot_expert, num_local, axis_name, max_exports, backward
 def _gather_bwd(num_local, axis_name, max_exports, backward, exchange, res, g_slots):
     slot_expert, w_home = res
     routes = slot_routes(slot_expert, num_local, max_exports)
-    me = jax.lax.axis_index(axis_name)
+    shard = jax.lax.axis_index(axis_name)
     if backward == "all_gather":
         g_all = jax.lax.all_gather(g_slots, axis_name)  # [R, S, ...]
-        keep = (routes.owner == me) & routes.delivered
+        keep = (routes.owner == shard) & routes.delivered
         idx = jnp.where(keep, routes.local, -1)
     else:
         g_all, idx = _backward_home(
-            g_slots, routes, me, num_local, axis_name, max_exports, exchange
+            g_slots, routes, shard, num_local, axis_name, max_exports, exchange
         )
     g_home = _scatter_home(num_local, idx, g_all, w_home.shape, w_home.dtype)
     return g_home, None
@@ -401,7 +403,7 @@ def gather_slot_weights(
 
     **Returns:**
 
-    `[S, ...]` the weights of `slot_expert[me]` (zeros for empty slots).
+    `[S, ...]` the weights of `slot_expert[shard]` (zeros for empty slots).
     """
     _check_args(slot_expert, num_local, max_exports, backward, exchange)
     num_shards, num_slots = slot_expert.shape
