@@ -2,8 +2,12 @@
 # Everything GPU-specific in one run (a Hopper GPU for the mosaic_gpu parts):
 #   1. the GPU tests: the mosaic_gpu backend against float32 references, and the layer on
 #      one GPU (ragged exchange, capped and fallback) against the dense oracle;
-#   2. benchmarks/gmm_gpu.py (< 4 min): dense, lax.ragged_dot, mosaic_gpu, torch.
-# Results go to ${OUT:-benchmarks/results}: gpu_tests.log, gmm_gpu.json, gmm_gpu.log.
+#   2. benchmarks/gmm_gpu.py (< 4 min): dense, lax.ragged_dot, mosaic_gpu, torch;
+#   3. benchmarks/layer.py --gpu (bounded to 150 s): the whole layer on one GPU in
+#      bfloat16 (one device, and a one-GPU mesh with the fallback on and off) against
+#      dense matmuls of the same expert FLOPs.
+# Results go to ${OUT:-benchmarks/results}: gpu_tests.log, gmm_gpu.json, gmm_gpu.log,
+# layer_gpu.json, layer_gpu.log.
 #
 #     bash benchmarks/gpu_check.sh
 #
@@ -19,5 +23,8 @@ python3 -m pytest -q -o addopts="" -p no:cacheprovider -rs \
 tests_rc=$?
 python3 benchmarks/gmm_gpu.py --out "$out/gmm_gpu.json" "$@" 2>&1 | tee "$out/gmm_gpu.log"
 bench_rc=$?
-echo "gpu_check: tests rc=$tests_rc, benchmark rc=$bench_rc"
-exit $((tests_rc || bench_rc))
+timeout 150 python3 benchmarks/layer.py --gpu 2>&1 | tee "$out/layer_gpu.log"
+layer_rc=$?
+[ "$out" != benchmarks/results ] && cp benchmarks/results/layer_gpu.json "$out/" 2>/dev/null
+echo "gpu_check: tests rc=$tests_rc, gmm benchmark rc=$bench_rc, layer benchmark rc=$layer_rc"
+exit $((tests_rc || bench_rc || layer_rc))
