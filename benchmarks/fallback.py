@@ -12,6 +12,7 @@ fallback runs). Each program is compiled once, for its memory and its timings.
 """
 
 import argparse
+
 from _common import interleaved_min, print_table, setup_devices, write_json
 
 setup_devices(8)

@@ -52,7 +52,9 @@ def dense_fns(dtype, rows, d_model, d_ff, key):
     """The baseline: one expert's SwiGLU on all `T*k` rows, forward and fwd+bwd."""
     k1, k2, k3 = jr.split(key, 3)
     x = jr.normal(k1, (rows, d_model), jnp.float32).astype(dtype)
-    w_gu = (jr.normal(k2, (d_model, 2 * d_ff), jnp.float32) / d_model**0.5).astype(dtype)
+    w_gu = (jr.normal(k2, (d_model, 2 * d_ff), jnp.float32) / d_model**0.5).astype(
+        dtype
+    )
     w_dn = (jr.normal(k3, (d_ff, d_model), jnp.float32) / d_ff**0.5).astype(dtype)
 
     def ffn(x, w_gu, w_dn):
@@ -139,8 +141,11 @@ def hf_rows(shape, x, dense, repeats):
         if hasattr(cfg, "_experts_implementation"):
             cfg._experts_implementation = impl
         try:
-            rows.extend(_time_hf(Qwen3MoeSparseMoeBlock(cfg), impl, shape, x, dense,
-                                 repeats, torch))
+            rows.extend(
+                _time_hf(
+                    Qwen3MoeSparseMoeBlock(cfg), impl, shape, x, dense, repeats, torch
+                )
+            )
         except Exception as err:  # report, do not hide, an implementation that fails
             rows.append(dict(layer=f"HF Qwen3-MoE ({impl})", note=repr(err)[:80]))
     return rows, f"torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -171,7 +176,10 @@ def _time_hf(block, impl, shape, x, dense, repeats, torch):
             return jnp.zeros(())  # something to block on
 
     rows = []
-    for label, back, base in (("forward", False, dense[0]), ("fwd+bwd", True, dense[1])):
+    for label, back, base in (
+        ("forward", False, dense[0]),
+        ("fwd+bwd", True, dense[1]),
+    ):
         best = interleaved_min({"hf": (Fn(back), ()), "dense": base}, repeats)
         rows.append(
             dict(
@@ -211,7 +219,10 @@ def main(argv=None):
     for name, (layer, mesh) in variants(shape, dtype, num_devices, args.quick).items():
         fwd, step = layer_fns(layer, x, mesh)
         check_no_overflow(name, fwd)
-        for label, fn, base in (("forward", fwd, dense[0]), ("fwd+bwd", step, dense[1])):
+        for label, fn, base in (
+            ("forward", fwd, dense[0]),
+            ("fwd+bwd", step, dense[1]),
+        ):
             best = interleaved_min({"layer": fn, "dense": base}, repeats)
             row = dict(
                 layer=name,
@@ -227,19 +238,24 @@ def main(argv=None):
             rows.append(row)
             print_table([row], list(row))  # progress: one row at a time
 
-    hf, hf_note = ([], "skipped: --gpu") if args.gpu else hf_rows(shape, x, dense, repeats)
+    hf, hf_note = (
+        ([], "skipped: --gpu") if args.gpu else hf_rows(shape, x, dense, repeats)
+    )
     rows.extend(hf)
     print(
         f"\nMoE layer vs dense matmuls of the same expert FLOPs: T={t}, d_model={d}, "
         f"d_ff={f}, E={e}, k={k}, {jnp.dtype(dtype).name}, {jax.devices()[0].device_kind}"
     )
-    print_table(rows, ["layer", "pass_", "ms", "dense_ms", "vs_dense", "vs_one_device",
-                       "note"])
+    print_table(
+        rows, ["layer", "pass_", "ms", "dense_ms", "vs_dense", "vs_one_device", "note"]
+    )
     print(f"Hugging Face Qwen3-MoE: {hf_note}")
     write_json(
         "layer_gpu" if args.gpu else "layer",
         {
-            "shape": dict(T=t, d_model=d, d_ff=f, E=e, k=k, dtype=jnp.dtype(dtype).name),
+            "shape": dict(
+                T=t, d_model=d, d_ff=f, E=e, k=k, dtype=jnp.dtype(dtype).name
+            ),
             "device": jax.devices()[0].device_kind,
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
