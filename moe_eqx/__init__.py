@@ -37,6 +37,7 @@ from ._gmm import (
     MosaicTileConfig as MosaicTileConfig,
     RaggedDotGMM as RaggedDotGMM,
     TiledGMM as TiledGMM,
+    accumulating_gmm as accumulating_gmm,
     auto_backend_name as auto_backend_name,
     autotune_gmm as autotune_gmm,
     gmm as gmm,
@@ -60,6 +61,7 @@ from ._overflow import (
 from ._planner import (
     DuplicationPlan as DuplicationPlan,
     assign_destinations as assign_destinations,
+    default_max_exports as default_max_exports,
     plan_duplication as plan_duplication,
     slot_pair_counts as slot_pair_counts,
 )
@@ -79,6 +81,10 @@ from ._router import (
 )
 from ._shard import expert_parallel_shard as expert_parallel_shard
 from ._slots import gather_slot_weights as gather_slot_weights
-from ._trip import TripSpec as TripSpec, expert_parallel_trip as expert_parallel_trip
+from ._trip import (
+    TripSpec as TripSpec,
+    TripStats as TripStats,
+    expert_parallel_trip as expert_parallel_trip,
+)
 
 __version__ = "0.1.0"
