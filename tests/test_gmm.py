@@ -179,7 +179,10 @@ def test_tiled_accumulating_is_in_place():
         return compiled.memory_analysis().temp_size_in_bytes
 
     _close(looped(lhs, rhs, d_out), 3 * plain(lhs, rhs, d_out), tol=1e-4)
-    assert temp_bytes(looped) <= temp_bytes(summed) - 0.9 * rhs.nbytes
+    # `summed` holds a whole extra weight gradient; the plain backward holds one group
+    # block less than the accumulating one (it writes a group's first window directly).
+    block = rhs.nbytes / rhs.shape[0]
+    assert temp_bytes(looped) <= temp_bytes(summed) - 0.9 * rhs.nbytes + block
 
 
 @pytest.mark.parametrize("backend", ["tiled_small"])

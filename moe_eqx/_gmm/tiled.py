@@ -68,14 +68,18 @@ def _row_mask(size, start, row_start, group_end):
     return (rows >= row_start) & (rows < group_end)
 
 
-def _for_each_window(ladder, group_sizes, num_rows, body, init):
-    """Folds `body(carry, g, size, start, row_start, group_end, full)` over windows.
+def _for_each_window(ladder, group_sizes, num_rows, body, init, remainder_first=False):
+    """Folds `body(carry, g, size, start, row_start, group_end, full, first)` over
+    windows.
 
-    Per group `g`: the full windows of `ladder[-1]` rows, then one remainder window
-    (if any). `start` is where a window is read (clamped into `[0, num_rows - size]`),
-    `row_start` the first row it owns, `group_end` one past its group's last row;
+    Per group `g`: the full windows of `ladder[-1]` rows and one remainder window (if
+    any). `start` is where a window is read (clamped into `[0, num_rows - size]`),
+    `row_start` the first row it owns, `group_end` one past the last row it may own;
     `full` (static) says the window lies inside its group with `start == row_start`,
-    so it needs no mask.
+    so it needs no mask. With `remainder_first` the remainder (`1..T` rows) comes
+    first and `first` (static) is True for it: it is then the first window of every
+    non-empty group. Otherwise the remainder (`0..T-1` rows) comes last and `first`
+    is always False.
     """
     group_sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(group_sizes)
@@ -85,32 +89,46 @@ def _for_each_window(ladder, group_sizes, num_rows, body, init):
 
     def group_body(g, carry):
         size = group_sizes[g]
-        num_full = size // big
-        end = ends[g]
+        if remainder_first:
+            num_full = jnp.maximum(size - 1, 0) // big
+            rest = size - num_full * big
+            rest_start = starts[g]
+            full_start = rest_start + rest
+        else:
+            num_full = size // big
+            rest = size - num_full * big
+            full_start = starts[g]
+            rest_start = full_start + num_full * big
+        rest_end = rest_start + rest
 
         def full_body(i, c):
-            row_start = starts[g] + i * big
-            return body(c, g, big, row_start, row_start, end, True)
+            row_start = full_start + i * big
+            return body(c, g, big, row_start, row_start, row_start + big, True, False)
 
+        def remainder(c):
+            # The remainder window is the smallest ladder entry >= rest, selected with
+            # 0-or-1-trip loops. `lax.switch` was measured 6x (forward) to 13x
+            # (`d_rhs`) slower at G=64 on XLA:CPU: the conditional copies the carry.
+            choice = jnp.searchsorted(ladder_arr, rest, side="left")
+            for j, w in enumerate(ladder):
+
+                def window_body(i, c, w=w):
+                    # `i` is always 0, but without it the body is loop-invariant and
+                    # XLA hoists it out of the loop, running every ladder size for
+                    # every group.
+                    first = rest_start + i
+                    start = jnp.minimum(first, num_rows - w)
+                    return body(c, g, w, start, first, rest_end, False, remainder_first)
+
+                trips = ((rest > 0) & (choice == j)).astype(jnp.int32)
+                c = lax.fori_loop(0, trips, window_body, c)
+            return c
+
+        if remainder_first:
+            carry = remainder(carry)
         carry = lax.fori_loop(0, num_full, full_body, carry)
-        rest = size - num_full * big
-        row_start = starts[g] + num_full * big
-
-        # The remainder window is the smallest ladder entry >= rest, selected with
-        # 0-or-1-trip loops. `lax.switch` was measured 6x (forward) to 13x (`d_rhs`)
-        # slower at G=64 on XLA:CPU: the conditional copies the carried output.
-        choice = jnp.searchsorted(ladder_arr, rest, side="left")
-        for j, w in enumerate(ladder):
-
-            def window_body(i, c, w=w):
-                # `i` is always 0, but without it the body is loop-invariant and XLA
-                # hoists it out of the loop, running every ladder size for every group.
-                first = row_start + i
-                start = jnp.minimum(first, num_rows - w)
-                return body(c, g, w, start, first, end, False)
-
-            trips = ((rest > 0) & (choice == j)).astype(jnp.int32)
-            carry = lax.fori_loop(0, trips, window_body, carry)
+        if not remainder_first:
+            carry = remainder(carry)
         return carry
 
     return lax.fori_loop(0, group_sizes.shape[0], group_body, init)
@@ -121,7 +139,8 @@ def _grouped_product(lhs, rhs, group_sizes, ladder, transpose_rhs):
     num_rows = lhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
 
-    def body(out, g, size, start, row_start, group_end, full):
+    def body(out, g, size, start, row_start, group_end, full, first):
+        del first
         x = lax.dynamic_slice_in_dim(lhs, start, size)
         y = lax.dot_general(
             x,
@@ -140,24 +159,31 @@ def _grouped_product(lhs, rhs, group_sizes, ladder, transpose_rhs):
     return _for_each_window(ladder, group_sizes, num_rows, body, out)
 
 
-def _grouped_outer(lhs, d_out, group_sizes, ladder, init):
-    """`init[g] + lhs_g^T @ d_out_g` for every group, summed into `init` window by
-    window (in place: no second `[G, K, N]` buffer), in `init.dtype`."""
+def _grouped_outer(lhs, d_out, group_sizes, ladder, init, accumulate):
+    """`lhs_g^T @ d_out_g` for every group, in `init.dtype`, written window by window
+    into `init` (in place: no second `[G, K, N]` buffer): added to it with
+    `accumulate`, else overwriting it (groups without rows keep `init`'s value)."""
     num_rows = lhs.shape[0]
     acc_dtype = init.dtype
 
-    def body(d_rhs, g, size, start, row_start, group_end, full):
+    def body(d_rhs, g, size, start, row_start, group_end, full, first):
         x = lax.dynamic_slice_in_dim(lhs, start, size)
         if not full:
             keep = _row_mask(size, start, row_start, group_end)[:, None]
             x = jnp.where(keep, x, jnp.zeros((), x.dtype))
         dy = lax.dynamic_slice_in_dim(d_out, start, size)
-        prod = jnp.matmul(x.T, dy, preferred_element_type=acc_dtype)
-        total = lax.dynamic_index_in_dim(d_rhs, g, 0, keepdims=False) + prod
+        total = jnp.matmul(x.T, dy, preferred_element_type=acc_dtype)
+        if accumulate or not first:
+            total = lax.dynamic_index_in_dim(d_rhs, g, 0, keepdims=False) + total
         return lax.dynamic_update_index_in_dim(d_rhs, total, g, 0)
 
     (init, _) = match_varying(init, lhs)
-    return _for_each_window(ladder, group_sizes, num_rows, body, init)
+    # Without `accumulate` the first window of a group overwrites its block instead of
+    # adding to zeros: at G=64 (benchmarks/gmm.py) that skips reading 128 MB, ~5% of
+    # the `d_rhs` time.
+    return _for_each_window(
+        ladder, group_sizes, num_rows, body, init, remainder_first=not accumulate
+    )
 
 
 def _make_tiled_gmm(ladder: tuple[int, ...]):
@@ -176,7 +202,7 @@ def _make_tiled_gmm(ladder: tuple[int, ...]):
         d_out = d_out.astype(lhs.dtype)
         d_lhs = _grouped_product(d_out, rhs, group_sizes, ladder, True)
         zeros = jnp.zeros(rhs.shape, acc_dtype(lhs.dtype))
-        d_rhs = _grouped_outer(lhs, d_out, group_sizes, ladder, zeros)
+        d_rhs = _grouped_outer(lhs, d_out, group_sizes, ladder, zeros, False)
         d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
         return d_lhs, d_rhs.astype(rhs.dtype), d_sizes
 
@@ -195,7 +221,7 @@ def _make_tiled_gmm(ladder: tuple[int, ...]):
         lhs, rhs, group_sizes, acc = res
         d_out = d_out.astype(lhs.dtype)
         d_lhs = _grouped_product(d_out, rhs, group_sizes, ladder, True)
-        d_acc = _grouped_outer(lhs, d_out, group_sizes, ladder, acc)
+        d_acc = _grouped_outer(lhs, d_out, group_sizes, ladder, acc, True)
         d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
         return d_lhs, None, d_sizes, d_acc
 
