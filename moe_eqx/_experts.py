@@ -29,7 +29,7 @@ class Experts(eqx.Module):
     w_gate_up: Float[Array, "experts d_model two_d_ff"]
     w_down: Float[Array, "experts d_ff d_model"]
 
-    def __init__(self, config: MoEConfig, *, key: PRNGKeyArray, dtype=jnp.float32):
+    def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         _check_float(dtype)
         gu_key, down_key = jr.split(key)
         e, h, f = config.num_experts, config.d_model, config.d_ff
@@ -130,7 +130,7 @@ class SharedExperts(eqx.Module):
     w_down: Float[Array, "d_ff d_model"]
     gate: Float[Array, " d_model"] | None
 
-    def __init__(self, config: MoEConfig, *, key: PRNGKeyArray, dtype=jnp.float32):
+    def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         if config.shared_d_ff < 1:
             raise ValueError("`SharedExperts` needs `config.shared_d_ff > 0`.")
         _check_float(dtype)
