@@ -1,4 +1,5 @@
-"""Chunked dropless fallback (DESIGN.md step 8), an explicit `custom_vjp`.
+"""Chunked dropless fallback, an explicit `custom_vjp` (the README's "How it works",
+**Overflow**).
 
 The local tokens are split into `n` chunks small enough that one chunk's worst case
 (`R * c` wire rows, `R * c * min(k, G)` pairs) fits the capped buffers, and the chunks run
@@ -12,13 +13,14 @@ alive at once).
 import functools as ft
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float
 
 from ._overflow import BufferSizes, buffer_sizes
 from ._rules import acc_dtype, match_varying, per_token_counts
-from ._trip import TripSpec, TripStats, expert_parallel_trip
+from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
 
 
 def fallback_chunking(
@@ -26,7 +28,7 @@ def fallback_chunking(
     tokens: int,
     top_k: int,
     num_shards: int,
-    num_groups: int,
+    local_groups: int,
     dedup: bool,
     capped: BufferSizes,
 ) -> tuple[int, BufferSizes]:
@@ -42,7 +44,7 @@ def fallback_chunking(
     **Arguments:**
 
     - `tokens`: `T`, tokens per shard.
-    - `top_k`, `num_shards`, `num_groups`, `dedup`: as for [`moe_eqx.buffer_sizes`][].
+    - `top_k`, `num_shards`, `local_groups`, `dedup`: as for [`moe_eqx.buffer_sizes`][].
     - `capped`: the capped path's [`moe_eqx.BufferSizes`][].
 
     **Returns:**
@@ -51,7 +53,7 @@ def fallback_chunking(
     no larger than the capped ones unless a single token's worst case exceeds them.
     """
     per_token_pairs, per_token_rows = per_token_counts(
-        top_k=top_k, num_groups=num_groups, dedup=dedup
+        top_k=top_k, local_groups=local_groups, dedup=dedup
     )
     chunk = min(
         tokens,
@@ -65,7 +67,7 @@ def fallback_chunking(
         tokens=chunk,
         top_k=top_k,
         num_shards=num_shards,
-        num_groups=num_groups,
+        local_groups=local_groups,
         dedup=dedup,
         buffer_factor=None,
     )
@@ -84,40 +86,36 @@ def _merge(a: Array, tokens: int) -> Array:
     return a.reshape(-1, *a.shape[2:])[:tokens]
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+@ft.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def chunked_dropless(
-    x: Float[Array, "tokens d_model"],
-    weights: Float[Array, "tokens k"],
-    dest_shard: Int[Array, "tokens k"],
-    dest_group: Int[Array, "tokens k"],
-    valid: Bool[Array, "tokens k"],
-    w_gate_up: Float[Array, "groups d_model two_d_ff"],
-    w_down: Float[Array, "groups d_ff d_model"],
-    spec: TripSpec,
-    num_chunks: int,
+    inputs: TripInputs, spec: TripSpec, num_chunks: int
 ) -> tuple[Float[Array, "tokens d_model"], TripStats]:
     """The dropless expert-parallel layer over `num_chunks` chunks of the local tokens.
 
-    Same arguments as [`moe_eqx.expert_parallel_trip`][], with `spec` holding the
-    per-chunk (worst-case) buffers from [`moe_eqx.fallback_chunking`][].
+    **Arguments:**
+
+    - `inputs`: this shard's [`moe_eqx.TripInputs`][], as for
+        [`moe_eqx.expert_parallel_trip`][].
+    - `spec`: the [`moe_eqx.TripSpec`][] holding the per-chunk (worst-case) buffers
+        from [`moe_eqx.fallback_chunking`][].
+    - `num_chunks`: the chunk count from [`moe_eqx.fallback_chunking`][].
 
     **Returns:**
 
     `(y, stats)`: `[T, d_model]` with every pair processed, and the chunks'
     [`moe_eqx.TripStats`][] summed, so that a drop inside the chunked path would show.
     """
-    tokens = x.shape[0]
-    xs = _chunks(x, weights, dest_shard, dest_group, valid, num_chunks)
+    tokens = inputs.x.shape[0]
 
     def body(total, c):
-        gu, dn = _per_chunk(w_gate_up, w_down, c[0])
-        y, stats = expert_parallel_trip(*c, gu, dn, spec)
+        gu, dn = _per_chunk(inputs.w_gate_up, inputs.w_down, c["x"])
+        y, stats = expert_parallel_trip(TripInputs(**c, w_gate_up=gu, w_down=dn), spec)
         return jax.tree.map(jnp.add, total, stats), y
 
     # Derived from an input, so that the carry has its varying-axes type in shard_map.
-    zero = jnp.sum(jnp.zeros_like(valid, jnp.int32))
+    zero = jnp.sum(jnp.zeros_like(inputs.valid, jnp.int32))
     start = TripStats(computed_pairs=zero, recv_rows=zero, dropped_pairs=zero)
-    stats, ys = jax.lax.scan(body, start, xs)
+    stats, ys = jax.lax.scan(body, start, _chunks(inputs, num_chunks))
     return _merge(ys, tokens), stats
 
 
@@ -130,52 +128,47 @@ def _per_chunk(w_gate_up, w_down, x_chunk):
     return w_gate_up, w_down
 
 
-def _chunks(x, weights, dest_shard, dest_group, valid, num_chunks):
-    return (
-        _split(x, num_chunks, 0),
-        _split(weights, num_chunks, 0),
-        _split(dest_shard, num_chunks, 0),
-        _split(dest_group, num_chunks, 0),
-        _split(valid, num_chunks, False),  # padding tokens send nothing
+def _chunks(inputs: TripInputs, num_chunks: int) -> dict[str, Array]:
+    """The per-token fields of `inputs`, split into `[num_chunks, chunk, ...]`."""
+    return dict(
+        x=_split(inputs.x, num_chunks, 0),
+        weights=_split(inputs.weights, num_chunks, 0),
+        dest_shard=_split(inputs.dest_shard, num_chunks, 0),
+        dest_group=_split(inputs.dest_group, num_chunks, 0),
+        valid=_split(inputs.valid, num_chunks, False),  # padding tokens send nothing
     )
 
 
-def _fwd(x, weights, dest_shard, dest_group, valid, w_gate_up, w_down, spec, n):
-    out = chunked_dropless(
-        x, weights, dest_shard, dest_group, valid, w_gate_up, w_down, spec, n
-    )
-    return out, (x, weights, dest_shard, dest_group, valid, w_gate_up, w_down)
+def _fwd(inputs, spec, num_chunks):
+    return chunked_dropless(inputs, spec, num_chunks), inputs
 
 
-def _bwd(spec, num_chunks, res, cotangents):
+def _bwd(spec, num_chunks, inputs, cotangents):
     dy, _ = cotangents  # the integer stats have no cotangent
-    x, weights, dest_shard, dest_group, valid, w_gate_up, w_down = res
-    tokens = x.shape[0]
-    xs = _chunks(x, weights, dest_shard, dest_group, valid, num_chunks)
-    dys = _split(dy, num_chunks, 0)
+    w_gate_up, w_down = inputs.w_gate_up, inputs.w_down
+    tokens = inputs.x.shape[0]
 
     def body(carry, c):
-        (x_c, w_c, ds_c, dg_c, v_c), dy_c = c
-        gu, dn = _per_chunk(w_gate_up, w_down, x_c)
+        c, dy_c = c
+        gu, dn = _per_chunk(w_gate_up, w_down, c["x"])
 
         def f(x_, w_, acc_gu, acc_dn):
-            return expert_parallel_trip(
-                x_,
-                w_,
-                ds_c,
-                dg_c,
-                v_c,
-                gu,
-                dn,
-                spec,
-                grad_acc=(acc_gu, acc_dn),
-            )[0]
+            chunk = TripInputs(
+                x=x_,
+                weights=w_,
+                dest_shard=c["dest_shard"],
+                dest_group=c["dest_group"],
+                valid=c["valid"],
+                w_gate_up=gu,
+                w_down=dn,
+            )
+            return expert_parallel_trip(chunk, spec, grad_acc=(acc_gu, acc_dn))[0]
 
         # The GMM backward sums each chunk's weight gradient straight into the carry
         # (the accumulators' cotangents): a `carry + chunk_grad` would hold a second
         # weight-gradient buffer, which is more than the capped path when the weights
         # outweigh the activations.
-        _, vjp = jax.vjp(f, x_c, w_c, *carry)
+        _, vjp = jax.vjp(f, c["x"], c["weights"], *carry)
         dx_c, dw_c, acc_gu, acc_dn = vjp(dy_c)
         return (acc_gu, acc_dn), (dx_c, dw_c)
 
@@ -185,16 +178,31 @@ def _bwd(spec, num_chunks, res, cotangents):
         jnp.zeros(w_down.shape, acc),
     )
     zeros = match_varying(*zeros, w_gate_up, w_down)[:2]
-    (g_gu, g_dn), (dxs, dws) = jax.lax.scan(body, zeros, (xs, dys))
-    return (
-        _merge(dxs, tokens),
-        _merge(dws, tokens),
-        None,
-        None,
-        None,
-        g_gu.astype(w_gate_up.dtype),
-        g_dn.astype(w_down.dtype),
+    xs = (_chunks(inputs, num_chunks), _split(dy, num_chunks, 0))
+    (g_gu, g_dn), (dxs, dws) = jax.lax.scan(body, zeros, xs)
+    # Cotangents of the integer and boolean fields are None (zero).
+    d_inputs = eqx.tree_at(
+        lambda i: (
+            i.x,
+            i.weights,
+            i.dest_shard,
+            i.dest_group,
+            i.valid,
+            i.w_gate_up,
+            i.w_down,
+        ),
+        inputs,
+        (
+            _merge(dxs, tokens),
+            _merge(dws, tokens),
+            None,
+            None,
+            None,
+            g_gu.astype(w_gate_up.dtype),
+            g_dn.astype(w_down.dtype),
+        ),
     )
+    return (d_inputs,)
 
 
 chunked_dropless.defvjp(_fwd, _bwd)

@@ -35,7 +35,7 @@ def buffer_sizes(
     tokens: int,
     top_k: int,
     num_shards: int,
-    num_groups: int,
+    local_groups: int,
     dedup: bool,
     buffer_factor: float | None,
 ) -> BufferSizes:
@@ -50,7 +50,9 @@ def buffer_sizes(
     - `tokens`: `T`, tokens per shard.
     - `top_k`: `k`.
     - `num_shards`: `R`.
-    - `num_groups`: local groups `G = L + S`.
+    - `local_groups`: `G = L + S`, the groups of one shard's grouped matmul (its `L`
+        home experts, then its `S` slots). Not [`moe_eqx.MoEConfig`][]`.num_groups`
+        (routing groups).
     - `dedup`: one wire row per (token, shard) or per pair.
     - `buffer_factor`: the config's factor, or None.
 
@@ -59,7 +61,7 @@ def buffer_sizes(
     A [`moe_eqx.BufferSizes`][].
     """
     per_token_pairs, per_token_rows = per_token_counts(
-        top_k=top_k, num_groups=num_groups, dedup=dedup
+        top_k=top_k, local_groups=local_groups, dedup=dedup
     )
     worst_pairs = num_shards * tokens * per_token_pairs
     worst_rows = num_shards * tokens * per_token_rows

@@ -22,10 +22,11 @@ def local_experts(num_experts: int, num_shards: int, *, shards: str = "shards") 
     return num_experts // num_shards
 
 
-def per_token_counts(*, top_k: int, num_groups: int, dedup: bool) -> tuple[int, int]:
+def per_token_counts(*, top_k: int, local_groups: int, dedup: bool) -> tuple[int, int]:
     """`(pairs, wire rows)` one token can send to one shard at most: `min(k, G)` pairs
-    (a shard holds at most `G` of its experts), in one row when deduplicating."""
-    pairs = min(top_k, num_groups)
+    (a shard holds at most `G = L + S` of its experts: `local_groups`, the groups of its
+    grouped matmul), in one row when deduplicating."""
+    pairs = min(top_k, local_groups)
     return pairs, 1 if dedup else pairs
 
 

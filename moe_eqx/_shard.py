@@ -1,5 +1,5 @@
-"""The stages composed for one shard (DESIGN steps 1-9): callable inside a user's own
-`shard_map`. [`moe_eqx.MoELayer`][] wraps it in one."""
+"""The stages composed for one shard (the steps of "How it works" in the README):
+callable inside a user's own `shard_map`. [`moe_eqx.MoELayer`][] wraps it in one."""
 
 import equinox as eqx
 import jax
@@ -7,17 +7,23 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._config import MoEConfig
-from ._dispatch import dedup_rows
-from ._exchange import DenseExchange, exchange_name
+from ._dispatch import WireRows
+from ._exchange import AbstractExchange, exchange_name, is_dense, is_ragged
 from ._experts import SharedExperts
 from ._fallback import chunked_dropless, fallback_chunking
-from ._gmm import auto_backend_name
-from ._overflow import buffer_sizes, overflow_predicate, required_buffer_factor
-from ._planner import assign_destinations, plan_duplication
+from ._gmm import AbstractGMMBackend, auto_backend_name
+from ._overflow import (
+    BufferSizes,
+    buffer_sizes,
+    overflow_predicate,
+    required_buffer_factor,
+)
+from ._planner import assign_destinations, default_max_exports, plan_duplication
 from ._rebalance import physical_routing
-from ._router import Router, load_balance_loss
+from ._router import Router, Routing, load_balance_loss
+from ._rules import local_experts
 from ._slots import gather_slot_weights
-from ._trip import TripSpec, trip_wire_rows
+from ._trip import TripInputs, TripSpec, TripStats, trip_rows, trip_wire_rows
 
 
 class MoEStats(eqx.Module):
@@ -95,104 +101,226 @@ def expert_parallel_shard_body(
     along them is its own EP group. The overflow decision and the stats are combined
     over them, so that every device takes the same branch and returns the same stats.
     """
-    ax = cfg.axis_name
-    tokens, k = x.shape[0], cfg.top_k
-    num_local = cfg.num_experts // num_shards
-    # Duplication needs somewhere else to put a copy.
-    num_slots = cfg.num_slots if num_shards > 1 else 0
-    num_groups = num_local + num_slots
-    exchange = exchange_name(cfg.exchange, platform)
-    backend = cfg.gmm_backend
-    if isinstance(backend, str) and backend == "auto":
-        backend = auto_backend_name(platform)
+    setup = _ShardSetup.of(cfg, num_shards, platform, other_axes, tokens=x.shape[0])
+    routed = _route(setup, router, expert_ids, x)
+    inputs = _destinations(setup, routed, x, w_gate_up, w_down)
+    sent = _send(setup, inputs)
+    y, trip, fallback_used, num_chunks = _capped_or_fallback(setup, inputs, sent)
+    y = add_shared(cfg, y, shared, x)
+    return y, _stats(setup, routed, sent, trip, fallback_used, num_chunks)
 
-    # 1-2. Route, then share the per-expert counts: every plan below is identical on
-    # all shards, so every lax.cond takes the same branch everywhere.
-    routing = router(x)
+
+class _ShardSetup(eqx.Module):
+    """The static settings of one shard's layer call, resolved once."""
+
+    cfg: MoEConfig = eqx.field(static=True)
+    num_shards: int = eqx.field(static=True)
+    other_axes: tuple[str, ...] = eqx.field(static=True)
+    tokens: int = eqx.field(static=True)
+    num_local: int = eqx.field(static=True)  # `L`, home experts per shard
+    num_slots: int = eqx.field(static=True)  # `S`, duplication slots per shard
+    exchange: str | AbstractExchange = eqx.field(static=True)
+    gmm_backend: str | AbstractGMMBackend = eqx.field(static=True)
+
+    @classmethod
+    def of(cls, cfg, num_shards, platform, other_axes, *, tokens) -> "_ShardSetup":
+        backend = cfg.gmm_backend
+        if isinstance(backend, str) and backend == "auto":
+            backend = auto_backend_name(platform)
+        return cls(
+            cfg=cfg,
+            num_shards=num_shards,
+            other_axes=other_axes,
+            tokens=tokens,
+            num_local=local_experts(
+                cfg.num_experts, num_shards, shards=f"mesh axis {cfg.axis_name!r}"
+            ),
+            # Duplication needs somewhere else to put a copy.
+            num_slots=cfg.num_slots if num_shards > 1 else 0,
+            exchange=exchange_name(cfg.exchange, platform),
+            gmm_backend=backend,
+        )
+
+    @property
+    def local_groups(self) -> int:
+        """`G = L + S`, the groups of this shard's grouped matmul."""
+        return self.num_local + self.num_slots
+
+    def spec(self, buffers: BufferSizes) -> TripSpec:
+        return TripSpec(
+            num_shards=self.num_shards,
+            local_groups=self.local_groups,
+            buffers=buffers,
+            dedup=self.cfg.dedup,
+            exchange=self.exchange,
+            gmm_backend=self.gmm_backend,
+            axis_name=self.cfg.axis_name,
+        )
+
+
+class _Routed(eqx.Module):
+    routing: Routing  # physical expert ids
+    position: Int[Array, " experts"]  # physical position of each logical expert
+    counts: Int[Array, "shards experts"]  # all shards' per-expert counts, physical
+
+
+def _route(setup: _ShardSetup, router: Router, expert_ids, x) -> _Routed:
+    """Steps 1-2: route, then share the per-expert counts: every plan below is
+    identical on all shards, so every `lax.cond` takes the same branch everywhere."""
     # Logical expert ids -> physical positions (`expert_ids[p]` is held at `p`): from
     # here on everything (plan, dispatch, GMM, slots) works in physical order.
-    routing, position = physical_routing(routing, expert_ids)
-    counts = jax.lax.all_gather(routing.counts, ax)  # [R, E], physical
+    routing, position = physical_routing(router(x), expert_ids)
+    counts = jax.lax.all_gather(routing.counts, setup.cfg.axis_name)
+    return _Routed(routing=routing, position=position, counts=counts)
 
-    # 3. Each pair's physical destination (shard, local group), with the duplication
-    # plan applied; a pair the plan gives no destination is marked -1 and not sent.
-    dest_shard, dest_group, w_gate_up, w_down = _destinations(
-        cfg, counts, routing, w_gate_up, w_down, num_local, num_slots, exchange=exchange
-    )
-    valid = dest_shard >= 0
 
-    # 4-5. Wire rows (built once, for the predicate and the capped path), the rows and
-    # pairs really dispatched to each shard, and the exact overflow predicate on them.
-    wire = dedup_rows(
-        dest_shard,
-        dest_group,
-        routing.weights,
-        valid,
-        num_shards=num_shards,
-        dedup=cfg.dedup,
-    )
-    sent = jax.lax.all_gather(jnp.stack([wire.send_counts, wire.send_pairs]), ax)
-    wire_counts, pair_counts = sent[:, 0], sent[:, 1]  # [source, destination]
-    bufs = buffer_sizes(
-        tokens=tokens,
-        top_k=k,
-        num_shards=num_shards,
-        num_groups=num_groups,
-        dedup=cfg.dedup,
-        buffer_factor=cfg.buffer_factor,
-    )
-    overflow = _over_groups(
-        overflow_predicate(wire_counts, pair_counts.T, bufs), other_axes, "any"
-    )
-
-    def spec(b):
-        return TripSpec(
-            num_shards=num_shards,
-            num_groups=num_groups,
-            buffers=b,
-            dedup=cfg.dedup,
-            exchange=exchange,
-            gmm_backend=backend,
-            axis_name=ax,
+def _destinations(
+    setup: _ShardSetup, routed: _Routed, x, w_gate_up, w_down
+) -> TripInputs:
+    """Step 3: every pair's (shard, local group), with the duplication plan applied (a
+    pair the plan gives no destination is marked -1 and not sent), and the local
+    weights of all groups (home experts, then the slot copies the plan fetched)."""
+    cfg, num_local, num_slots = setup.cfg, setup.num_local, setup.num_slots
+    experts = routed.routing.experts
+    if num_slots == 0:
+        dest_shard, dest_group = experts // num_local, experts % num_local
+    else:
+        shard = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
+        # C bounds the slot copies of one shard's experts: the slot exchange is sized
+        # by it (O(S + C) expert weights per device), so the plan must respect it.
+        max_exports = cfg.max_slot_exports
+        if max_exports is None:
+            max_exports = max(
+                1, default_max_exports(setup.num_shards, num_local, num_slots)
+            )
+        plan = plan_duplication(
+            routed.counts, num_slots=num_slots, max_exports=max_exports
         )
+        dest_shard, dest_group = assign_destinations(
+            plan, routed.counts, experts, shard, num_local_experts=num_local
+        )
+        w_gate_up, w_down = (
+            _with_slots(setup, w, plan.slot_expert, max_exports)
+            for w in (w_gate_up, w_down)
+        )
+    return TripInputs(
+        x=x,
+        weights=routed.routing.weights,
+        dest_shard=dest_shard,
+        dest_group=dest_group,
+        valid=dest_shard >= 0,
+        w_gate_up=w_gate_up,
+        w_down=w_down,
+    )
+
+
+def _with_slots(setup: _ShardSetup, w, slot_expert, max_exports: int):
+    """`w`'s home experts, then the slot copies of `slot_expert` fetched from their
+    home shards (by the ragged collective only with a ragged token exchange)."""
+    slots = gather_slot_weights(
+        w,
+        slot_expert,
+        setup.num_local,
+        setup.cfg.axis_name,
+        max_exports=max_exports,
+        backward=setup.cfg.slot_backward,
+        exchange="ragged" if is_ragged(setup.exchange) else "dense",
+    )
+    return jnp.concatenate([w, slots])
+
+
+class _Sent(eqx.Module):
+    wire: WireRows
+    wire_counts: Int[Array, "shards shards"]  # [source, destination]
+    pair_counts: Int[Array, "shards shards"]  # [source, destination]
+    buffers: BufferSizes
+    overflow: Bool[Array, ""]
+
+
+def _send(setup: _ShardSetup, inputs: TripInputs) -> _Sent:
+    """Steps 4-5: the wire rows (built once, for the predicate and the capped path),
+    the rows and pairs really dispatched to each shard, and the exact overflow
+    predicate on them."""
+    spec_buffers = buffer_sizes(
+        tokens=setup.tokens,
+        top_k=setup.cfg.top_k,
+        num_shards=setup.num_shards,
+        local_groups=setup.local_groups,
+        dedup=setup.cfg.dedup,
+        buffer_factor=setup.cfg.buffer_factor,
+    )
+    wire = trip_rows(inputs, setup.spec(spec_buffers))
+    sent = jax.lax.all_gather(
+        jnp.stack([wire.send_counts, wire.send_pairs]), setup.cfg.axis_name
+    )
+    wire_counts, pair_counts = sent[:, 0], sent[:, 1]
+    overflow = _over_groups(
+        overflow_predicate(wire_counts, pair_counts.T, spec_buffers),
+        setup.other_axes,
+        "any",
+    )
+    return _Sent(
+        wire=wire,
+        wire_counts=wire_counts,
+        pair_counts=pair_counts,
+        buffers=spec_buffers,
+        overflow=overflow,
+    )
+
+
+def _capped_or_fallback(setup: _ShardSetup, inputs: TripInputs, sent: _Sent):
+    """Steps 6-8: the capped path, or the chunked dropless fallback on all shards
+    together when the capped one would drop.
+
+    **Returns:**
+
+    `(y, trip_stats, fallback_used, num_chunks)`.
+    """
+    cfg = setup.cfg
 
     def capped():
-        return trip_wire_rows(x, wire, wire_counts, w_gate_up, w_down, spec(bufs))
-
-    # 6-8. Capped path, or the chunked dropless fallback when the capped one would drop.
-    if cfg.on_overflow == "drop" or bufs.worst_case:
-        y, trip = capped()
-        fallback_used = jnp.array(False)
-        num_chunks = 1
-    else:
-        num_chunks, chunk_bufs = fallback_chunking(
-            tokens=tokens,
-            top_k=k,
-            num_shards=num_shards,
-            num_groups=num_groups,
-            dedup=cfg.dedup,
-            capped=bufs,
+        return trip_wire_rows(
+            inputs, sent.wire, sent.wire_counts, setup.spec(sent.buffers)
         )
-        args = (x, routing.weights, dest_shard, dest_group, valid, w_gate_up, w_down)
 
-        def fallback():
-            return chunked_dropless(*args, spec(chunk_bufs), num_chunks)
+    if cfg.on_overflow == "drop" or sent.buffers.worst_case:
+        y, trip = capped()
+        return y, trip, jnp.array(False), 1
+    num_chunks, chunk_buffers = fallback_chunking(
+        tokens=setup.tokens,
+        top_k=cfg.top_k,
+        num_shards=setup.num_shards,
+        local_groups=setup.local_groups,
+        dedup=cfg.dedup,
+        capped=sent.buffers,
+    )
 
-        # Under autodiff a cond keeps the union of both branches' residuals alive. The
-        # fallback keeps only its inputs; rematerialising the capped branch too keeps
-        # the union at the inputs (measured: 1.9x -> 1.09x the capped-only peak).
-        y, trip = jax.lax.cond(overflow, fallback, jax.checkpoint(capped))
-        fallback_used = overflow
+    def fallback():
+        return chunked_dropless(inputs, setup.spec(chunk_buffers), num_chunks)
 
-    # 9. Stats, identical on all shards, counted from what the trips really did
-    # (summed over the EP groups of the other mesh axes).
-    y = add_shared(cfg, y, shared, x)
-    recv_pairs = jax.lax.all_gather(trip.computed_pairs, ax)
-    global_counts = jnp.sum(counts, axis=0).astype(jnp.int32)
+    # Under autodiff a cond keeps the union of both branches' residuals alive. The
+    # fallback keeps only its inputs; rematerialising the capped branch too keeps
+    # the union at the inputs (measured: 1.9x -> 1.09x the capped-only peak).
+    y, trip = jax.lax.cond(sent.overflow, fallback, jax.checkpoint(capped))
+    return y, trip, sent.overflow, num_chunks
+
+
+def _stats(
+    setup: _ShardSetup,
+    routed: _Routed,
+    sent: _Sent,
+    trip: TripStats,
+    fallback_used,
+    num_chunks: int,
+) -> MoEStats:
+    """Step 9: the stats, identical on all shards, counted from what the trips really
+    did (summed over the EP groups of the other mesh axes)."""
+    ax, other_axes = setup.cfg.axis_name, setup.other_axes
+    global_counts = jnp.sum(routed.counts, axis=0).astype(jnp.int32)
     global_counts, recv_pairs, recv_rows, dropped = _over_groups(
         (
             global_counts,
-            recv_pairs,
+            jax.lax.all_gather(trip.computed_pairs, ax),
             jax.lax.all_gather(trip.recv_rows, ax),
             jax.lax.psum(trip.dropped_pairs, ax),
         ),
@@ -200,36 +328,34 @@ def expert_parallel_shard_body(
         "sum",
     )
     required = required_buffer_factor(
-        wire_counts, pair_counts.T, tokens=tokens, top_k=k
+        sent.wire_counts,
+        sent.pair_counts.T,
+        tokens=setup.tokens,
+        top_k=setup.cfg.top_k,
     )
     mean_probs, router_z_loss = _over_groups(
         (
-            jax.lax.pmean(routing.mean_probs, ax),
-            jax.lax.pmean(routing.router_z_loss, ax),
+            jax.lax.pmean(routed.routing.mean_probs, ax),
+            jax.lax.pmean(routed.routing.router_z_loss, ax),
         ),
         other_axes,
         "mean",
     )
-    stats = routed_stats(
+    return routed_stats(
         routed=jnp.sum(global_counts),
         recv_pairs=recv_pairs,
         wire_rows=recv_rows,
         dropped=dropped,
-        home_load=global_counts.reshape(num_shards, num_local).sum(axis=1),
-        expert_counts=global_counts[position],  # logical order
-        overflow=overflow,
+        home_load=global_counts.reshape(setup.num_shards, setup.num_local).sum(axis=1),
+        expert_counts=global_counts[routed.position],  # logical order
+        overflow=sent.overflow,
         fallback_used=fallback_used,
         required=_over_groups(required, other_axes, "max"),
         num_chunks=num_chunks,
-        block_rows=bufs.block_rows if _is_dense(exchange) else 0,
+        block_rows=sent.buffers.block_rows if is_dense(setup.exchange) else 0,
         mean_probs=mean_probs,
         router_z_loss=router_z_loss,
     )
-    return y, stats
-
-
-def _is_dense(exchange) -> bool:
-    return exchange == "dense" or isinstance(exchange, DenseExchange)
 
 
 def _over_groups(tree, axes: tuple[str, ...], how: str):
@@ -240,60 +366,6 @@ def _over_groups(tree, axes: tuple[str, ...], how: str):
         return jax.lax.pmax(tree.astype(jnp.int32), axes) > 0
     op = {"sum": jax.lax.psum, "mean": jax.lax.pmean, "max": jax.lax.pmax}[how]
     return jax.tree.map(lambda a: op(a, axes), tree)
-
-
-def _destinations(
-    cfg, counts, routing, w_gate_up, w_down, num_local, num_slots, exchange=None
-):
-    """Step 3: every pair's (shard, local group), and the local weights of all groups
-    (home experts, then the slot copies the plan fetched).
-
-    `exchange`: the layer's resolved token exchange; the slot weights travel by the
-    ragged collective only with a ragged one (default: `cfg.exchange` as given, so
-    `"auto"` takes the dense slot exchange, which runs on every platform)."""
-    from ._exchange import RaggedExchange
-    from ._planner import default_max_exports
-
-    if num_slots == 0:
-        return (
-            routing.experts // num_local,
-            routing.experts % num_local,
-            w_gate_up,
-            w_down,
-        )
-    num_shards = counts.shape[0]
-    shard = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
-    # C bounds the slot copies of one shard's experts: the slot exchange is sized by
-    # it (O(S + C) expert weights per device), so the plan must respect it.
-    max_exports = cfg.max_slot_exports
-    if max_exports is None:
-        max_exports = max(1, default_max_exports(num_shards, num_local, num_slots))
-    plan = plan_duplication(counts, num_slots=num_slots, max_exports=max_exports)
-    dest_shard, dest_group = assign_destinations(
-        plan, counts, routing.experts, shard, num_local_experts=num_local
-    )
-    exchange = cfg.exchange if exchange is None else exchange
-    ragged = isinstance(exchange, RaggedExchange) or (
-        isinstance(exchange, str) and exchange == "ragged"
-    )
-    slots = [
-        gather_slot_weights(
-            w,
-            plan.slot_expert,
-            num_local,
-            cfg.axis_name,
-            max_exports=max_exports,
-            backward=cfg.slot_backward,
-            exchange="ragged" if ragged else "dense",
-        )
-        for w in (w_gate_up, w_down)
-    ]
-    return (
-        dest_shard,
-        dest_group,
-        jnp.concatenate([w_gate_up, slots[0]]),
-        jnp.concatenate([w_down, slots[1]]),
-    )
 
 
 def routed_stats(

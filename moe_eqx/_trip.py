@@ -1,6 +1,6 @@
-"""One expert-parallel round trip on one shard (the capped path, DESIGN.md step 7):
-dedup dispatch -> exchange -> expand to pairs -> expert GMM -> combine per wire row ->
-exchange back -> sum per token. Runs inside `shard_map`.
+"""One expert-parallel round trip on one shard, the capped path (the README's "How it
+works"): dedup dispatch -> exchange -> expand to pairs -> expert GMM -> combine per wire
+row -> exchange back -> sum per token. Runs inside `shard_map`.
 """
 
 import equinox as eqx
@@ -17,11 +17,24 @@ from ._overflow import BufferSizes
 
 
 class TripSpec(eqx.Module):
-    """Static settings of a round trip (`exchange` and `gmm_backend` are names, as in
-    [`moe_eqx.MoEConfig`][]; `"auto"` resolves on the default backend)."""
+    """Static settings of a round trip.
+
+    **Fields:**
+
+    - `num_shards`: `R`, the size of the expert-parallel mesh axis.
+    - `local_groups`: `G = L + S`, the groups of this shard's grouped matmul (its `L`
+        home experts, then its `S` slots). Not [`moe_eqx.MoEConfig`][]`.num_groups`
+        (routing groups).
+    - `buffers`: the [`moe_eqx.BufferSizes`][] of the trip.
+    - `dedup`: one wire row per (token, shard) or one per pair.
+    - `exchange`: `"auto"`, `"dense"`, `"ragged"` or an exchange instance, as in
+        [`moe_eqx.MoEConfig`][]; `"auto"` resolves on the default backend.
+    - `gmm_backend`: a GMM backend name or instance, as in [`moe_eqx.MoEConfig`][].
+    - `axis_name`: the expert-parallel mesh axis.
+    """
 
     num_shards: int = eqx.field(static=True)
-    num_groups: int = eqx.field(static=True)
+    local_groups: int = eqx.field(static=True)
     buffers: BufferSizes
     dedup: bool = eqx.field(static=True)
     exchange: str | AbstractExchange = eqx.field(static=True)
@@ -47,83 +60,97 @@ class TripStats(eqx.Module):
     dropped_pairs: Int[Array, ""]
 
 
-def expert_parallel_trip(
-    x: Float[Array, "tokens d_model"],
-    weights: Float[Array, "tokens k"],
-    dest_shard: Int[Array, "tokens k"],
-    dest_group: Int[Array, "tokens k"],
-    valid: Bool[Array, "tokens k"],
-    w_gate_up: Float[Array, "groups d_model two_d_ff"],
-    w_down: Float[Array, "groups d_ff d_model"],
-    spec: TripSpec,
-    grad_acc: tuple[
-        Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
-    ]
-    | None = None,
-) -> tuple[Float[Array, "tokens d_model"], TripStats]:
-    """Sends each token to the shards holding its experts and brings the results back.
+class TripInputs(eqx.Module):
+    """What one shard feeds a round trip: its tokens, where each of their pairs goes,
+    and its local expert weights.
 
-    **Arguments:**
+    **Fields:**
 
     - `x`: `[T, d_model]` this shard's tokens.
     - `weights`: `[T, k]` routing weights.
     - `dest_shard`, `dest_group`: `[T, k]` physical destination (shard, local group) of
         each pair.
-    - `valid`: `[T, k]` pairs to process.
-    - `w_gate_up`, `w_down`: this shard's local expert weights, `G` groups (home experts
-        then slots).
-    - `spec`: static [`TripSpec`][].
+    - `valid`: `[T, k]` pairs to process (the others are not sent).
+    - `w_gate_up`, `w_down`: this shard's local expert weights, `G = L + S` groups (home
+        experts, then slots).
+    """
+
+    x: Float[Array, "tokens d_model"]
+    weights: Float[Array, "tokens k"]
+    dest_shard: Int[Array, "tokens k"]
+    dest_group: Int[Array, "tokens k"]
+    valid: Bool[Array, "tokens k"]
+    w_gate_up: Float[Array, "groups d_model two_d_ff"]
+    w_down: Float[Array, "groups d_ff d_model"]
+
+
+GradAcc = tuple[
+    Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
+]
+
+
+def expert_parallel_trip(
+    inputs: TripInputs, spec: TripSpec, grad_acc: GradAcc | None = None
+) -> tuple[Float[Array, "tokens d_model"], TripStats]:
+    """Sends each token to the shards holding its experts and brings the results back.
+
+    **Arguments:**
+
+    - `inputs`: this shard's [`moe_eqx.TripInputs`][].
+    - `spec`: static [`moe_eqx.TripSpec`][].
     - `grad_acc`: optional weight-gradient accumulators, see
         [`moe_eqx.expert_ffn`][].
 
     **Returns:**
 
-    `(y, stats)`: `[T, d_model]` and this shard's [`TripStats`][]. Pairs that do not fit
-    the buffers contribute zero and are counted in `stats.dropped_pairs`.
+    `(y, stats)`: `[T, d_model]` and this shard's [`moe_eqx.TripStats`][]. Pairs that do
+    not fit the buffers contribute zero and are counted in `stats.dropped_pairs`.
     """
-    wire = dedup_rows(
-        dest_shard,
-        dest_group,
-        weights,
-        valid,
+    wire = trip_rows(inputs, spec)
+    counts = jax.lax.all_gather(wire.send_counts, spec.axis_name)  # [R, R]
+    return trip_wire_rows(inputs, wire, counts, spec, grad_acc)
+
+
+def trip_rows(inputs: TripInputs, spec: TripSpec) -> WireRows:
+    """The wire rows of `inputs`' pairs (one per (token, shard) with `spec.dedup`)."""
+    return dedup_rows(
+        inputs.dest_shard,
+        inputs.dest_group,
+        inputs.weights,
+        inputs.valid,
         num_shards=spec.num_shards,
         dedup=spec.dedup,
     )
-    counts = jax.lax.all_gather(wire.send_counts, spec.axis_name)  # [R, R]
-    return trip_wire_rows(x, wire, counts, w_gate_up, w_down, spec, grad_acc)
 
 
 def trip_wire_rows(
-    x: Float[Array, "tokens d_model"],
+    inputs: TripInputs,
     wire: WireRows,
     wire_counts: Int[Array, "shards shards"],
-    w_gate_up: Float[Array, "groups d_model two_d_ff"],
-    w_down: Float[Array, "groups d_ff d_model"],
     spec: TripSpec,
-    grad_acc: tuple[
-        Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
-    ]
-    | None = None,
+    grad_acc: GradAcc | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], TripStats]:
-    """[`moe_eqx.expert_parallel_trip`][] from wire rows already built, and their
-    all-gathered `[R, R]` counts (the layer builds them once, for the predicate too).
+    """[`moe_eqx.expert_parallel_trip`][] from `inputs`' wire rows already built
+    (`trip_rows`), and their all-gathered `[R, R]` counts (the layer builds them
+    once, for the overflow predicate too).
     """
+    x = inputs.x
     tokens = x.shape[0]
     bufs = spec.buffers
-    me = jax.lax.axis_index(spec.axis_name).astype(jnp.int32)
-    plan = make_exchange_plan(wire_counts, bufs.rows, me)
+    shard = jax.lax.axis_index(spec.axis_name).astype(jnp.int32)
+    plan = make_exchange_plan(wire_counts, bufs.rows, shard)
     exchange = resolve_exchange(
         spec.exchange, axis_name=spec.axis_name, block_rows=bufs.block_rows
     )
     # Rows not sent because their receiver is full (only possible when overflow is
     # allowed): counted here, on the sender, which knows how many pairs each row carries.
     row = jnp.arange(bufs.send_rows, dtype=jnp.int32)
-    starts = plan.send_offsets[me]
+    starts = plan.send_offsets[shard]
     row_dest = jnp.clip(
         jnp.searchsorted(starts, row, side="right") - 1, 0, spec.num_shards - 1
     )
     is_real = row < jnp.sum(wire.send_counts)
-    unsent = is_real & (row - starts[row_dest] >= plan.sizes[me, row_dest])
+    unsent = is_real & (row - starts[row_dest] >= plan.sizes[shard, row_dest])
     dropped_at_sender = jnp.sum(jnp.where(unsent, wire.num_pairs, 0))
 
     with jax.named_scope("moe_eqx.exchange"):
@@ -138,13 +165,13 @@ def trip_wire_rows(
         recv_groups,
         recv_weights,
         jnp.asarray(bufs.rows, jnp.int32),
-        num_groups=spec.num_groups,
+        num_groups=spec.local_groups,
         capacity=bufs.pairs,
     )
     expert_out = expert_ffn(
         recv_x[pairs.row],
-        w_gate_up,
-        w_down,
+        inputs.w_gate_up,
+        inputs.w_down,
         pairs.group_sizes,
         backend=spec.gmm_backend,
         grad_acc=grad_acc,

@@ -85,8 +85,8 @@ def test_dense_exchange_layout(r, capacity):
     block = 16
 
     def body(send, c):
-        me_ = jax.lax.axis_index("expert").astype(jnp.int32)
-        plan = me.make_exchange_plan(c, capacity, me_)
+        shard = jax.lax.axis_index("expert").astype(jnp.int32)
+        plan = me.make_exchange_plan(c, capacity, shard)
         ex = me.DenseExchange(axis_name="expert", block_rows=block)
         recv = ex.dispatch(send[0], plan, capacity)
         back = ex.combine(recv, plan, send.shape[1])
@@ -122,3 +122,17 @@ def test_auto_exchange_is_dense_on_cpu():
     )
     with pytest.raises(ValueError, match="exchange"):
         resolve_exchange("nccl", axis_name="expert", block_rows=4)
+
+
+def test_is_dense_and_is_ragged():
+    from moe_eqx._exchange import is_dense, is_ragged
+
+    dense = me.DenseExchange(axis_name="expert", block_rows=4)
+    ragged = me.RaggedExchange(axis_name="expert")
+    assert is_dense("dense") and is_dense(dense)
+    assert is_ragged("ragged") and is_ragged(ragged)
+    # Unresolved "auto" is neither: callers resolve it with `exchange_name` first.
+    for other in ("ragged", ragged, "auto"):
+        assert not is_dense(other)
+    for other in ("dense", dense, "auto"):
+        assert not is_ragged(other)

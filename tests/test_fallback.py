@@ -16,6 +16,7 @@ from helpers import (
 )
 
 import moe_eqx as me
+from moe_eqx._trip import TripInputs  # not yet exported at top level
 
 
 def test_drop_is_counted_and_differs(getkey):
@@ -142,20 +143,20 @@ def test_small_batches_adapt_the_fallback(getkey, dedup):
 
 def test_fallback_chunking_adapts_below_one_token():
     capped = me.buffer_sizes(
-        tokens=1, top_k=2, num_shards=8, num_groups=1, dedup=True, buffer_factor=1.0
+        tokens=1, top_k=2, num_shards=8, local_groups=1, dedup=True, buffer_factor=1.0
     )
     assert (capped.rows, capped.pairs) == (2, 2)
     n, bufs = me.fallback_chunking(
-        tokens=1, top_k=2, num_shards=8, num_groups=1, dedup=True, capped=capped
+        tokens=1, top_k=2, num_shards=8, local_groups=1, dedup=True, capped=capped
     )
     # One token from each of 8 shards: 8 rows, 8 pairs (L + S = 1 group per shard).
     assert (n, bufs.rows, bufs.pairs) == (1, 8, 8)
     # Where one token per shard fits, the chunk buffers never exceed the capped ones.
     capped = me.buffer_sizes(
-        tokens=64, top_k=2, num_shards=8, num_groups=2, dedup=True, buffer_factor=0.5
+        tokens=64, top_k=2, num_shards=8, local_groups=2, dedup=True, buffer_factor=0.5
     )
     n, bufs = me.fallback_chunking(
-        tokens=64, top_k=2, num_shards=8, num_groups=2, dedup=True, capped=capped
+        tokens=64, top_k=2, num_shards=8, local_groups=2, dedup=True, capped=capped
     )
     assert bufs.rows <= capped.rows and bufs.pairs <= capped.pairs
     # 64 pairs hold 4 tokens from each of 8 shards at 2 pairs a token: 16 chunks.
@@ -183,13 +184,13 @@ def _run_chunked(num_shards, num_chunks, x, w, experts, gu, dn, num_local, k, ch
         tokens=-(-(x.shape[0] // num_shards) // (num_chunks if chunked else 1)),
         top_k=k,
         num_shards=num_shards,
-        num_groups=num_local,
+        local_groups=num_local,
         dedup=True,
         buffer_factor=None,
     )
     spec = me.TripSpec(
         num_shards=num_shards,
-        num_groups=num_local,
+        local_groups=num_local,
         buffers=bufs,
         dedup=True,
         exchange="dense",
@@ -198,10 +199,18 @@ def _run_chunked(num_shards, num_chunks, x, w, experts, gu, dn, num_local, k, ch
     )
 
     def body(x, w, e, gu, dn):
-        args = (x, w, e // num_local, e % num_local, jnp.ones(e.shape, bool), gu, dn)
+        inputs = TripInputs(
+            x=x,
+            weights=w,
+            dest_shard=e // num_local,
+            dest_group=e % num_local,
+            valid=jnp.ones(e.shape, bool),
+            w_gate_up=gu,
+            w_down=dn,
+        )
         if chunked:
-            return me.chunked_dropless(*args, spec, num_chunks)[0]
-        return me.expert_parallel_trip(*args, spec)[0]
+            return me.chunked_dropless(inputs, spec, num_chunks)[0]
+        return me.expert_parallel_trip(inputs, spec)[0]
 
     f = jax.shard_map(
         body,
@@ -257,9 +266,10 @@ def test_chunked_custom_vjp_finite_differences(getkey):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("pass_", ["forward", "fwd+bwd"])
 def test_fallback_peak_memory_within_capped(getkey, pass_, dtype):
-    """DESIGN.md step 8: the layer with the fallback compiles to no more memory than
-    the capped-only layer (`on_overflow="drop"`), in the forward and the backward, in
-    the case where weights outweigh activations (where a `carry + chunk_grad`
+    """The fallback's memory claim (the README's "How it works", **Overflow**): the
+    layer with the fallback compiles to no more memory than the capped-only layer
+    (`on_overflow="drop"`), in the forward and the backward, in the case where
+    weights outweigh activations (where a `carry + chunk_grad`
     accumulation of weight gradients measured 1.14x, and a hoisted bf16 copy of the
     weights 1.02x). The allowance is XLA:CPU's tuple tables for the fallback's extra
     loops: a few KiB, independent of the sizes."""

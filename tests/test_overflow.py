@@ -91,7 +91,7 @@ def test_predicate_is_exact(dedup, hot, strength, seed):
 
 def test_predicate_function_directly():
     bufs = me.buffer_sizes(
-        tokens=4, top_k=2, num_shards=2, num_groups=2, dedup=True, buffer_factor=1.0
+        tokens=4, top_k=2, num_shards=2, local_groups=2, dedup=True, buffer_factor=1.0
     )
     assert bufs.rows == 8 and bufs.pairs == 8
     wire = jnp.array([[4, 4], [4, 4]], jnp.int32)
@@ -105,14 +105,19 @@ def test_predicate_function_directly():
 
 def test_buffer_sizes_clamp_to_worst_case():
     b = me.buffer_sizes(
-        tokens=10, top_k=4, num_shards=2, num_groups=2, dedup=True, buffer_factor=100.0
+        tokens=10,
+        top_k=4,
+        num_shards=2,
+        local_groups=2,
+        dedup=True,
+        buffer_factor=100.0,
     )
     assert (b.rows, b.pairs, b.worst_case) == (20, 40, True)
     b = me.buffer_sizes(
-        tokens=10, top_k=4, num_shards=2, num_groups=2, dedup=True, buffer_factor=None
+        tokens=10, top_k=4, num_shards=2, local_groups=2, dedup=True, buffer_factor=None
     )
     assert b.worst_case and b.block_rows == 10
     b = me.buffer_sizes(
-        tokens=10, top_k=4, num_shards=2, num_groups=2, dedup=False, buffer_factor=1.0
+        tokens=10, top_k=4, num_shards=2, local_groups=2, dedup=False, buffer_factor=1.0
     )
     assert (b.rows, b.pairs, b.worst_case) == (40, 40, True)

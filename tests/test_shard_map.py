@@ -13,6 +13,8 @@ from helpers import (
     tokens,
 )
 
+import moe_eqx as me
+
 ROUTINGS = ["uniform", "zipf", "one_expert", "one_shard"]
 
 
@@ -78,3 +80,13 @@ def test_bad_mesh_inputs(getkey):
     bad_axis = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])
     with pytest.raises(ValueError, match="axis_name"):
         layer(tokens(getkey(), 16), mesh=bad_axis)
+
+
+def test_shard_body_checks_divisibility(getkey):
+    """Called directly (inside a user's own `shard_map`), the shard body names what is
+    wrong when the experts do not split evenly over the axis."""
+    layer = make_layer(getkey())  # 8 experts
+    with pytest.raises(
+        ValueError, match=r"`num_experts` \(8\).*mesh axis 'expert' \(3\)"
+    ):
+        me.expert_parallel_shard(layer, tokens(getkey(), 4), num_shards=3)

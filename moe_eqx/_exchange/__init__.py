@@ -35,6 +35,21 @@ def exchange_name(
     return name
 
 
+def is_dense(exchange: "str | AbstractExchange") -> bool:
+    """Whether `exchange` (a resolved name, see `exchange_name`, or an instance) is
+    the dense exchange."""
+    return isinstance(exchange, DenseExchange) or (
+        isinstance(exchange, str) and exchange == "dense"
+    )
+
+
+def is_ragged(exchange: "str | AbstractExchange") -> bool:
+    """Whether `exchange` (a resolved name or an instance) is the ragged exchange."""
+    return isinstance(exchange, RaggedExchange) or (
+        isinstance(exchange, str) and exchange == "ragged"
+    )
+
+
 def resolve_exchange(
     name: "str | AbstractExchange",
     *,
@@ -46,10 +61,8 @@ def resolve_exchange(
     `DenseExchange` instance is rebuilt with this trip's `axis_name` and `block_rows`;
     any other instance is used as given."""
     name = exchange_name(name, platform)
-    if isinstance(name, DenseExchange):
-        name = "dense"
+    if is_dense(name):
+        return DenseExchange(axis_name=axis_name, block_rows=block_rows)
     if isinstance(name, AbstractExchange):
         return name
-    if name == "dense":
-        return DenseExchange(axis_name=axis_name, block_rows=block_rows)
     return RaggedExchange(axis_name=axis_name)

@@ -28,23 +28,33 @@ class ExchangePlan(eqx.Module):
     - `send_offsets`: `[R, R]` start of the rows for `d` in `s`'s send layout (from the
         unclipped counts, since the sender's layout holds every row).
     - `recv_offsets`: `[R, R]` where `s`'s rows start in `d`'s receive buffer.
-    - `me`: this shard's index on the axis.
+    - `shard`: this shard's index on the axis.
     """
 
     sizes: Int[Array, "shards shards"]
     send_offsets: Int[Array, "shards shards"]
     recv_offsets: Int[Array, "shards shards"]
-    me: Int[Array, ""]
+    shard: Int[Array, ""]
 
 
 def make_exchange_plan(
-    counts: Int[Array, "shards shards"], capacity: int, me: Int[Array, ""]
+    counts: Int[Array, "shards shards"], capacity: int, shard: Int[Array, ""]
 ) -> ExchangePlan:
     """Builds the exchange plan from the all-gathered `[R, R]` row counts.
 
     Rows that would land at or beyond `capacity` on their receiver are not sent
     (deterministic order: lower source shards first, then send order); the caller
     counts them as dropped.
+
+    **Arguments:**
+
+    - `counts`: `[R, R]` wire rows from shard `s` (row) to shard `d` (column).
+    - `capacity`: receive buffer rows `B`.
+    - `shard`: this shard's index on the axis.
+
+    **Returns:**
+
+    An [`ExchangePlan`][].
     """
     counts = counts.astype(jnp.int32)
     recv_start = exclusive_cumsum(counts, axis=0)
@@ -53,7 +63,7 @@ def make_exchange_plan(
         sizes=sizes,
         send_offsets=exclusive_cumsum(counts, axis=1),
         recv_offsets=exclusive_cumsum(sizes, axis=0),
-        me=me,
+        shard=shard,
     )
 
 

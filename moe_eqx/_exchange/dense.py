@@ -14,7 +14,15 @@ from ._base import AbstractExchange, ExchangePlan
 
 
 class DenseExchange(AbstractExchange):
-    """All-to-all through dense `[R, block_rows, ...]` blocks."""
+    """All-to-all through dense `[R, block_rows, ...]` blocks.
+
+    **Fields:**
+
+    - `axis_name`: the expert-parallel mesh axis the exchange runs over.
+    - `block_rows`: rows of one per-destination block, at least what one sender may
+        send one receiver ([`moe_eqx.BufferSizes`][]`.block_rows`); each trip moves
+        `R * block_rows` rows.
+    """
 
     axis_name: str = eqx.field(static=True)
     block_rows: int = eqx.field(static=True)
@@ -23,18 +31,18 @@ class DenseExchange(AbstractExchange):
         self, send: Shaped[Array, "send_rows ..."], plan: ExchangePlan, capacity: int
     ) -> Shaped[Array, "recv_rows ..."]:
         num_shards = plan.sizes.shape[0]
-        me = plan.me
+        shard = plan.shard
         i = jnp.arange(self.block_rows, dtype=jnp.int32)
-        # Blocks to each destination d: my rows [send_offsets[me, d], + sizes[me, d]).
-        src = plan.send_offsets[me][:, None] + i[None, :]
-        ok = i[None, :] < plan.sizes[me][:, None]
+        # Blocks to each destination d: rows [send_offsets[shard, d], + sizes[shard, d]).
+        src = plan.send_offsets[shard][:, None] + i[None, :]
+        ok = i[None, :] < plan.sizes[shard][:, None]
         src = jnp.clip(src, 0, send.shape[0] - 1)
         blocks = _masked_take(send, src, ok)
         blocks = jax.lax.all_to_all(blocks, self.axis_name, 0, 0, tiled=False)
-        # blocks[s] now holds the rows shard s sent me; compact them into [B, ...].
+        # blocks[s] now holds the rows source s sent here; compact them into [B, ...].
         row = jnp.arange(capacity, dtype=jnp.int32)
-        starts = plan.recv_offsets[:, me]
-        sizes = plan.sizes[:, me]
+        starts = plan.recv_offsets[:, shard]
+        sizes = plan.sizes[:, shard]
         s = jnp.clip(
             jnp.searchsorted(starts + sizes, row, side="right"), 0, num_shards - 1
         ).astype(jnp.int32)
@@ -48,22 +56,22 @@ class DenseExchange(AbstractExchange):
         self, recv: Shaped[Array, "recv_rows ..."], plan: ExchangePlan, send_rows: int
     ) -> Shaped[Array, "send_rows ..."]:
         num_shards = plan.sizes.shape[0]
-        me = plan.me
+        shard = plan.shard
         i = jnp.arange(self.block_rows, dtype=jnp.int32)
-        # Block for source s: rows [recv_offsets[s, me], + sizes[s, me]) of my buffer.
-        idx = plan.recv_offsets[:, me][:, None] + i[None, :]
-        ok = i[None, :] < plan.sizes[:, me][:, None]
+        # Block for source s: rows [recv_offsets[s, shard], + sizes[s, shard]) received.
+        idx = plan.recv_offsets[:, shard][:, None] + i[None, :]
+        ok = i[None, :] < plan.sizes[:, shard][:, None]
         idx = jnp.clip(idx, 0, recv.shape[0] - 1)
         blocks = _masked_take(recv, idx, ok)
         blocks = jax.lax.all_to_all(blocks, self.axis_name, 0, 0, tiled=False)
         # blocks[d] holds my rows returned by destination d, in send order.
         row = jnp.arange(send_rows, dtype=jnp.int32)
-        starts = plan.send_offsets[me]
+        starts = plan.send_offsets[shard]
         d = jnp.clip(
             jnp.searchsorted(starts, row, side="right") - 1, 0, num_shards - 1
         ).astype(jnp.int32)
         within = row - starts[d]
-        ok = within < plan.sizes[me, d]
+        ok = within < plan.sizes[shard, d]
         flat = blocks.reshape(num_shards * self.block_rows, *blocks.shape[2:])
         idx = jnp.clip(d * self.block_rows + within, 0, flat.shape[0] - 1)
         return _masked_take(flat, idx, ok)

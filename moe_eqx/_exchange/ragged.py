@@ -22,28 +22,33 @@ RaggedArgs = tuple[
 
 def dispatch_args(plan: ExchangePlan) -> RaggedArgs:
     """`(input_offsets, send_sizes, output_offsets, recv_sizes)` of the dispatch trip."""
-    me = plan.me
+    shard = plan.shard
     return (
-        plan.send_offsets[me],
-        plan.sizes[me],
-        plan.recv_offsets[me],  # where my rows start on each receiver
-        plan.sizes[:, me],
+        plan.send_offsets[shard],
+        plan.sizes[shard],
+        plan.recv_offsets[shard],  # where its rows start on each receiver
+        plan.sizes[:, shard],
     )
 
 
 def combine_args(plan: ExchangePlan) -> RaggedArgs:
     """`(input_offsets, send_sizes, output_offsets, recv_sizes)` of the return trip."""
-    me = plan.me
+    shard = plan.shard
     return (
-        plan.recv_offsets[:, me],
-        plan.sizes[:, me],
-        plan.send_offsets[:, me],  # where each source laid out its rows for me
-        plan.sizes[me],
+        plan.recv_offsets[:, shard],
+        plan.sizes[:, shard],
+        plan.send_offsets[:, shard],  # where each source laid out rows for it
+        plan.sizes[shard],
     )
 
 
 class RaggedExchange(AbstractExchange):
-    """All-to-all through `lax.ragged_all_to_all`."""
+    """All-to-all through `lax.ragged_all_to_all` (GPU and TPU only).
+
+    **Fields:**
+
+    - `axis_name`: the expert-parallel mesh axis the exchange runs over.
+    """
 
     axis_name: str = eqx.field(static=True)
 
