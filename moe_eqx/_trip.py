@@ -10,7 +10,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._combine import combine, scatter_to_tokens
 from ._dispatch import WireRows, dedup_rows, expand_rows
-from ._exchange import AbstractExchange, make_exchange_plan, resolve_exchange
+from ._exchange import (
+    AbstractExchange,
+    ExchangePlan,
+    make_exchange_plan,
+    resolve_exchange,
+)
 from ._experts import expert_ffn
 from ._gmm import AbstractGMMBackend
 from ._overflow import BufferSizes
@@ -142,17 +147,7 @@ def trip_wire_rows(
     exchange = resolve_exchange(
         spec.exchange, axis_name=spec.axis_name, block_rows=bufs.block_rows
     )
-    # Rows not sent because their receiver is full (only possible when overflow is
-    # allowed): counted here, on the sender, which knows how many pairs each row carries.
-    row = jnp.arange(bufs.send_rows, dtype=jnp.int32)
-    starts = plan.send_offsets[shard]
-    row_dest = jnp.clip(
-        jnp.searchsorted(starts, row, side="right") - 1, 0, spec.num_shards - 1
-    )
-    is_real = row < jnp.sum(wire.send_counts)
-    unsent = is_real & (row - starts[row_dest] >= plan.sizes[shard, row_dest])
-    dropped_at_sender = jnp.sum(jnp.where(unsent, wire.num_pairs, 0))
-
+    dropped_at_sender = _unsent_pairs(wire, plan, bufs.send_rows)
     with jax.named_scope("moe_eqx.exchange"):
         recv_x = exchange.dispatch(x[wire.token], plan, bufs.rows)
         # Groups travel shifted by one, so that a row that never arrived (zeros in the
@@ -186,3 +181,18 @@ def trip_wire_rows(
         dropped_pairs=(dropped_at_sender + dropped_at_receiver).astype(jnp.int32),
     )
     return y, stats
+
+
+def _unsent_pairs(wire: WireRows, plan: ExchangePlan, send_rows: int) -> Int[Array, ""]:
+    """Pairs of this shard's rows not sent because their receiver is full (only
+    possible when overflow is allowed): counted on the sender, which knows how many
+    pairs each row carries."""
+    num_shards = plan.sizes.shape[0]
+    row = jnp.arange(send_rows, dtype=jnp.int32)
+    starts = plan.send_offsets[plan.shard]
+    row_dest = jnp.clip(
+        jnp.searchsorted(starts, row, side="right") - 1, 0, num_shards - 1
+    )
+    is_real = row < jnp.sum(wire.send_counts)
+    unsent = is_real & (row - starts[row_dest] >= plan.sizes[plan.shard, row_dest])
+    return jnp.sum(jnp.where(unsent, wire.num_pairs, 0))
