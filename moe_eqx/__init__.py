@@ -17,7 +17,6 @@ from ._exchange import (
     DenseExchange as DenseExchange,
     ExchangePlan as ExchangePlan,
     RaggedExchange as RaggedExchange,
-    emulate_ragged_all_to_all as emulate_ragged_all_to_all,
     make_exchange_plan as make_exchange_plan,
 )
 from ._experts import (
@@ -82,6 +81,7 @@ from ._router import (
 from ._shard import expert_parallel_shard as expert_parallel_shard
 from ._slots import gather_slot_weights as gather_slot_weights
 from ._trip import (
+    TripInputs as TripInputs,
     TripSpec as TripSpec,
     TripStats as TripStats,
     expert_parallel_trip as expert_parallel_trip,

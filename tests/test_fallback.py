@@ -16,7 +16,6 @@ from helpers import (
 )
 
 import moe_eqx as me
-from moe_eqx._trip import TripInputs  # not yet exported at top level
 
 
 def test_drop_is_counted_and_differs(getkey):
@@ -199,7 +198,7 @@ def _run_chunked(num_shards, num_chunks, x, w, experts, gu, dn, num_local, k, ch
     )
 
     def body(x, w, e, gu, dn):
-        inputs = TripInputs(
+        inputs = me.TripInputs(
             x=x,
             weights=w,
             dest_shard=e // num_local,

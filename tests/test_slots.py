@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe_eqx as me
 from moe_eqx import _slots
+from moe_eqx._exchange.emulator import emulate_ragged_all_to_all
 from moe_eqx._slots import (
     choose_slot_backward,
     export_slots,
@@ -251,7 +252,7 @@ def test_ragged_slot_offsets_match_emulator(seed, r, local, s):
                 buf[j] = w[h * local + flat_local[f]]
         operands.append(buf)
         args.append([np.asarray(a) for a in ragged_slot_args(routes, h)[0]])
-    recv = me.emulate_ragged_all_to_all(
+    recv = emulate_ragged_all_to_all(
         operands,
         [np.zeros((s, 3), np.float32) for _ in range(r)],
         *[[a[j] for a in args] for j in range(4)],
@@ -276,7 +277,7 @@ def test_ragged_slot_offsets_match_emulator(seed, r, local, s):
                 buf[recv_pos[d, slot]] = g[d, slot]
         operands.append(buf)
         args.append([np.asarray(a) for a in ragged_slot_args(routes, d)[1]])
-    back = me.emulate_ragged_all_to_all(
+    back = emulate_ragged_all_to_all(
         operands,
         [np.zeros((bound, 3), np.float32) for _ in range(r)],
         *[[a[j] for a in args] for j in range(4)],
