@@ -38,17 +38,22 @@ from .runtime import (
 
 # Gloo prints one line per CPU device when its connections are up ("[Gloo] Rank 3 is
 # connected to 7 peer ranks. Expected number of connected peer ranks is : 7"): 8 lines
-# of noise per run on 2 x 4 devices. Only the line of a rank with missing peers is kept.
+# of noise per run on 2 x 4 devices. Only the report of a rank with missing peers is
+# kept. Gloo writes to the same pipe as the demo, so a report can land in the middle of
+# another line (seen: "resumed at step 12[Gloo] Rank 0 is connected ...").
 _GLOO_CONNECTED = re.compile(
-    r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of "
-    r"connected peer ranks is : (\d+)$"
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of "
+    r"connected peer ranks is : (\d+)"
 )
 
 
-def is_noise(line: str) -> bool:
-    """Whether a child's output line is gloo's routine connection report."""
-    m = _GLOO_CONNECTED.match(line.strip())
-    return m is not None and m.group(1) == m.group(2)
+def without_noise(line: str) -> str | None:
+    """A child's output line without gloo's routine connection reports, wherever they
+    are in it; `None` when nothing else is left."""
+    text = _GLOO_CONNECTED.sub(
+        lambda m: "" if m.group(1) == m.group(2) else m.group(0), line
+    )
+    return None if text != line and not text.strip() else text
 
 
 PROG = "python -m moe_eqx.launch"
@@ -150,7 +155,8 @@ def _pump(
         # tqdm redraws with carriage returns; keep the latest state only.
         text = text.split("\r")[-1]
         tail.append(text)
-        if is_noise(text):
+        text = without_noise(text)
+        if text is None:
             continue
         with lock:
             sys.stdout.write(f"{prefix} {text}\n")
