@@ -202,7 +202,7 @@ def expand_rows(
     weights: Float[Array, "rows width"],
     num_rows: Int[Array, ""],
     *,
-    num_groups: int,
+    local_groups: int,
     capacity: int,
 ) -> tuple[SortedPairs, Int[Array, ""]]:
     """Receiver side: expand received wire rows into pairs grouped by local group.
@@ -211,7 +211,7 @@ def expand_rows(
 
     - `groups`, `weights`: `[B, width]` metadata of the received rows.
     - `num_rows`: how many leading rows are valid.
-    - `num_groups`: local groups `G` (home experts then slots).
+    - `local_groups`: the receiver's GMM groups `L + S` (home experts, then slots).
     - `capacity`: pair buffer size.
 
     **Returns:**
@@ -227,7 +227,7 @@ def expand_rows(
             groups.ravel(),
             weights.ravel(),
             valid.ravel(),
-            num_groups=num_groups,
+            num_groups=local_groups,
             capacity=capacity,
             per_row=width,
         )

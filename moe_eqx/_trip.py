@@ -160,7 +160,7 @@ def trip_wire_rows(
         recv_groups,
         recv_weights,
         jnp.asarray(bufs.rows, jnp.int32),
-        num_groups=spec.local_groups,
+        local_groups=spec.local_groups,
         capacity=bufs.pairs,
     )
     expert_out = expert_ffn(

@@ -103,7 +103,7 @@ def test_expand_rows_groups_pairs_and_counts_drops():
     groups = jnp.array([[0, 2], [1, -1], [2, 0], [0, 1]], jnp.int32)
     weights = jnp.array([[0.1, 0.2], [0.3, 0.0], [0.4, 0.5], [9.0, 9.0]], jnp.float32)
     pairs, dropped = me.expand_rows(
-        groups, weights, jnp.int32(3), num_groups=3, capacity=8
+        groups, weights, jnp.int32(3), local_groups=3, capacity=8
     )
     np.testing.assert_array_equal(pairs.group_sizes, [2, 1, 2])
     assert int(dropped) == 0
@@ -111,7 +111,7 @@ def test_expand_rows_groups_pairs_and_counts_drops():
     np.testing.assert_allclose(pairs.weight, [0.1, 0.5, 0.3, 0.2, 0.4, 0, 0, 0])
     # Capacity 3: the last pairs in group order are dropped and counted.
     pairs, dropped = me.expand_rows(
-        groups, weights, jnp.int32(3), num_groups=3, capacity=3
+        groups, weights, jnp.int32(3), local_groups=3, capacity=3
     )
     np.testing.assert_array_equal(pairs.group_sizes, [2, 1, 0])
     assert int(dropped) == 2
