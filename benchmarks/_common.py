@@ -1,5 +1,6 @@
 """Shared benchmark plumbing: simulated devices, tables, JSON output, memory."""
 
+import functools
 import json
 import os
 import pathlib
@@ -71,3 +72,21 @@ def interleaved_min(candidates: dict, repeats: int) -> dict:
             jax.block_until_ready(fn(*args))
             best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+@functools.cache
+def jitted_plan(num_slots: int):
+    """`moe_eqx.plan_duplication` jitted for `num_slots` (one compilation per count)."""
+    import jax
+
+    from moe_eqx import plan_duplication
+
+    return jax.jit(functools.partial(plan_duplication, num_slots=num_slots))
+
+
+def max_over_mean(load) -> float:
+    """Max/mean of a load vector, in float64."""
+    import numpy as np
+
+    load = np.asarray(load, np.float64)
+    return float(load.max() / load.mean())

@@ -44,6 +44,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import jitted_plan, max_over_mean
 from scipy.optimize import linprog
 
 import moe_eqx.workloads as wl
@@ -51,7 +52,6 @@ from moe_eqx._planner import (
     _plan,
     assign_destinations,
     default_max_exports,
-    plan_duplication,
 )
 
 NUM_EXPERTS = 256
@@ -63,11 +63,6 @@ BYTES_INDEX = 4
 
 
 GOAL = 1.001
-
-
-@functools.cache
-def _jitted_plan(num_slots: int):
-    return jax.jit(functools.partial(plan_duplication, num_slots=num_slots))
 
 
 @functools.cache
@@ -108,11 +103,6 @@ def _time(fn, *args, reps: int) -> dict:
     return {"median_us": float(np.median(times)), "min_us": float(times.min())}
 
 
-def _max_over_mean(load) -> float:
-    load = np.asarray(load, np.float64)
-    return float(load.max() / load.mean())
-
-
 def _home_load(counts: np.ndarray) -> np.ndarray:
     num_shards = counts.shape[0]
     return counts.sum(axis=0).reshape(num_shards, -1).sum(axis=1)
@@ -134,9 +124,9 @@ def balance(args) -> list[dict]:
                     seed=args.seed,
                 )
                 counts = wl.counts_from_choices(choices, NUM_EXPERTS)
-                before = _max_over_mean(_home_load(counts))
+                before = max_over_mean(_home_load(counts))
                 for num_slots in args.slots:
-                    fn = _jitted_plan(num_slots)
+                    fn = jitted_plan(num_slots)
                     counts_j = jnp.asarray(counts)
                     timing = _time(fn, counts_j, reps=args.reps)
                     plan = fn(counts_j)
@@ -149,7 +139,7 @@ def balance(args) -> list[dict]:
                             zipf_s=s,
                             slots=num_slots,
                             before=before,
-                            after=_max_over_mean(plan.shard_load),
+                            after=max_over_mean(plan.shard_load),
                             copies_mean=float(used.mean()),
                             copies_max=int(used.max()),
                             exports_max=sent,
@@ -176,10 +166,10 @@ def goals(args) -> list[dict]:
             counts = jnp.asarray(
                 _zipf_counts(num_shards, args.goal_tokens, 1.2, hot, args.seed)
             )
-            fn = _jitted_plan(num_slots)
+            fn = jitted_plan(num_slots)
             timing = _time(fn, counts, reps=args.reps)
             plan = fn(counts)
-            after = _max_over_mean(plan.shard_load)
+            after = max_over_mean(plan.shard_load)
             local = NUM_EXPERTS // num_shards
             rows.append(
                 dict(
@@ -187,7 +177,7 @@ def goals(args) -> list[dict]:
                     hot=hot,
                     slots=num_slots,
                     tokens_per_shard=args.goal_tokens,
-                    before=_max_over_mean(_home_load(np.asarray(counts))),
+                    before=max_over_mean(_home_load(np.asarray(counts))),
                     after=after,
                     goal=GOAL,
                     passed=after <= GOAL,
@@ -235,7 +225,7 @@ def out_degree(args) -> list[dict]:
                 plan = _jitted_bounded(num_slots)(counts, max_exports=jnp.int32(bound))
                 row[f"C={name}"] = dict(
                     bound=bound,
-                    after=_max_over_mean(plan.shard_load),
+                    after=max_over_mean(plan.shard_load),
                     exports_max=_exports_max(plan, local),
                 )
             rows.append(row)
@@ -272,7 +262,7 @@ def assign_timing(args) -> dict:
         seed=args.seed,
     )
     counts = jnp.asarray(wl.counts_from_choices(choices, NUM_EXPERTS))
-    plan = _jitted_plan(num_slots)(counts)
+    plan = jitted_plan(num_slots)(counts)
     fn = jax.jit(
         functools.partial(
             assign_destinations, num_local_experts=NUM_EXPERTS // num_shards
@@ -335,7 +325,7 @@ def _busiest_home(args) -> dict:
         counts = jnp.asarray(wl.counts_from_choices(choices, NUM_EXPERTS))
         local = NUM_EXPERTS // num_shards
         for num_slots in args.slots:
-            slots = np.asarray(_jitted_plan(num_slots)(counts).slot_expert)
+            slots = np.asarray(jitted_plan(num_slots)(counts).slot_expert)
             homes = slots[slots >= 0] // local
             out[(num_shards, num_slots)] = int(
                 np.bincount(homes, minlength=num_shards).max() if homes.size else 0
@@ -379,7 +369,7 @@ def _best_split(placement: np.ndarray, counts_e: np.ndarray, local: int) -> floa
 def static_vs_dynamic(args) -> list[dict]:
     num_shards, num_slots = args.static_shards, 2
     local = NUM_EXPERTS // num_shards
-    fn = _jitted_plan(num_slots)
+    fn = jitted_plan(num_slots)
     rows = []
     for name in ("rotating_hotspot", "drifting_zipf"):
         history = []
@@ -417,15 +407,13 @@ def static_vs_dynamic(args) -> list[dict]:
             if placement is None:
                 continue  # no history yet: the static placement does not exist
             mean = counts.sum() / num_shards
-            scores["none"].append(_max_over_mean(_home_load(counts)))
-            scores["per_step"].append(
-                _max_over_mean(fn(jnp.asarray(counts)).shard_load)
-            )
+            scores["none"].append(max_over_mean(_home_load(counts)))
+            scores["per_step"].append(max_over_mean(fn(jnp.asarray(counts)).shard_load))
             # The same without the out-degree bound (default C), for comparison.
             unbounded = _jitted_bounded(num_slots)(
                 jnp.asarray(counts), max_exports=jnp.int32(num_shards * num_slots)
             )
-            scores["per_step_unbounded"].append(_max_over_mean(unbounded.shard_load))
+            scores["per_step_unbounded"].append(max_over_mean(unbounded.shard_load))
             scores["static_split"].append(
                 float((counts_e[:, None] * fractions).sum(axis=0).max() / mean)
             )

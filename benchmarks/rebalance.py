@@ -34,7 +34,6 @@ Writes `benchmarks/results/rebalance.json`.
 """
 
 import argparse
-import functools
 import os
 import platform
 import time
@@ -42,7 +41,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import print_table, write_json
+from _common import jitted_plan, max_over_mean, print_table, write_json
 
 import moe_eqx as me
 import moe_eqx.workloads as wl
@@ -52,16 +51,6 @@ NUM_EXPERTS = 256
 TOP_K = 8
 ZIPF_S = 1.2
 NUM_SLOTS = 1
-
-
-@functools.cache
-def _plan(num_slots: int):
-    return jax.jit(functools.partial(me.plan_duplication, num_slots=num_slots))
-
-
-def _max_over_mean(load) -> float:
-    load = np.asarray(load, np.float64)
-    return float(load.max() / load.mean())
 
 
 def eplb_placement(load: np.ndarray, num_shards: int, num_slots: int):
@@ -134,15 +123,15 @@ def replay(num_shards: int, hot: str, drift: float, args) -> dict:
         history = counts_e if step % window == 0 else history + counts_e
         if eplb is None:
             continue  # first window: history only
-        plan = _plan(NUM_SLOTS)
-        scores["slots"].append(_max_over_mean(plan(jnp.asarray(counts)).shard_load))
-        scores["eplb"].append(_max_over_mean(eplb_load(counts_e, *eplb)))
+        plan = jitted_plan(NUM_SLOTS)
+        scores["slots"].append(max_over_mean(plan(jnp.asarray(counts)).shard_load))
+        scores["eplb"].append(max_over_mean(eplb_load(counts_e, *eplb)))
         physical = jnp.asarray(counts[:, ids])
-        scores["replace_slots"].append(_max_over_mean(plan(physical).shard_load))
+        scores["replace_slots"].append(max_over_mean(plan(physical).shard_load))
         physical0 = jnp.asarray(counts[:, ids0])
-        scores["replace0_slots"].append(_max_over_mean(plan(physical0).shard_load))
+        scores["replace0_slots"].append(max_over_mean(plan(physical0).shard_load))
         home = counts_e[ids0].reshape(num_shards, local).sum(axis=1)
-        scores["replace_only"].append(_max_over_mean(home))
+        scores["replace_only"].append(max_over_mean(home))
     row = dict(shards=num_shards, hot=hot, drift=drift)
     for key, values in scores.items():
         row[f"{key}_mean"] = float(np.mean(values))
