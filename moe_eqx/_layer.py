@@ -16,7 +16,7 @@ from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts
 from ._rebalance import physical_routing
 from ._router import Router
-from ._rules import local_experts
+from ._rules import has_explicit_axes, local_experts
 from ._shard import MoEStats, add_shared, expert_parallel_shard_body, routed_stats
 
 
@@ -214,7 +214,7 @@ def _expert_parallel_call(
     cfg: MoEConfig, mesh: Mesh, router, w_gate_up, w_down, shared, expert_ids, x
 ):
     ax = cfg.axis_name
-    explicit = _has_explicit_axes(mesh)
+    explicit = has_explicit_axes(mesh)
     if not explicit:
         # Auto axes on the same devices: callers may pass unsharded arrays and take
         # gradients outside of jit.
@@ -261,11 +261,6 @@ def _expert_parallel_call(
         dims[split] = tuple(mesh.axis_names)
     out = jax.sharding.NamedSharding(mesh, P(*dims))
     return jax.lax.reshape(y, shape, out_sharding=out), stats
-
-
-def _has_explicit_axes(mesh: Mesh) -> bool:
-    types = getattr(mesh, "axis_types", None) or ()
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 def _reshard(a, mesh: Mesh, spec: P):

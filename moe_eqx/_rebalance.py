@@ -27,7 +27,7 @@ import numpy as np
 from jaxtyping import Array, Int, PyTree
 
 from ._router import Routing
-from ._rules import local_experts
+from ._rules import has_explicit_axes, local_experts
 
 __all__ = [
     "permute_experts",
@@ -360,15 +360,10 @@ def _gather_placed(a, perm, *, sharding):
     index = _index(perm)
     if sharding is None:
         return a[index]
-    if _has_explicit_axes(sharding.mesh):
+    if has_explicit_axes(sharding.mesh):
         # A gather along an explicitly sharded axis must name its output sharding.
         return a.at[index].get(out_sharding=sharding)
     return jax.lax.with_sharding_constraint(a[index], sharding)
-
-
-def _has_explicit_axes(mesh) -> bool:
-    types = getattr(mesh, "axis_types", None) or ()
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 def _index(perm):

@@ -62,3 +62,11 @@ def match_varying(*xs):
         else:  # jax < 0.8
             out.append(lax.pvary(x, missing))
     return tuple(out)
+
+
+def has_explicit_axes(mesh) -> bool:
+    """Whether `mesh` has an Explicit axis (`jax.make_mesh`'s default in recent jax):
+    reshapes and gathers along explicitly sharded axes must name their output
+    sharding."""
+    types = getattr(mesh, "axis_types", None) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
