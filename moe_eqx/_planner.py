@@ -67,6 +67,13 @@ _CHAIN_HOPS = 2
 _INT32_MAX = 2**31 - 1
 
 
+def most_exports(num_shards: int, num_local: int, num_slots: int) -> int:
+    """The most slot copies one home shard can export under any plan: each of the
+    other `R - 1` shards holds at most `min(S, L)` of its experts (never its own home
+    experts, never two copies of one expert)."""
+    return max(num_shards - 1, 0) * min(num_slots, num_local)
+
+
 def default_max_exports(num_shards: int, num_local: int, num_slots: int) -> int:
     """The default bound `C` on the slot copies of one home shard's experts.
 
@@ -103,7 +110,7 @@ def default_max_exports(num_shards: int, num_local: int, num_slots: int) -> int:
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
-    most = max(num_shards - 1, 0) * min(num_slots, num_local)
+    most = most_exports(num_shards, num_local, num_slots)
     if most == 0:
         return 0
     ceil_sqrt = math.isqrt(num_shards - 1) + 1

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from ._planner import most_exports
+
 SLOT_BACKWARDS = ("auto", "all_gather", "home")
 SLOT_EXCHANGES = ("dense", "ragged")
 
@@ -44,9 +46,9 @@ _ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
 def max_exports_bound(num_shards: int, num_local: int, num_slots: int) -> int:
-    """The most copies one home shard can export under any plan: each of the other
-    `R - 1` shards holds at most `min(S, L)` of its experts (one copy per expert)."""
-    return max(1, (num_shards - 1) * min(num_slots, num_local))
+    """The most copies one home shard can export under any plan
+    (`_planner.most_exports`), at least 1 (a static buffer size)."""
+    return max(1, most_exports(num_shards, num_local, num_slots))
 
 
 class SlotRoutes(eqx.Module):
