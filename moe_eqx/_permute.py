@@ -1,0 +1,194 @@
+"""Pair permutations as gathers in both directions (explicit `custom_vjp`s).
+
+Sorting pairs by group is a permutation: pair `p = r * per_row + j` (the `j`-th pair of
+row `r`) lands at position `inverse[p]` of the sorted order, and `order[i]` is the pair
+at position `i`. Both the dispatch (`xs[i] = x[order[i] // per_row]`) and the combine
+(`y[r] = sum_j w[inverse[r * per_row + j]] out[inverse[r * per_row + j]]`) are then
+gathers, and so are their transposes: each is the other's. Differentiating the plain
+gather instead gives a scatter-add, which XLA:CPU runs serially: at T=4096, k=4,
+d_model=512 float32, the scatter-add combine's forward+backward took 36 ms, against 1-2
+ms for a gather of the same rows.
+
+Assumptions (the callers' contract):
+
+- `inverse` has `num_rows * per_row` entries, one per candidate pair; `order` has
+    `C <= num_rows * per_row` entries, `inverse[order[i]] = i` for all `i < C`, and
+    every other entry of `inverse` is `>= C` (a candidate that was not kept: it
+    contributes nothing and gets a zero gradient). `moe_eqx._permute.inverse_permutation`
+    builds such an `inverse` from `order`.
+- With `C == num_rows * per_row` (a full permutation, the single-device layer), the
+    gathers are emitted without bounds handling.
+- Pairs that must not contribute to a combine (padding, unused entries) have weight 0
+    or are not kept.
+"""
+
+import functools as ft
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def inverse_permutation(
+    order: Int[Array, " pairs"], num_candidates: int
+) -> Int[Array, " candidates"]:
+    """The sorted position of each candidate pair: `inverse[order[i]] = i`.
+
+    **Arguments:**
+
+    - `order`: `[C]` distinct candidate indices in `[0, num_candidates)` (the first `C`
+        entries of an argsort of the candidates).
+    - `num_candidates`: `N >= C`.
+
+    **Returns:**
+
+    `[N]` int32; candidates not in `order` get `C` (out of range: "not kept").
+    """
+    kept = order.shape[0]
+    if kept > num_candidates:
+        raise ValueError(
+            f"`order` has {kept} entries, more than `num_candidates` ({num_candidates})."
+        )
+    return (
+        jnp.full((num_candidates,), kept, jnp.int32)
+        .at[order]
+        .set(jnp.arange(kept, dtype=jnp.int32), unique_indices=True)
+    )
+
+
+def _per_row(inverse: Array, num_rows: int) -> int:
+    if num_rows <= 0 or inverse.shape[0] % num_rows:
+        raise ValueError(
+            f"`inverse` has {inverse.shape[0]} entries, not a multiple of the "
+            f"{num_rows} rows."
+        )
+    return inverse.shape[0] // num_rows
+
+
+def _take(values: Array, index: Array, full: bool) -> Array:
+    # A full permutation has no out-of-range index: skip the bounds masks.
+    if full:
+        return values.at[index].get(mode="promise_in_bounds")
+    return values.at[index].get(mode="fill", fill_value=0)
+
+
+def _sum_rows(values, weight, order, inverse, num_rows):
+    """`y[r] = sum_j weight[q] values[q]`, `q = inverse[r * per_row + j]`, in float32."""
+    per_row = _per_row(inverse, num_rows)
+    full = order.shape[0] == inverse.shape[0]
+    inv = inverse.reshape(num_rows, per_row)
+    total = None
+    # One gather per `j`, summed elementwise: XLA fuses them into one loop with no
+    # intermediate `[rows, per_row, d]` array.
+    for j in range(per_row):
+        term = _take(values, inv[:, j], full).astype(jnp.float32)
+        if weight is not None:
+            term = term * _take(weight, inv[:, j], full).astype(jnp.float32)[:, None]
+        total = term if total is None else total + term
+    return total
+
+
+def _rows_of(order: Array, inverse: Array, num_rows: int) -> Array:
+    return order // _per_row(inverse, num_rows)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _permute(x, order, inverse, num_rows):
+    return x.at[_rows_of(order, inverse, num_rows)].get(mode="promise_in_bounds")
+
+
+def _permute_fwd(x, order, inverse, num_rows):
+    return _permute(x, order, inverse, num_rows), (order, inverse)
+
+
+def _permute_bwd(num_rows, res, g):
+    order, inverse = res
+    # `g` has the dtype of `xs`, which is that of `x`.
+    return _sum_rows(g, None, order, inverse, num_rows).astype(g.dtype), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def permute_rows(
+    x: Float[Array, "rows ..."],
+    order: Int[Array, " pairs"],
+    inverse: Int[Array, " candidates"],
+) -> Float[Array, "pairs ..."]:
+    """Dispatch gather: `xs[i] = x[order[i] // per_row]`, `per_row = N / rows`.
+
+    Its transpose (the backward) is again a gather, by `inverse`:
+    `dx[r] = sum_j dxs[inverse[r * per_row + j]]`, summed in float32.
+
+    **Arguments:**
+
+    - `x`: `[R, ...]` rows (tokens), any trailing shape.
+    - `order`: `[C]` candidate pair at each sorted position.
+    - `inverse`: `[N = R * per_row]` sorted position of each candidate pair (see the
+        module's contract).
+
+    **Returns:**
+
+    `[C, ...]` in `x.dtype`.
+    """
+    with jax.named_scope("moe_eqx.permute"):
+        return _permute(x, order, inverse, x.shape[0])
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _unpermute(values, weight, order, inverse, num_rows):
+    total = _sum_rows(values, weight, order, inverse, num_rows)
+    return total.astype(values.dtype)
+
+
+def _unpermute_fwd(values, weight, order, inverse, num_rows):
+    out = _unpermute(values, weight, order, inverse, num_rows)
+    return out, (values, weight, order, inverse)
+
+
+def _unpermute_bwd(num_rows, res, g):
+    values, weight, order, inverse = res
+    # Both cotangents read `g` at each pair's row: a gather by `order`.
+    g_pairs = g.at[_rows_of(order, inverse, num_rows)].get(mode="promise_in_bounds")
+    g_pairs = g_pairs.astype(jnp.float32)
+    d_values = (g_pairs * weight.astype(jnp.float32)[:, None]).astype(values.dtype)
+    d_weight = jnp.sum(g_pairs * values.astype(jnp.float32), axis=1)
+    return d_values, d_weight.astype(weight.dtype), None, None
+
+
+_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+
+def unpermute_sum(
+    values: Float[Array, "pairs d_model"],
+    weight: Float[Array, " pairs"],
+    order: Int[Array, " pairs"],
+    inverse: Int[Array, " candidates"],
+    num_rows: int,
+) -> Float[Array, "rows d_model"]:
+    """Combine gather: `y[r] = sum_j weight[q] values[q]`, `q = inverse[r * per_row +
+    j]`, `per_row = N / num_rows`; candidates not kept (`q >= C`) add nothing.
+
+    The transpose of `moe_eqx._permute.permute_rows` with the weights folded in, so its
+    backward is a gather by `order`: `d_values[i] = weight[i] dy[order[i] // per_row]`
+    and `d_weight[i] = <dy[order[i] // per_row], values[i]>`.
+
+    **Arguments:**
+
+    - `values`: `[C, d]` per-pair values in sorted order (expert outputs).
+    - `weight`: `[C]` per-pair weights in sorted order.
+    - `order`, `inverse`: as for `moe_eqx._permute.permute_rows`.
+    - `num_rows`: `R`.
+
+    **Returns:**
+
+    `[R, d]` in `values.dtype`, summed in float32.
+    """
+    if weight.shape[0] != values.shape[0] or order.shape[0] != values.shape[0]:
+        raise ValueError(
+            f"`values` ({values.shape[0]}), `weight` ({weight.shape[0]}) and `order` "
+            f"({order.shape[0]}) must have one entry per pair."
+        )
+    _per_row(inverse, num_rows)
+    with jax.named_scope("moe_eqx.unpermute"):
+        return _unpermute(values, weight, order, inverse, num_rows)
