@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._dispatch import SortedPairs
+from ._permute import unpermute_sum
 
 
 def combine(
@@ -17,6 +18,12 @@ def combine(
     Used on one device (rows = tokens) and on an expert-parallel receiver (rows = wire
     rows, so the return trip carries one row per wire row, not per pair).
 
+    With `pairs.order` and `pairs.inverse` set (as [`moe_eqx.sort_by_expert`][] does),
+    this is a gather by `inverse` with the weights folded in, and its backward a
+    gather by `order` (`moe_eqx._permute.unpermute_sum`); else a scatter-add over
+    `pairs.row`, whose XLA:CPU forward+backward is about 20x slower (36 ms against
+    1.6 ms at T=4096, k=4, d_model=512, float32).
+
     **Arguments:**
 
     - `expert_out`: `[P, d_model]` expert outputs in the order of `pairs`.
@@ -28,6 +35,10 @@ def combine(
     `[num_rows, d_model]` in `expert_out.dtype` (summed in float32).
     """
     with jax.named_scope("moe_eqx.combine"):
+        if pairs.order is not None and pairs.inverse is not None:
+            return unpermute_sum(
+                expert_out, pairs.weight, pairs.order, pairs.inverse, num_rows
+            )
         contrib = expert_out.astype(jnp.float32) * pairs.weight[:, None]
         out = jnp.zeros((num_rows, expert_out.shape[1]), jnp.float32)
         return out.at[pairs.row].add(contrib).astype(expert_out.dtype)

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._permute import inverse_permutation, permute_rows
+
 
 class SortedPairs(eqx.Module):
     """Pairs sorted by group, ready for the grouped matmul.
@@ -16,11 +18,20 @@ class SortedPairs(eqx.Module):
     - `row`: `[P]` index of the source row (token, or wire row) of each sorted pair.
     - `weight`: `[P]` float32 routing weight (0 for padding pairs).
     - `group_sizes`: `[G]` pairs per group; pairs past `sum(group_sizes)` are padding.
+    - `order`: optional `[P]` candidate pair at each sorted position (pair
+        `r * per_row + j` is row `r`'s `j`-th pair), so `row = order // per_row`.
+    - `inverse`: optional `[N = rows * per_row]` sorted position of each candidate
+        pair (`>= P` for one that was not kept). With `order`, it lets
+        [`moe_eqx.combine`][] and `moe_eqx._permute.permute_rows` run as gathers in both
+        directions instead of scatter-adds (see `moe_eqx._permute`). `None` when the
+        pairs were not built as a permutation.
     """
 
     row: Int[Array, " pairs"]
     weight: Float[Array, " pairs"]
     group_sizes: Int[Array, " groups"]
+    order: Int[Array, " pairs"] | None = None
+    inverse: Int[Array, " candidates"] | None = None
 
 
 def _sort_pairs(
@@ -63,19 +74,22 @@ def sort_by_expert(
 
     **Returns:**
 
-    [`moe_eqx.SortedPairs`][] with `T * k` pairs, `row` = token index.
+    [`moe_eqx.SortedPairs`][] with `T * k` pairs, `row` = token index, and `order` /
+    `inverse` set (a full permutation of the `T * k` pairs): the weights' gradient,
+    [`moe_eqx.combine`][] and `moe_eqx._permute.permute_rows` are then gathers.
     """
     with jax.named_scope("moe_eqx.dispatch"):
         tokens, k = experts.shape
-        pairs, _ = _sort_pairs(
-            experts.ravel(),
-            weights.ravel(),
-            jnp.ones((tokens * k,), bool),
-            num_groups=num_experts,
-            capacity=tokens * k,
-            per_row=k,
+        flat = experts.ravel()
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        inverse = inverse_permutation(order, tokens * k)
+        return SortedPairs(
+            row=order // k,
+            weight=permute_rows(weights.ravel(), order, inverse),
+            group_sizes=_histogram(flat, num_experts),
+            order=order,
+            inverse=inverse,
         )
-        return pairs
 
 
 class WireRows(eqx.Module):

@@ -14,6 +14,7 @@ from ._combine import combine
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts
+from ._permute import permute_rows
 from ._rebalance import physical_routing
 from ._router import Router
 from ._rules import has_explicit_axes, local_experts
@@ -185,7 +186,9 @@ def _single_device_call(cfg: MoEConfig, router, experts, shared, expert_ids, x):
     routing = router(x)
     physical, _ = physical_routing(routing, expert_ids)
     pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
-    out = experts(x[pairs.row], pairs.group_sizes, backend=cfg.gmm_backend)
+    # A gather whose backward is a gather too (not XLA:CPU's serial scatter-add).
+    xs = permute_rows(x, pairs.order, pairs.inverse)
+    out = experts(xs, pairs.group_sizes, backend=cfg.gmm_backend)
     y = add_shared(cfg, combine(out, pairs, tokens), shared, x)
     stats = routed_stats(
         routed=jnp.sum(routing.counts),

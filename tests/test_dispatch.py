@@ -1,11 +1,13 @@
 """Dispatch stages against NumPy references."""
 
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
 
 import moe_eqx as me
+from moe_eqx._permute import permute_rows
 
 
 def _random_dest(key, tokens, k, num_shards, num_local):
@@ -27,6 +29,15 @@ def test_sort_by_expert(getkey):
     order = np.argsort(flat, kind="stable")
     np.testing.assert_array_equal(pairs.row, order // 3)
     np.testing.assert_allclose(pairs.weight, np.asarray(w).ravel()[order])
+    # A full permutation of the 30 pairs and its inverse.
+    np.testing.assert_array_equal(pairs.order, order)
+    np.testing.assert_array_equal(pairs.inverse, np.argsort(order))
+    # The weights' gradient (a gather by `inverse`) is the plain gather's.
+    ct = jr.normal(getkey(), (30,))
+    grad = jax.grad(lambda w: jnp.sum(me.sort_by_expert(experts, w, 5).weight * ct))
+    np.testing.assert_allclose(
+        grad(w), np.asarray(ct)[np.argsort(order)].reshape(10, 3), rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -115,3 +126,29 @@ def test_expand_rows_groups_pairs_and_counts_drops():
     )
     np.testing.assert_array_equal(pairs.group_sizes, [2, 1, 0])
     assert int(dropped) == 2
+
+
+def test_combine_gather_path_matches_scatter_path(getkey):
+    """`combine` of `sort_by_expert`'s pairs (gathers) against the same pairs without
+    `order`/`inverse` (the scatter-add), values and gradients through the weights."""
+    tokens, k, e = 16, 3, 5
+    experts = jr.randint(getkey(), (tokens, k), 0, e).astype(jnp.int32)
+    x = jr.normal(getkey(), (tokens, 8))
+    w = jr.uniform(getkey(), (tokens, k))
+    ct = jr.normal(getkey(), (tokens, 8))
+
+    def run(x, w, gather_path):
+        pairs = me.sort_by_expert(experts, w, e)
+        if gather_path:
+            xs = permute_rows(x, pairs.order, pairs.inverse)
+        else:
+            pairs = me.SortedPairs(pairs.row, pairs.weight, pairs.group_sizes)
+            xs = x[pairs.row]
+        return me.combine(jnp.tanh(xs) * 1.5, pairs, tokens)
+
+    got, vjp = jax.vjp(jax.jit(lambda x, w: run(x, w, True)), x, w)
+    want, vjp_ref = jax.vjp(lambda x, w: run(x, w, False), x, w)
+    grads, grads_ref = vjp(ct), vjp_ref(ct)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, grads_ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
