@@ -45,16 +45,20 @@ def _sort_pairs(
 ) -> tuple[SortedPairs, Int[Array, ""]]:
     key = jnp.where(valid, groups, num_groups)
     order = jnp.argsort(key, stable=True)[:capacity].astype(jnp.int32)
+    inverse = inverse_permutation(order, key.shape[0])
     sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
     total = jnp.sum(sizes)
     # Keep the first `capacity` pairs in sorted order: trim the group sizes to match.
     ends = jnp.minimum(jnp.cumsum(sizes), capacity)
     kept = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     in_range = jnp.arange(capacity) < ends[-1]
+    # `order`/`inverse` make the pair gather and the combine gathers both ways.
     pairs = SortedPairs(
         row=order // per_row,
-        weight=jnp.where(in_range, weights[order], 0.0),
+        weight=jnp.where(in_range, permute_rows(weights, order, inverse), 0.0),
         group_sizes=kept,
+        order=order,
+        inverse=inverse,
     )
     return pairs, total - ends[-1]
 
@@ -107,6 +111,11 @@ class WireRows(eqx.Module):
     - `weights`: `[N, width]` float32 weights (0 for unused entries).
     - `send_counts`: `[R]` rows for each destination; rows past their sum are padding.
     - `send_pairs`: `[R]` pairs those rows carry to each destination.
+    - `order`: `[N]` the candidate pair `t * k + j` each row was built from (its first
+        pair on that shard), so `token = order // k`.
+    - `inverse`: `[T * k]` the row of each candidate pair (`>= N` for one that is not a
+        row), the inverse of `order`: the gathers of `moe_eqx._permute` move tokens to
+        rows and rows back to tokens in both directions without scatter-adds.
     """
 
     token: Int[Array, " rows"]
@@ -114,6 +123,8 @@ class WireRows(eqx.Module):
     weights: Float[Array, "rows width"]
     send_counts: Int[Array, " shards"]
     send_pairs: Int[Array, " shards"]
+    order: Int[Array, " rows"]
+    inverse: Int[Array, " candidates"]
 
     @property
     def num_pairs(self) -> Int[Array, " rows"]:
@@ -158,15 +169,19 @@ def dedup_rows(
             wts = jnp.where(valid, weights, 0.0)[:, :, None]
             width, num_rows = 1, tokens * k
         dest = jnp.where(is_first, dest_shard, num_shards).ravel()
-        order = jnp.argsort(dest, stable=True)[:num_rows]
+        order = jnp.argsort(dest, stable=True)[:num_rows].astype(jnp.int32)
+        inverse = inverse_permutation(order, tokens * k)
         return WireRows(
-            token=(order // k).astype(jnp.int32),
+            token=order // k,
             groups=groups.reshape(tokens * k, width)[order],
-            weights=wts.reshape(tokens * k, width)[order],
+            # A gather both ways (its plain transpose is a scatter-add).
+            weights=permute_rows(wts.reshape(tokens * k, width), order, inverse),
             send_counts=_histogram(dest, num_shards),
             send_pairs=_histogram(
                 jnp.where(valid, dest_shard, num_shards).ravel(), num_shards
             ),
+            order=order,
+            inverse=inverse,
         )
 
 

@@ -8,17 +8,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._combine import combine, scatter_to_tokens
+from ._combine import combine
 from ._dispatch import WireRows, dedup_rows, expand_rows
 from ._exchange import (
     AbstractExchange,
     ExchangePlan,
+    combine_rows,
+    dispatch_rows,
     make_exchange_plan,
     resolve_exchange,
 )
 from ._experts import expert_ffn
 from ._gmm import AbstractGMMBackend
 from ._overflow import BufferSizes
+from ._permute import permute_rows, unpermute_sum
 
 
 class TripSpec(eqx.Module):
@@ -139,23 +142,13 @@ def trip_wire_rows(
     (`trip_rows`), and their all-gathered `[R, R]` counts (the layer builds them
     once, for the overflow predicate too).
     """
-    x = inputs.x
-    tokens = x.shape[0]
     bufs = spec.buffers
     shard = jax.lax.axis_index(spec.axis_name).astype(jnp.int32)
     plan = make_exchange_plan(wire_counts, bufs.rows, shard)
     exchange = resolve_exchange(
         spec.exchange, axis_name=spec.axis_name, block_rows=bufs.block_rows
     )
-    dropped_at_sender = _unsent_pairs(wire, plan, bufs.send_rows)
-    with jax.named_scope("moe_eqx.exchange"):
-        recv_x = exchange.dispatch(x[wire.token], plan, bufs.rows)
-        # Groups travel shifted by one, so that a row that never arrived (zeros in the
-        # receive buffer) reads as "no pair": what is computed below is counted from
-        # what really arrived, not from the plan.
-        recv_groups = exchange.dispatch(wire.groups + 1, plan, bufs.rows) - 1
-        recv_weights = exchange.dispatch(wire.weights, plan, bufs.rows)
-
+    recv_x, recv_groups, recv_weights = send_rows(inputs.x, wire, plan, exchange, bufs)
     pairs, dropped_at_receiver = expand_rows(
         recv_groups,
         recv_weights,
@@ -164,7 +157,7 @@ def trip_wire_rows(
         capacity=bufs.pairs,
     )
     expert_out = expert_ffn(
-        recv_x[pairs.row],
+        permute_rows(recv_x, pairs.order, pairs.inverse),
         inputs.w_gate_up,
         inputs.w_down,
         pairs.group_sizes,
@@ -173,14 +166,59 @@ def trip_wire_rows(
     )
     y_rows = combine(expert_out, pairs, bufs.rows)
     with jax.named_scope("moe_eqx.exchange"):
-        back = exchange.combine(y_rows, plan, bufs.send_rows)
-    y = scatter_to_tokens(back, wire.token, tokens)
+        back = combine_rows(exchange, y_rows, plan, bufs.send_rows)
+    y = sum_to_tokens(back, wire, inputs.x.shape[0])
     stats = TripStats(
         computed_pairs=jnp.sum(pairs.group_sizes).astype(jnp.int32),
         recv_rows=jnp.sum(jnp.any(recv_groups >= 0, axis=1)).astype(jnp.int32),
-        dropped_pairs=(dropped_at_sender + dropped_at_receiver).astype(jnp.int32),
+        dropped_pairs=(
+            _unsent_pairs(wire, plan, bufs.send_rows) + dropped_at_receiver
+        ).astype(jnp.int32),
     )
     return y, stats
+
+
+def send_rows(
+    x: Float[Array, "tokens d_model"],
+    wire: WireRows,
+    plan: ExchangePlan,
+    exchange: AbstractExchange,
+    bufs: BufferSizes,
+) -> tuple[
+    Float[Array, "recv_rows d_model"],
+    Int[Array, "recv_rows width"],
+    Float[Array, "recv_rows width"],
+]:
+    """The dispatch trip: each wire row's token activation and its `(group, weight)`
+    entries, in the receive layout. Returns `(x, groups, weights)`, `[B, ...]` each;
+    rows that did not arrive have group -1 and weight 0."""
+    width = wire.groups.shape[1]
+    with jax.named_scope("moe_eqx.exchange"):
+        recv_x = dispatch_rows(
+            exchange, permute_rows(x, wire.order, wire.inverse), plan, bufs.rows
+        )
+        # Weights and groups travel together: one collective, not two. Groups go as
+        # float32 values (exact below 2**24) shifted by one, so that a row that never
+        # arrived (zeros in the receive buffer) reads as "no pair": what is computed
+        # is counted from what really arrived, not from the plan.
+        groups = jax.lax.stop_gradient((wire.groups + 1).astype(jnp.float32))
+        meta = jnp.concatenate([wire.weights.astype(jnp.float32), groups], axis=1)
+        recv_meta = dispatch_rows(exchange, meta, plan, bufs.rows)
+    recv_groups = jax.lax.stop_gradient(recv_meta[:, width:]).astype(jnp.int32) - 1
+    recv_weights = recv_meta[:, :width].astype(wire.weights.dtype)
+    return recv_x, recv_groups, recv_weights
+
+
+def sum_to_tokens(
+    back: Float[Array, "send_rows d_model"], wire: WireRows, num_tokens: int
+) -> Float[Array, "tokens d_model"]:
+    """Sums the returned wire rows into their source tokens (rows never sent are zero),
+    as [`moe_eqx.scatter_to_tokens`][] does, but as a gather in both directions
+    (`moe_eqx._permute.unpermute_sum` by `wire.inverse`; its plain form is a serial
+    scatter-add on XLA:CPU)."""
+    with jax.named_scope("moe_eqx.to_tokens"):
+        ones = jnp.ones((back.shape[0],), jnp.float32)
+        return unpermute_sum(back, ones, wire.order, wire.inverse, num_tokens)
 
 
 def _unsent_pairs(wire: WireRows, plan: ExchangePlan, send_rows: int) -> Int[Array, ""]:

@@ -5,6 +5,8 @@ import jax
 from ._base import (
     AbstractExchange as AbstractExchange,
     ExchangePlan as ExchangePlan,
+    combine_rows as combine_rows,
+    dispatch_rows as dispatch_rows,
     make_exchange_plan as make_exchange_plan,
 )
 from .dense import DenseExchange as DenseExchange

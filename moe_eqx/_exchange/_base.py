@@ -8,8 +8,10 @@ buffer holds the rows of source 0, then source 1, ... and its first
 """
 
 import abc
+import functools as ft
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, Shaped
 
@@ -107,3 +109,81 @@ class AbstractExchange(eqx.Module):
 
         `[send_rows, ...]` in the sender's layout.
         """
+
+
+# Each trip is a partial permutation of rows (a row either lands at exactly one place
+# or nowhere), so the transpose of `dispatch` is `combine` and that of `combine` is
+# `dispatch`: the backward runs the opposite trip's collective and gathers. Left to
+# autodiff, the dense exchange's gathers transpose to scatter-adds, which XLA:CPU runs
+# serially.
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def dispatch_rows(
+    exchange: AbstractExchange,
+    send: Shaped[Array, "send_rows ..."],
+    plan: ExchangePlan,
+    capacity: int,
+) -> Shaped[Array, "recv_rows ..."]:
+    """`exchange.dispatch(send, plan, capacity)`, whose backward is
+    `exchange.combine` of the cotangent (the return trip) instead of the transpose of
+    the backend's own operations.
+
+    **Arguments:**
+
+    - `exchange`: the [`moe_eqx.AbstractExchange`][] backend.
+    - `send`: rows sorted by destination (see the module docstring).
+    - `plan`: the [`ExchangePlan`][].
+    - `capacity`: receive buffer rows `B`.
+
+    **Returns:**
+
+    `[B, ...]`, as `exchange.dispatch`.
+    """
+    return exchange.dispatch(send, plan, capacity)
+
+
+def _dispatch_fwd(exchange, send, plan, capacity):
+    return dispatch_rows(exchange, send, plan, capacity), (plan, send.shape[0])
+
+
+def _dispatch_bwd(exchange, capacity, res, g):
+    plan, send_rows = res
+    return exchange.combine(g, plan, send_rows), None
+
+
+dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def combine_rows(
+    exchange: AbstractExchange,
+    recv: Shaped[Array, "recv_rows ..."],
+    plan: ExchangePlan,
+    send_rows: int,
+) -> Shaped[Array, "send_rows ..."]:
+    """`exchange.combine(recv, plan, send_rows)` (the return trip), whose backward is
+    `exchange.dispatch` of the cotangent.
+
+    **Arguments:**
+
+    - `exchange`: the [`moe_eqx.AbstractExchange`][] backend.
+    - `recv`: `[B, ...]` in the receive layout of `dispatch`.
+    - `plan`: the same [`ExchangePlan`][].
+    - `send_rows`: rows of the sender's layout.
+
+    **Returns:**
+
+    `[send_rows, ...]`, as `exchange.combine`.
+    """
+    return exchange.combine(recv, plan, send_rows)
+
+
+def _combine_fwd(exchange, recv, plan, send_rows):
+    return combine_rows(exchange, recv, plan, send_rows), (plan, recv.shape[0])
+
+
+def _combine_bwd(exchange, send_rows, res, g):
+    plan, capacity = res
+    return exchange.dispatch(g, plan, capacity), None
+
+
+combine_rows.defvjp(_combine_fwd, _combine_bwd)
