@@ -64,7 +64,7 @@ def _data(case, dtype=jnp.float32, seed=0):
 
 def _close(got, want, tol=1e-5):
     want = np.asarray(want)
-    scale = max(1.0, float(np.abs(want).max()))
+    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
     np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=tol * scale)
 
 
@@ -183,6 +183,64 @@ def test_tiled_accumulating_is_in_place():
     # block less than the accumulating one (it writes a group's first window directly).
     block = rhs.nbytes / rhs.shape[0]
     assert temp_bytes(looped) <= temp_bytes(summed) - 0.9 * rhs.nbytes + block
+
+
+# Shapes that the shared CASES cannot reach: (M, K, N, group sizes, tile_rows,
+# min_tile_rows). Windows of 8 rows and up unless noted.
+TILE_EDGES = {
+    # Every group smaller than the smallest window of a 16-row ladder.
+    "groups_below_a_tile": (20, 5, 7, [3, 1, 5, 2], 16, 8),
+    # One group over many full windows, with a remainder, next to single rows.
+    "group_spans_many_tiles": (90, 4, 6, [1, 83, 1], 8, 2),
+    # Group sizes that are exact multiples of the window (remainder == T).
+    "exact_multiples": (48, 4, 6, [16, 32, 0], 16, 4),
+    # More groups than rows: most are empty; windows are capped at M.
+    "groups_exceed_rows": (3, 4, 6, [1, 0, 1, 0, 0, 1, 0, 0], 512, 8),
+    # All rows in one group, and all rows in the only group.
+    "one_group_of_all": (40, 4, 6, [0, 0, 40, 0], 16, 4),
+    "single_group": (33, 4, 6, [33], 8, 8),
+    # Rows past sum(group_sizes) inside the last window of the last group.
+    "padding_in_last_window": (30, 4, 6, [9, 0, 13], 16, 8),
+    # No rows at all.
+    "zero_rows": (0, 4, 6, [0, 0, 0], 512, 8),
+}
+
+
+@pytest.mark.parametrize("case", list(TILE_EDGES))
+def test_tiled_window_edges(case):
+    """Forward, both gradients and the accumulating `d_rhs` of the tiled backend at
+    window edge cases, against the float64 per-group loop."""
+    m, k, n, sizes, tile_rows, min_tile_rows = TILE_EDGES[case]
+    impl = TiledGMM(tile_rows=tile_rows, min_tile_rows=min_tile_rows)
+    rng = np.random.default_rng(len(case))
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), k, n)), jnp.float32)
+    acc = jnp.asarray(rng.standard_normal(rhs.shape), jnp.float32)
+    d_out = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+
+    @jax.jit
+    def run(lhs, rhs, acc, d_out):
+        out, vjp = jax.vjp(lambda a, b: impl(a, b, sizes), lhs, rhs)
+        f = lambda a, c: impl.accumulating(a, rhs, sizes, c)  # noqa: E731
+        acc_out, acc_vjp = jax.vjp(f, lhs, acc)
+        return out, *vjp(d_out), acc_out, *acc_vjp(d_out)
+
+    out, d_lhs, d_rhs, acc_out, acc_d_lhs, d_acc = run(lhs, rhs, acc, d_out)
+    assert out.shape == (m, n) and d_lhs.shape == (m, k) and d_rhs.shape == rhs.shape
+    _close(out, _numpy_gmm(lhs, rhs, sizes))
+    _close(acc_out, _numpy_gmm(lhs, rhs, sizes))
+    ref_lhs, ref_rhs = _numpy_grads(lhs, rhs, sizes, d_out)
+    _close(d_lhs, ref_lhs)
+    _close(acc_d_lhs, ref_lhs)
+    _close(d_rhs, ref_rhs)
+    _close(d_acc, np.asarray(acc, np.float64) + ref_rhs)
+    total = int(sizes.sum())
+    assert np.all(np.asarray(out)[total:] == 0)
+    assert np.all(np.asarray(d_lhs)[total:] == 0)
+    for g in np.flatnonzero(np.asarray(sizes) == 0):
+        assert np.all(np.asarray(d_rhs)[g] == 0)
+        assert np.array_equal(np.asarray(d_acc)[g], np.asarray(acc)[g])
 
 
 @pytest.mark.parametrize("backend", ["tiled_small"])

@@ -13,6 +13,14 @@ Why few, large products: on a 2-core CPU (M=4096, K=512, N=1024, float32) a loop
 64-row products runs at ~70% of one big matmul and 16-row ones at ~35%. Each ladder
 entry is one more loop to compile (~0.2 s on that CPU), which is why small problems
 (`M < 2048`) use a coarser, power-of-two ladder.
+
+The backward is one loop over groups: each window gives its `d_lhs` rows and adds its
+`lhs^T @ d_out` into a `[K, N]` block that is stored once per group. At G=64 on that
+CPU the three passes are bound by the products themselves: 64 products of 64 rows
+take ~1.4x one dense product of 4096 rows whether their weights come from memory or
+cache, and a finer ladder (less padding) or XLA:CPU's other dot kernel measured no
+faster. Returning the 128 MB `d_rhs` also costs first-touch page faults of a fresh
+allocation (~60-85 ms; see benchmarks/gmm.py), more than all its FLOPs.
 """
 
 import equinox as eqx
@@ -68,127 +76,174 @@ def _row_mask(size, start, row_start, group_end):
     return (rows >= row_start) & (rows < group_end)
 
 
-def _for_each_window(ladder, group_sizes, num_rows, body, init, remainder_first=False):
-    """Folds `body(carry, g, size, start, row_start, group_end, full, first)` over
-    windows.
+def _group_windows(ladder, size, group_start, num_rows, body, carry, remainder_first):
+    """Folds `body(carry, size, start, row_start, group_end, full, first)` over the
+    windows of one group of `size` rows from row `group_start`.
 
-    Per group `g`: the full windows of `ladder[-1]` rows and one remainder window (if
-    any). `start` is where a window is read (clamped into `[0, num_rows - size]`),
-    `row_start` the first row it owns, `group_end` one past the last row it may own;
-    `full` (static) says the window lies inside its group with `start == row_start`,
-    so it needs no mask. With `remainder_first` the remainder (`1..T` rows) comes
-    first and `first` (static) is True for it: it is then the first window of every
-    non-empty group. Otherwise the remainder (`0..T-1` rows) comes last and `first`
-    is always False.
+    The full windows of `ladder[-1]` rows and one remainder window (if any). `start` is
+    where a window is read (clamped into `[0, num_rows - size]`), `row_start` the first
+    row it owns, `group_end` one past the last row it may own; `full` (static) says the
+    window lies inside its group with `start == row_start`, so it needs no mask. With
+    `remainder_first` the remainder (`1..T` rows) comes first and `first` (static) is
+    True for it: it is then the first window of every non-empty group. Otherwise the
+    remainder (`0..T-1` rows) comes last and `first` is always False.
     """
+    big = ladder[-1]
+    if remainder_first:
+        num_full = jnp.maximum(size - 1, 0) // big
+        rest = size - num_full * big
+        rest_start = group_start
+        full_start = rest_start + rest
+    else:
+        num_full = size // big
+        rest = size - num_full * big
+        full_start = group_start
+        rest_start = full_start + num_full * big
+    rest_end = rest_start + rest
+
+    def full_body(i, c):
+        row_start = full_start + i * big
+        return body(c, big, row_start, row_start, row_start + big, True, False)
+
+    def remainder(c):
+        # The remainder window is the smallest ladder entry >= rest, selected with
+        # 0-or-1-trip loops. `lax.switch` was measured 6x (forward) to 13x
+        # (`d_rhs`) slower at G=64 on XLA:CPU: the conditional copies the carry.
+        choice = jnp.searchsorted(jnp.asarray(np.asarray(ladder, np.int32)), rest)
+        for j, w in enumerate(ladder):
+
+            def window_body(i, c, w=w):
+                # `i` is always 0, but without it the body is loop-invariant and
+                # XLA hoists it out of the loop, running every ladder size for
+                # every group.
+                first = rest_start + i
+                start = jnp.minimum(first, num_rows - w)
+                return body(c, w, start, first, rest_end, False, remainder_first)
+
+            trips = ((rest > 0) & (choice == j)).astype(jnp.int32)
+            c = lax.fori_loop(0, trips, window_body, c)
+        return c
+
+    if remainder_first:
+        carry = remainder(carry)
+    carry = lax.fori_loop(0, num_full, full_body, carry)
+    if not remainder_first:
+        carry = remainder(carry)
+    return carry
+
+
+def _for_each_group(group_sizes, body, init):
+    """Folds `body(carry, g, size, group_start)` over the groups."""
     group_sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
-    big = ladder[-1]
-    ladder_arr = jnp.asarray(np.asarray(ladder, np.int32))
 
     def group_body(g, carry):
-        size = group_sizes[g]
-        if remainder_first:
-            num_full = jnp.maximum(size - 1, 0) // big
-            rest = size - num_full * big
-            rest_start = starts[g]
-            full_start = rest_start + rest
-        else:
-            num_full = size // big
-            rest = size - num_full * big
-            full_start = starts[g]
-            rest_start = full_start + num_full * big
-        rest_end = rest_start + rest
-
-        def full_body(i, c):
-            row_start = full_start + i * big
-            return body(c, g, big, row_start, row_start, row_start + big, True, False)
-
-        def remainder(c):
-            # The remainder window is the smallest ladder entry >= rest, selected with
-            # 0-or-1-trip loops. `lax.switch` was measured 6x (forward) to 13x
-            # (`d_rhs`) slower at G=64 on XLA:CPU: the conditional copies the carry.
-            choice = jnp.searchsorted(ladder_arr, rest, side="left")
-            for j, w in enumerate(ladder):
-
-                def window_body(i, c, w=w):
-                    # `i` is always 0, but without it the body is loop-invariant and
-                    # XLA hoists it out of the loop, running every ladder size for
-                    # every group.
-                    first = rest_start + i
-                    start = jnp.minimum(first, num_rows - w)
-                    return body(c, g, w, start, first, rest_end, False, remainder_first)
-
-                trips = ((rest > 0) & (choice == j)).astype(jnp.int32)
-                c = lax.fori_loop(0, trips, window_body, c)
-            return c
-
-        if remainder_first:
-            carry = remainder(carry)
-        carry = lax.fori_loop(0, num_full, full_body, carry)
-        if not remainder_first:
-            carry = remainder(carry)
-        return carry
+        return body(carry, g, group_sizes[g], starts[g])
 
     return lax.fori_loop(0, group_sizes.shape[0], group_body, init)
 
 
-def _grouped_product(lhs, rhs, group_sizes, ladder, transpose_rhs):
-    """`out[i] = lhs[i] @ rhs[g(i)]` (or `rhs[g(i)].T`); rows past the groups are 0."""
+def _product_window(lhs, w, out, size, start, row_start, group_end, full, transpose):
+    """`out` with the window's rows replaced by `lhs[rows] @ w` (or `w.T`)."""
+    x = lax.dynamic_slice_in_dim(lhs, start, size)
+    y = lax.dot_general(
+        x,
+        w,
+        (((1,), (1 if transpose else 0,)), ((), ())),
+        preferred_element_type=acc_dtype(lhs.dtype),
+    ).astype(out.dtype)
+    if not full:
+        # A clamped or partial window overlaps rows owned by other windows (or by no
+        # group, which stay zero): keep what is there.
+        keep = _row_mask(size, start, row_start, group_end)[:, None]
+        y = jnp.where(keep, y, lax.dynamic_slice_in_dim(out, start, size))
+    return lax.dynamic_update_slice_in_dim(out, y, start, 0)
+
+
+def _outer_window(lhs, d_out, total, size, start, row_start, group_end, full, first):
+    """`total + lhs[rows]^T @ d_out[rows]` over the rows the window owns (just the
+    product for a group's `first` window: `total` is then stale)."""
+    x = lax.dynamic_slice_in_dim(lhs, start, size)
+    if not full:
+        keep = _row_mask(size, start, row_start, group_end)[:, None]
+        x = jnp.where(keep, x, jnp.zeros((), x.dtype))
+    dy = lax.dynamic_slice_in_dim(d_out, start, size)
+    product = jnp.matmul(x.T, dy, preferred_element_type=total.dtype)
+    return product if first else total + product
+
+
+def _grouped_product(lhs, rhs, group_sizes, ladder):
+    """`out[i] = lhs[i] @ rhs[g(i)]`; rows past the groups are 0."""
     num_rows = lhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
 
-    def body(out, g, size, start, row_start, group_end, full, first):
-        del first
-        x = lax.dynamic_slice_in_dim(lhs, start, size)
-        y = lax.dot_general(
-            x,
-            rhs[g],
-            (((1,), (1 if transpose_rhs else 0,)), ((), ())),
-            preferred_element_type=acc_dtype(lhs.dtype),
-        ).astype(out.dtype)
-        if not full:
-            # A clamped or partial window overlaps rows owned by other windows (or by
-            # no group, which stay zero): keep what is there.
-            keep = _row_mask(size, start, row_start, group_end)[:, None]
-            y = jnp.where(keep, y, lax.dynamic_slice_in_dim(out, start, size))
-        return lax.dynamic_update_slice_in_dim(out, y, start, 0)
+    def group(out, g, size, group_start):
+        w = rhs[g]
 
-    (out, _) = match_varying(jnp.zeros((num_rows, n), lhs.dtype), lhs)
-    return _for_each_window(ladder, group_sizes, num_rows, body, out)
+        def window(out, size, start, row_start, group_end, full, first):
+            del first
+            return _product_window(
+                lhs, w, out, size, start, row_start, group_end, full, False
+            )
+
+        return _group_windows(ladder, size, group_start, num_rows, window, out, False)
+
+    (out, _) = match_varying(jnp.zeros((num_rows, rhs.shape[2]), lhs.dtype), lhs)
+    if num_rows == 0:  # no window fits
+        return out
+    return _for_each_group(group_sizes, group, out)
 
 
-def _grouped_outer(lhs, d_out, group_sizes, ladder, init, accumulate):
-    """`lhs_g^T @ d_out_g` for every group, in `init.dtype`, written window by window
-    into `init` (in place: no second `[G, K, N]` buffer): added to it with
-    `accumulate`, else overwriting it (groups without rows keep `init`'s value)."""
+def _grouped_backward(lhs, rhs, d_out, group_sizes, ladder, rhs_grad_acc):
+    """`d_lhs[i] = d_out[i] @ rhs[g(i)].T` and `d_rhs[g] = lhs_g^T @ d_out_g` in one
+    pass over the windows (each `d_out` window is read once for both).
+
+    `d_rhs` is summed in `acc_dtype` and written in place into `rhs_grad_acc` (added to
+    it) if given, else into a zero-initialised buffer. A group's block is summed over
+    its windows in a `[K, N]` scratch loop carry (2 MB at K=512, N=1024: in cache)
+    and stored once, so the `[G, K, N]` buffer is written once per group, not read
+    and written once per window.
+    """
     num_rows = lhs.shape[0]
-    acc_dtype = init.dtype
+    accumulate = rhs_grad_acc is not None
+    if rhs_grad_acc is None:
+        rhs_grad_acc = jnp.zeros(rhs.shape, acc_dtype(lhs.dtype))
 
-    def body(d_rhs, g, size, start, row_start, group_end, full, first):
-        x = lax.dynamic_slice_in_dim(lhs, start, size)
-        if not full:
-            keep = _row_mask(size, start, row_start, group_end)[:, None]
-            x = jnp.where(keep, x, jnp.zeros((), x.dtype))
-        dy = lax.dynamic_slice_in_dim(d_out, start, size)
-        total = jnp.matmul(x.T, dy, preferred_element_type=acc_dtype)
-        if accumulate or not first:
-            total = lax.dynamic_index_in_dim(d_rhs, g, 0, keepdims=False) + total
-        return lax.dynamic_update_index_in_dim(d_rhs, total, g, 0)
+    def group(carry, g, size, group_start):
+        d_lhs, d_rhs, scratch = carry
+        if accumulate:
+            scratch = lax.dynamic_index_in_dim(d_rhs, g, 0, keepdims=False)
+        w = rhs[g]
 
-    (init, _) = match_varying(init, lhs)
-    # Without `accumulate` the first window of a group overwrites its block instead of
-    # adding to zeros: at G=64 (benchmarks/gmm.py) that skips reading 128 MB, ~5% of
-    # the `d_rhs` time.
-    return _for_each_window(
-        ladder, group_sizes, num_rows, body, init, remainder_first=not accumulate
-    )
+        def window(carry, size, start, row_start, group_end, full, first):
+            d_lhs, scratch = carry
+            where = (size, start, row_start, group_end, full)
+            d_lhs = _product_window(d_out, w, d_lhs, *where, True)
+            return d_lhs, _outer_window(lhs, d_out, scratch, *where, first)
+
+        # Without `accumulate` a group's first window overwrites the scratch (what the
+        # previous group left there) instead of adding to zeros.
+        carry = (d_lhs, scratch)
+        first_writes = not accumulate
+        (d_lhs, scratch) = _group_windows(
+            ladder, size, group_start, num_rows, window, carry, first_writes
+        )
+        block = scratch if accumulate else jnp.where(size > 0, scratch, 0)
+        d_rhs = lax.dynamic_update_index_in_dim(d_rhs, block, g, 0)
+        return d_lhs, d_rhs, scratch
+
+    d_lhs = jnp.zeros(lhs.shape, lhs.dtype)
+    scratch = jnp.zeros(rhs.shape[1:], rhs_grad_acc.dtype)
+    init = match_varying(d_lhs, rhs_grad_acc, scratch, lhs, d_out)[:3]
+    if num_rows == 0:  # no window fits
+        return init[:2]
+    (d_lhs, d_rhs, _) = _for_each_group(group_sizes, group, init)
+    return d_lhs, d_rhs
 
 
 def _make_tiled_gmm(ladder: tuple[int, ...]):
     def forward(lhs, rhs, group_sizes):
-        return _grouped_product(lhs, rhs, group_sizes, ladder, False)
+        return _grouped_product(lhs, rhs, group_sizes, ladder)
 
     @jax.custom_vjp
     def tiled(lhs, rhs, group_sizes):
@@ -200,9 +255,7 @@ def _make_tiled_gmm(ladder: tuple[int, ...]):
     def tiled_bwd(res, d_out):
         lhs, rhs, group_sizes = res
         d_out = d_out.astype(lhs.dtype)
-        d_lhs = _grouped_product(d_out, rhs, group_sizes, ladder, True)
-        zeros = jnp.zeros(rhs.shape, acc_dtype(lhs.dtype))
-        d_rhs = _grouped_outer(lhs, d_out, group_sizes, ladder, zeros, False)
+        d_lhs, d_rhs = _grouped_backward(lhs, rhs, d_out, group_sizes, ladder, None)
         d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
         return d_lhs, d_rhs.astype(rhs.dtype), d_sizes
 
@@ -220,8 +273,7 @@ def _make_tiled_gmm(ladder: tuple[int, ...]):
     def accumulating_bwd(res, d_out):
         lhs, rhs, group_sizes, acc = res
         d_out = d_out.astype(lhs.dtype)
-        d_lhs = _grouped_product(d_out, rhs, group_sizes, ladder, True)
-        d_acc = _grouped_outer(lhs, d_out, group_sizes, ladder, acc, True)
+        d_lhs, d_acc = _grouped_backward(lhs, rhs, d_out, group_sizes, ladder, acc)
         d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
         return d_lhs, None, d_sizes, d_acc
 
@@ -264,10 +316,10 @@ class TiledGMM(AbstractAccumulatingGMMBackend):
     """Grouped matmul as a loop of dense row windows that never straddle a group.
 
     Pure JAX (`lax.fori_loop`s whose trip counts come from the traced `group_sizes`),
-    with its own backward (`jax.custom_vjp`): `d_lhs = gmm(d_out, rhs^T)` over the same
-    windows, and `d_rhs[g] = lhs_g^T @ d_out_g` summed window by window in float32.
-    Extra memory: one window's product, plus a float32 `d_rhs` in the backward when
-    `rhs` is not float32.
+    with its own backward (`jax.custom_vjp`): one pass over the same windows computes
+    `d_lhs = gmm(d_out, rhs^T)` and `d_rhs[g] = lhs_g^T @ d_out_g`, summed over a
+    group's windows in float32. Extra memory: one window's product and one `[K, N]`
+    float32 block, plus a float32 `d_rhs` in the backward when `rhs` is not float32.
 
     **Arguments:**
 
@@ -312,7 +364,7 @@ class TiledGMM(AbstractAccumulatingGMMBackend):
         group_sizes: Int[Array, " groups"],
         rhs_grad_acc: Float[Array, "groups k_dim n_dim"],
     ) -> Float[Array, "rows n_dim"]:
-        # `d_rhs` is summed window by window straight into the accumulator.
+        # Each group's `d_rhs` block is added straight into the accumulator.
         return self._gmm(lhs, rhs, group_sizes, rhs_grad_acc)
 
     def _gmm(self, lhs, rhs, group_sizes, rhs_grad_acc):
