@@ -4,14 +4,25 @@
     python3 benchmarks/gmm.py --quick    # tiny smoke run (seconds)
 
 For each G: the dense baseline `x @ w[0]` (same FLOPs as the grouped product), the
-`tiled` backend and `lax.ragged_dot`, forward and forward+backward (`jax.vjp` with
-respect to `lhs` and `rhs`: three products). Group sizes are multinomial(M, uniform),
-so they are uneven like real routing. Timings are medians over repeats after a warm-up
-(compile), each candidate interleaved with the dense baseline so that the ratio is
-taken under the same load. `lax.ragged_dot` is a dense masked product on CPU (about G
-times the FLOPs), so from G=32 on it gets one timed run after an ahead-of-time compile,
-and its forward+backward is skipped at G=128 (over a minute). Prints a table and
-writes JSON to benchmarks/results/gmm.json.
+`tiled` backend and `lax.ragged_dot`, forward and forward+backward (the output and its
+`jax.vjp` with respect to `lhs` and `rhs`: three products; without the output XLA drops
+the forward as dead code). Group sizes are multinomial(M, uniform), so they are uneven
+like real routing. Each candidate is compiled ahead of time and its repetitions are
+interleaved with the dense baseline's, so that the ratio is taken under the same load;
+`ms` is the minimum wall time, `cpu` the ratio of minimum process CPU times (all
+threads; steadier when other work shares the cores). `lax.ragged_dot` is a dense masked
+product on CPU (about G times the FLOPs), so from G=32 on it gets one timed run after
+an ahead-of-time compile, and its forward+backward is skipped at G=128 (over a minute).
+
+The `bound` row is the dense forward+backward plus the time to write a fresh
+`[G, K, N]` float32 array (`jnp.full`), which any backend returning the weight
+gradient must do: glibc serves buffers over 32 MB with a fresh `mmap` per call, so each
+call pays first-touch page faults on every 4 KB page (~1.5 GB/s on this VM against
+~36 GB/s for reading a warm 128 MB array). `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`
+(transparent huge pages) or `glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:
+glibc.malloc.trim_threshold=4000000000` (heap reuse) remove most of it; the variable
+is recorded in the JSON. Prints a table and writes JSON to
+benchmarks/results/gmm.json.
 """
 
 import argparse
@@ -34,21 +45,24 @@ DEFAULT_OUT = os.path.join(
 )
 
 
-def _once(fn, args) -> float:
-    start = time.perf_counter()
+def _once(fn, args) -> tuple[float, float]:
+    """Wall and process CPU seconds of one call."""
+    start, cpu = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-def _median(fn, args, repeats) -> float:
-    jax.block_until_ready(fn(*args))
-    return statistics.median(_once(fn, args) for _ in range(repeats))
+def _summary(times) -> dict:
+    wall, cpu = zip(*times, strict=True)
+    return {"min": min(wall), "median": statistics.median(wall), "cpu_min": min(cpu)}
 
 
 def _paired(fn, args, base, base_args, repeats, warm_up=True):
-    """Median seconds of `fn` and of `base`, run alternately. Both are compiled ahead
-    of time; `warm_up=False` skips the untimed first run (for very slow baselines)."""
+    """Timings (`_summary`) of `fn` and of `base`, run alternately. Both are compiled
+    ahead of time; `warm_up=False` skips the untimed first run (for very slow
+    baselines)."""
     fn = fn.lower(*args).compile()
+    base = base.lower(*base_args).compile()
     if warm_up:
         jax.block_until_ready(fn(*args))
     jax.block_until_ready(base(*base_args))
@@ -56,7 +70,7 @@ def _paired(fn, args, base, base_args, repeats, warm_up=True):
     for _ in range(repeats):
         ours.append(_once(fn, args))
         theirs.append(_once(base, base_args))
-    return statistics.median(ours), statistics.median(theirs)
+    return _summary(ours), _summary(theirs)
 
 
 def _fwd(backend):
@@ -65,14 +79,35 @@ def _fwd(backend):
     return jax.jit(lambda x, w, s: gmm(x, w, s, backend=backend))
 
 
+def _value_and_vjp(f, x, w, d):
+    out, vjp = jax.vjp(f, x, w)
+    return out, *vjp(d)
+
+
 def _fwd_bwd(backend):
     if backend == "dense":
-        return jax.jit(lambda x, w, d: jax.vjp(lambda a, b: a @ b, x, w)[1](d))
+        return jax.jit(lambda x, w, d: _value_and_vjp(lambda a, b: a @ b, x, w, d))
     return jax.jit(
-        lambda x, w, s, d: jax.vjp(lambda a, b: gmm(a, b, s, backend=backend), x, w)[1](
-            d
+        lambda x, w, s, d: _value_and_vjp(
+            lambda a, b: gmm(a, b, s, backend=backend), x, w, d
         )
     )
+
+
+def _fresh_weights(shape):
+    """A fresh `[G, K, N]` float32 array written once: the least any backend's
+    weight gradient costs."""
+    return jax.jit(lambda v: jnp.full(shape, v, jnp.float32))
+
+
+def _record_bound(record, g, shape, dense_fb, fb_args, repeats, pass_flops):
+    """The `bound` row: dense forward+backward time plus a fresh `[G, K, N]` write."""
+    fill, base = _paired(
+        _fresh_weights(shape), (jnp.float32(1.0),), dense_fb, fb_args, repeats
+    )
+    bound = {key: base[key] + fill[key] for key in base}
+    extra = {"fresh_weights_ms": fill["min"] * 1e3}
+    record("bound", g, "fwd+bwd", bound, base, repeats, pass_flops, **extra)
 
 
 def main(argv=None) -> dict:
@@ -99,27 +134,34 @@ def main(argv=None) -> dict:
 
     rows = []
     header = (
-        f"{'backend':<11} {'G':>4} {'pass':<8} {'ms':>9} {'GFLOP/s':>8} {'vs dense':>8}"
+        f"{'backend':<11} {'G':>4} {'pass':<8} {'ms':>9} {'GFLOP/s':>8} {'vs dense':>8} "
+        f"{'cpu':>6}"
     )
+    tunables = os.environ.get("GLIBC_TUNABLES")
     print(f"gmm benchmark: M={m} K={k} N={n}, float32, {jax.devices()[0].device_kind}")
+    if tunables:
+        print(f"GLIBC_TUNABLES={tunables}")
     print(header)
     print("-" * len(header))
 
-    def record(backend, g, kind, seconds, base_seconds, runs, pass_flops):
+    def record(backend, g, kind, t, base, runs, pass_flops, **extra):
         row = {
             "backend": backend,
             "G": g,
             "pass": kind,
-            "ms": seconds * 1e3,
-            "gflops": pass_flops / seconds / 1e9,
-            "ratio_to_dense": base_seconds / seconds,
-            "dense_ms": base_seconds * 1e3,
+            "ms": t["min"] * 1e3,
+            "median_ms": t["median"] * 1e3,
+            "gflops": pass_flops / t["min"] / 1e9,
+            "ratio_to_dense": base["min"] / t["min"],
+            "cpu_ratio_to_dense": base["cpu_min"] / t["cpu_min"],
+            "dense_ms": base["min"] * 1e3,
             "repeats": runs,
+            **extra,
         }
         rows.append(row)
         print(
             f"{backend:<11} {g:>4} {kind:<8} {row['ms']:>9.1f} {row['gflops']:>8.1f} "
-            f"{row['ratio_to_dense']:>8.2f}",
+            f"{row['ratio_to_dense']:>8.2f} {row['cpu_ratio_to_dense']:>6.2f}",
             flush=True,
         )
 
@@ -129,10 +171,12 @@ def main(argv=None) -> dict:
         w = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)
         sizes = jnp.asarray(rng.multinomial(m, np.full(g, 1.0 / g)), jnp.int32)
         w0 = w[0]
-        t_dense = _median(dense_fwd, (x, w0), repeats)
-        record("dense", g, "fwd", t_dense, t_dense, repeats, flops)
-        t_dense_fb = _median(dense_fb, (x, w0, d_out), repeats)
-        record("dense", g, "fwd+bwd", t_dense_fb, t_dense_fb, repeats, 3 * flops)
+        fb_args = (x, w0, d_out)
+        t = _paired(dense_fwd, (x, w0), dense_fwd, (x, w0), repeats)[0]
+        record("dense", g, "fwd", t, t, repeats, flops)
+        t = _paired(dense_fb, fb_args, dense_fb, fb_args, repeats)[0]
+        record("dense", g, "fwd+bwd", t, t, repeats, 3 * flops)
+        _record_bound(record, g, (g, k, n), dense_fb, fb_args, repeats, 3 * flops)
         for backend in backends:
             slow = backend == "ragged_dot" and g >= 32 and not args.quick
             runs = 1 if slow else repeats
@@ -150,7 +194,7 @@ def main(argv=None) -> dict:
                 _fwd_bwd(backend),
                 (x, w, sizes, d_out),
                 dense_fb,
-                (x, w0, d_out),
+                fb_args,
                 runs,
                 not slow,
             )
@@ -164,6 +208,7 @@ def main(argv=None) -> dict:
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
         "quick": args.quick,
+        "glibc_tunables": tunables,
         "rows": rows,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
