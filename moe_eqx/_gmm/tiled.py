@@ -17,10 +17,11 @@ entry is one more loop to compile (~0.2 s on that CPU), which is why small probl
 The backward is one loop over groups: each window gives its `d_lhs` rows and adds its
 `lhs^T @ d_out` into a `[K, N]` block that is stored once per group. At G=64 on that
 CPU the three passes are bound by the products themselves: 64 products of 64 rows
-take ~1.4x one dense product of 4096 rows whether their weights come from memory or
-cache, and a finer ladder (less padding) or XLA:CPU's other dot kernel measured no
-faster. Returning the 128 MB `d_rhs` also costs first-touch page faults of a fresh
-allocation (~60-85 ms; see benchmarks/gmm.py), more than all its FLOPs.
+take 1.4-1.5x one dense product of 4096 rows whether their weights come from memory
+or cache, and neither a finer ladder (less padding) nor the other XLA:CPU dot kernel
+for `d_rhs` gained more than ~5%. Returning the 128 MB `d_rhs` also costs first-touch
+page faults of a fresh allocation (60-90 ms; see benchmarks/gmm.py), more than all
+its FLOPs.
 """
 
 import equinox as eqx
