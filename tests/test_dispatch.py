@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import moe_eqx as me
+from moe_eqx._dispatch import _stable_order
 from moe_eqx._permute import permute_rows
 
 
@@ -37,6 +38,14 @@ def test_sort_by_expert(getkey):
     grad = jax.grad(lambda w: jnp.sum(me.sort_by_expert(experts, w, 5).weight * ct))
     np.testing.assert_allclose(
         grad(w), np.asarray(ct)[np.argsort(order)].reshape(10, 3), rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("num_groups", [5, 2**27])  # the packed key; argsort
+def test_stable_order_is_stable_argsort(getkey, num_groups):
+    flat = jr.randint(getkey(), (40,), 0, 5).astype(jnp.int32)
+    np.testing.assert_array_equal(
+        _stable_order(flat, num_groups), np.argsort(np.asarray(flat), kind="stable")
     )
 
 
