@@ -90,3 +90,95 @@ def max_over_mean(load) -> float:
 
     load = np.asarray(load, np.float64)
     return float(load.max() / load.mean())
+
+
+def _hlo_tables(text: str) -> dict:
+    """The `FunctionNames`, `FileLocations` and `StackFrames` tables of an HLO module's
+    text (`id -> text`)."""
+    import re
+
+    tables = {"FunctionNames": {}, "FileLocations": {}, "StackFrames": {}, "": {}}
+    current = ""
+    for line in text.splitlines():
+        s = line.strip()
+        if s in tables or s == "FileNames":
+            current = s if s in tables else ""
+        elif current and re.match(r"^\d+ ", s):
+            key, value = s.split(" ", 1)
+            tables[current][int(key)] = value
+        elif s:
+            current = ""
+    return tables
+
+
+def hlo_instructions(text: str) -> dict:
+    """`name -> (opcode, op_name, functions)` of every instruction of a compiled HLO
+    module's text; `functions` is the Python call stack that emitted it, innermost
+    first (from the module's stack-frame tables; empty where the jax version does not
+    print them)."""
+    import re
+
+    tables = _hlo_tables(text)
+    fn_names = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
+    locations = {}
+    for k, v in tables["FileLocations"].items():
+        m = re.search(r"function_name_id=(\d+)", v)
+        locations[k] = fn_names.get(int(m.group(1)), "?") if m else "?"
+    frames = {}
+    for k, v in tables["StackFrames"].items():
+        m = re.search(r"file_location_id=(\d+) parent_frame_id=(\d+)", v)
+        if m:
+            frames[k] = (int(m.group(1)), int(m.group(2)))
+
+    def stack(frame):
+        out, seen = [], set()
+        while frame in frames and frame not in seen:
+            seen.add(frame)
+            location, frame = frames[frame]
+            out.append(locations.get(location, "?"))
+        return tuple(out)
+
+    pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\s([a-z][\w\-]*)\(")
+    out = {}
+    for line in text.splitlines():
+        m = pattern.match(line)
+        if not m:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        out[m.group(1)] = (
+            m.group(2),
+            op_name.group(1) if op_name else "",
+            stack(int(frame.group(1))) if frame else (),
+        )
+    return out
+
+
+def thunk_times(fn, args, repeats: int) -> tuple[dict, float]:
+    """Runs the jitted `fn(*args)` `repeats` times under `jax.profiler` and returns
+    (`instruction name -> ms per call`, summed over devices and threads, and the wall
+    ms per call). XLA:CPU records one event per executed thunk, named after its HLO
+    instruction (a loop's own event covers its control, its body's thunks have their
+    own events)."""
+    import collections
+    import glob
+    import tempfile
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    folder = tempfile.mkdtemp(prefix="moe_eqx_profile_")
+    jax.profiler.start_trace(folder)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(fn(*args))
+    wall = (time.perf_counter() - start) / repeats
+    jax.profiler.stop_trace()
+    (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+    total = collections.Counter()
+    for plane in jax.profiler.ProfileData.from_file(path).planes:
+        for line in plane.lines:
+            for event in line.events:
+                total[event.name] += event.duration_ns / 1e6 / repeats
+    return dict(total), 1e3 * wall

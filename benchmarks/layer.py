@@ -1,8 +1,10 @@
 """The whole MoE layer against dense matmuls of the same expert FLOPs.
 
     python3 benchmarks/layer.py            # T=4096, d_model=512, d_ff=256, E=32, k=4
-    python3 benchmarks/layer.py --quick    # tiny smoke run (seconds)
+    python3 benchmarks/layer.py --quick    # tiny smoke run (seconds): fwd+bwd only,
+                                           # EP8 drop only, one GMM window size
     python3 benchmarks/layer.py --gpu      # one GPU, bfloat16 (benchmarks/gpu_check.sh)
+    python3 benchmarks/layer.py --breakdown  # where the fwd+bwd step's time goes, by stage
 
 Rows (every one jitted, timed in this process, min over repetitions run round-robin
 with the baseline so that all see the same load; the CPU is shared):
@@ -27,14 +29,35 @@ with the baseline so that all see the same load; the CPU is shared):
   rows say so and are skipped.
 
 Prints a table and writes benchmarks/results/layer.json (`--gpu`: layer_gpu.json).
+
+`--breakdown` instead splits the forward+backward step of `one device`, `EP8 drop` and
+`EP8 fallback` by stage (routing, planning, wire rows, exchange copies, expand_rows,
+GMM, combine, scatter back to tokens, stats, ...): the step runs under `jax.profiler`,
+every XLA:CPU thunk is attributed to a stage through the Python call stack recorded in
+the compiled HLO (the named steps of `moe_eqx/_shard.py` and `moe_eqx/_trip.py`, else
+the innermost `moe_eqx.*` named scope), forward or backward by its `transpose(...)`
+name, and each stage gets its share of the thunk time times the step's interleaved min
+time (so the stages sum to the step). Collectives are apart: with 8 simulated devices
+on 2 cores, a device in a collective mostly waits for the others (asleep, leaving the
+cores to them: 21 tiny all-gathers take 3.6 ms in all), so their row is the mean time
+one device spends in them, not part of the total. Writes
+benchmarks/results/layer_breakdown.json.
 """
 
 import argparse
 import os
 import platform
+import re
 import sys
 
-from _common import interleaved_min, print_table, setup_devices, write_json
+from _common import (
+    hlo_instructions,
+    interleaved_min,
+    print_table,
+    setup_devices,
+    thunk_times,
+    write_json,
+)
 
 if "--gpu" not in sys.argv:
     setup_devices(8)
@@ -86,30 +109,43 @@ def layer_fns(layer, x, mesh):
     return (jax.jit(fwd), (params, x)), (jax.jit(step), (params, x))
 
 
-def make_layer(shape, dtype, **overrides):
+# `--quick` (a smoke run of tiny shapes that must take seconds): one window size in the
+# tiled GMM. Its default ladder is one loop per window size to compile, which took
+# most of the one-device compile time at these shapes.
+QUICK_GMM = me.TiledGMM(tile_rows=64, min_tile_rows=64)
+
+
+def make_layer(shape, dtype, quick=False, **overrides):
     t, d, f, e, k = shape
+    if quick:
+        overrides = dict(gmm_backend=QUICK_GMM, **overrides)
     cfg = me.MoEConfig(d_model=d, d_ff=f, num_experts=e, top_k=k, **overrides)
     return me.MoELayer(cfg, key=jr.PRNGKey(0), dtype=dtype)
 
 
 def variants(shape, dtype, num_devices, quick):
     """`name -> (layer, mesh)`."""
-    out = {"one device": (make_layer(shape, dtype), None)}
+    out = {"one device": (make_layer(shape, dtype, quick), None)}
     if num_devices < 1:
         return out
     mesh = jax.make_mesh((num_devices,), ("expert",))
     ep = f"EP{num_devices}"
     slot_options = (0,) if (quick or num_devices == 1) else (0, 2)
-    for on_overflow in ("drop", "fallback"):
+    # Quick: one EP program (each takes seconds to compile), the capped path.
+    for on_overflow in ("drop",) if quick else ("drop", "fallback"):
         for slots in slot_options:
             name = f"{ep} {on_overflow}" + (f" slots={slots}" if slots else "")
-            layer = make_layer(shape, dtype, on_overflow=on_overflow, num_slots=slots)
+            layer = make_layer(
+                shape, dtype, quick, on_overflow=on_overflow, num_slots=slots
+            )
             out[name] = (layer, mesh)
     return out
 
 
-def check_no_overflow(name, fwd):
-    fn, args = fwd
+def check_no_overflow(name, call):
+    """Raises if `call` (a forward or a fwd+bwd step: its output 1 is the stats)
+    overflowed or lost pairs."""
+    fn, args = call
     stats = fn(*args)[1]
     if bool(stats.overflow) or int(stats.lost_pairs) != 0:
         raise RuntimeError(f"{name}: the routing overflowed or lost pairs: {stats}")
@@ -194,12 +230,163 @@ def _time_hf(block, impl, shape, x, dense, repeats, torch):
     return rows
 
 
+# Stages of `--breakdown`: an instruction belongs to the first stage (in this order)
+# whose opcodes match, else to the stage of the innermost function of its Python call
+# stack named here. Collectives first: wherever they are called from, they are
+# collectives (including the time a device waits for the others in them).
+COLLECTIVES = frozenset(
+    {"all-to-all", "all-gather", "all-reduce", "collective-permute", "reduce-scatter"}
+)
+STAGE_FUNCTIONS = {
+    "routing": {"_route", "Router.__call__", "physical_routing"},
+    "planning": {
+        "_destinations",
+        "plan_duplication",
+        "assign_destinations",
+        "make_exchange_plan",
+        "_unsent_pairs",
+        "overflow_predicate",
+        "fallback_chunking",
+    },
+    "sort by expert": {"sort_by_expert"},
+    "dedup/wire rows": {"dedup_rows", "trip_rows", "send_counts", "wire_inverse"},
+    "exchange copies": {
+        "DenseExchange.dispatch",
+        "DenseExchange.combine",
+        "RaggedExchange.dispatch",
+        "RaggedExchange.combine",
+    },
+    "expand_rows": {"expand_rows"},
+    "row gathers": {"send_rows"},
+    "GMM": {"expert_ffn", "Experts.__call__"},
+    "combine": {"combine"},
+    "scatter back to tokens": {"scatter_to_tokens", "sum_to_tokens"},
+    "stats": {"_stats", "routed_stats"},
+    "fallback (chunked)": {"chunked_dropless"},
+}
+# Gathers that several stages call: theirs where a stage above calls them.
+HELPERS = {"permute_rows": "row gathers", "unpermute_sum": "combine"}
+# Where a custom_vjp or a nested jit cut the recorded call stack short: the innermost
+# `moe_eqx.*` named scope of the instruction's name.
+STAGE_SCOPES = {
+    "moe_eqx.router": "routing",
+    "moe_eqx.dispatch": "sort by expert",
+    "moe_eqx.dedup_dispatch": "dedup/wire rows",
+    "moe_eqx.exchange": "exchange copies",
+    "moe_eqx.expand": "expand_rows",
+    "moe_eqx.permute": "row gathers",
+    "moe_eqx.experts": "GMM",
+    "moe_eqx.gmm": "GMM",
+    "moe_eqx.combine": "combine",
+    "moe_eqx.unpermute": "combine",
+    "moe_eqx.to_tokens": "scatter back to tokens",
+    "moe_eqx.overflow": "planning",
+}
+# Leftovers: the glue of the trip (row gathers written inline) and of the layer.
+GLUE = {
+    "trip_wire_rows": "row gathers",
+    "_single_device_call": "row gathers",
+}
+
+
+def stage_of(opcode: str, op_name: str, functions: tuple[str, ...]) -> str:
+    if opcode in COLLECTIVES:
+        return "collectives"
+    by_function = {f: stage for stage, fs in STAGE_FUNCTIONS.items() for f in fs}
+    for table in (by_function, HELPERS):
+        for function in functions:
+            if function in table:
+                return table[function]
+    scopes = [p for p in re.split(r"[/()]", op_name) if p in STAGE_SCOPES]
+    if scopes:
+        return STAGE_SCOPES[scopes[-1]]
+    for function in functions:
+        if function in GLUE:
+            return GLUE[function]
+    return "other (layer glue, copies)"
+
+
+def breakdown(step, wall_ms: float, repeats: int, num_devices: int) -> dict:
+    """`stage -> {"fwd": ms, "bwd": ms}` of one jitted fwd+bwd step: each stage's
+    share of the non-collective thunk time times `wall_ms` (see the module docstring);
+    `collectives` is the mean time one device spends in them (not in the total)."""
+    fn, args = step
+    instructions = hlo_instructions(fn.lower(*args).compile().as_text())
+    times, _ = thunk_times(fn, args, repeats)
+    device_ms: dict = {}
+    for name, ms in times.items():
+        if name not in instructions:
+            continue  # executor bookkeeping, not an instruction
+        # A loop's or conditional's own event is its control (its body's thunks are
+        # recorded themselves): part of its stage, like any other thunk.
+        opcode, op_name, functions = instructions[name]
+        stage = stage_of(opcode, op_name, functions)
+        part = "bwd" if "transpose(" in op_name else "fwd"
+        device_ms.setdefault(stage, {"fwd": 0.0, "bwd": 0.0})[part] += ms
+    compute = sum(
+        v["fwd"] + v["bwd"] for k, v in device_ms.items() if k != "collectives"
+    )
+    return {
+        stage: {
+            part: ms / num_devices if stage == "collectives" else wall_ms * ms / compute
+            for part, ms in parts.items()
+        }
+        for stage, parts in device_ms.items()
+    }
+
+
+def run_breakdown(shape, dtype, x, repeats, quick):
+    """The `--breakdown` table: one device, EP8 drop and EP8 fallback fwd+bwd steps
+    (quick: no fallback)."""
+    mesh = jax.make_mesh((len(jax.devices()),), ("expert",))
+    ep = f"EP{len(jax.devices())}"
+    steps = {}
+    for name, mesh_, overrides in (
+        ("one device", None, {}),
+        (f"{ep} drop", mesh, dict(on_overflow="drop")),
+        *(() if quick else ((f"{ep} fallback", mesh, dict(on_overflow="fallback")),)),
+    ):
+        layer = make_layer(shape, dtype, quick, **overrides)
+        _, steps[name] = layer_fns(layer, x, mesh_)
+        check_no_overflow(name, steps[name])
+    wall = {k: 1e3 * v for k, v in interleaved_min(steps, repeats).items()}
+    parts = {
+        k: breakdown(step, wall[k], repeats, 1 if k == "one device" else mesh.size)
+        for k, step in steps.items()
+    }
+    seen = {s for p in parts.values() for s in p} - {"collectives"}
+    stages = [s for s in STAGE_FUNCTIONS if s in seen]
+    stages += sorted(seen - set(stages))
+    rows = []
+    for stage in [*stages, "total", "collectives"]:
+        row = {"stage": stage}
+        for k, p in parts.items():
+            fb = p.get(stage, {"fwd": 0.0, "bwd": 0.0})
+            if stage == "total":
+                fb = {
+                    part: sum(v[part] for s, v in p.items() if s != "collectives")
+                    for part in ("fwd", "bwd")
+                }
+            row[f"{k} fwd"], row[f"{k} bwd"] = fb["fwd"], fb["bwd"]
+            row[k] = fb["fwd"] + fb["bwd"]
+        names = list(parts)
+        for k in names[1:]:
+            row[f"{k} - one"] = row[k] - row[names[0]]
+        rows.append(row)
+    return rows, wall
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats")
     p.add_argument("--gpu", action="store_true", help="one GPU, bfloat16")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--no-ep", action="store_true", help="one-device rows only")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="fwd+bwd step time by stage, one device vs EP (no other rows)",
+    )
     args = p.parse_args(argv)
 
     dtype = jnp.bfloat16 if args.gpu else jnp.float32
@@ -214,15 +401,17 @@ def main(argv=None):
     num_devices = 0 if args.no_ep else len(jax.devices())
     dense = dense_fns(dtype, t * k, d, f, jr.PRNGKey(1))
     x = jr.normal(jr.PRNGKey(2), (t, d), jnp.float32).astype(dtype)
+    if args.breakdown:
+        return main_breakdown(shape, dtype, x, repeats, args.quick)
 
     rows, one_device = [], {}
     for name, (layer, mesh) in variants(shape, dtype, num_devices, args.quick).items():
         fwd, step = layer_fns(layer, x, mesh)
-        check_no_overflow(name, fwd)
-        for label, fn, base in (
-            ("forward", fwd, dense[0]),
-            ("fwd+bwd", step, dense[1]),
-        ):
+        # Quick: the fwd+bwd step only (one compilation per variant; its aux output
+        # is the stats).
+        check_no_overflow(name, step if args.quick else fwd)
+        passes = (("forward", fwd, dense[0]), ("fwd+bwd", step, dense[1]))
+        for label, fn, base in passes[1:] if args.quick else passes:
             best = interleaved_min({"layer": fn, "dense": base}, repeats)
             row = dict(
                 layer=name,
@@ -263,6 +452,40 @@ def main(argv=None):
             "quick": args.quick,
             "repeats": repeats,
             "hf": hf_note,
+            "rows": rows,
+        },
+    )
+    return rows
+
+
+def main_breakdown(shape, dtype, x, repeats, quick):
+    t, d, f, e, k = shape
+    rows, wall = run_breakdown(shape, dtype, x, repeats, quick)
+    print(
+        f"\nfwd+bwd step by stage (ms, share of thunk time x interleaved min step "
+        f"time): T={t}, d_model={d}, d_ff={f}, E={e}, k={k}, "
+        f"{jnp.dtype(dtype).name}, {jax.devices()[0].device_kind}"
+    )
+    names = list(wall)
+    print_table(rows, ["stage", *names, *(f"{n} - one" for n in names[1:])])
+    print("step ms: " + ", ".join(f"{n} {ms:.1f}" for n, ms in wall.items()))
+    print(
+        ", ".join(
+            f"{n} / one device {wall[n] / wall[names[0]]:.2f}x" for n in names[1:]
+        )
+    )
+    write_json(
+        "layer_breakdown",
+        {
+            "shape": dict(
+                T=t, d_model=d, d_ff=f, E=e, k=k, dtype=jnp.dtype(dtype).name
+            ),
+            "device": jax.devices()[0].device_kind,
+            "cpu_count": os.cpu_count(),
+            "jax": jax.__version__,
+            "quick": quick,
+            "repeats": repeats,
+            "step_ms": wall,
             "rows": rows,
         },
     )

@@ -461,7 +461,8 @@ def main():
     args.goal_shards, args.degree_shards, args.goal_tokens = [32, 64], [8, 32, 64], 1024
     if args.quick:
         args.shards, args.zipf, args.slots = [8], [1.2], [1, 2]
-        args.goal_shards, args.degree_shards = [32], [8]
+        # R = 8 everywhere: the goals then reuse the balance rows' compiled plans.
+        args.goal_shards, args.degree_shards = [8], [8]
         args.hot = ["spread", "contiguous"]
         args.tokens, args.reps = min(args.tokens, 256), 5
         args.static_shards, args.static_tokens, args.steps, args.window = 8, 128, 6, 2

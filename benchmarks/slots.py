@@ -24,6 +24,7 @@ Usage:
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -214,7 +215,14 @@ def main():
         return
     shards = [8, 16] if args.quick else [8, 16, 32, 64, 128, 256]
     slot_counts = [2] if args.quick else [1, 2]
-    rows = [_row(r, s, not args.no_compile) for s in slot_counts for r in shards]
+    # Each row compiles in its own subprocess: run as many at once as there are cores.
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        rows = list(
+            pool.map(
+                lambda rs: _row(*rs, not args.no_compile),
+                [(r, s) for s in slot_counts for r in shards],
+            )
+        )
     print(
         "Per-device expert-sized buffers (copies) of the slot path; ragged analytic, "
         "c_* compiled (dense exchange on CPU, and the [E] baseline)"
