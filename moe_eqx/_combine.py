@@ -21,8 +21,8 @@ def combine(
     With `pairs.order` and `pairs.inverse` set (as [`moe_eqx.sort_by_expert`][] does),
     this is a gather by `inverse` with the weights folded in, and its backward a
     gather by `order` (`moe_eqx._permute.unpermute_sum`); else a scatter-add over
-    `pairs.row`, whose XLA:CPU forward+backward is about 20x slower (36 ms against
-    1.6 ms at T=4096, k=4, d_model=512, float32).
+    `pairs.row`, whose forward is 4x slower on XLA:CPU (3.5 ms against 0.8 ms at
+    T=4096, k=4, d_model=512, float32).
 
     **Arguments:**
 

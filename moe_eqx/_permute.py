@@ -5,9 +5,11 @@ row `r`) lands at position `inverse[p]` of the sorted order, and `order[i]` is t
 at position `i`. Both the dispatch (`xs[i] = x[order[i] // per_row]`) and the combine
 (`y[r] = sum_j w[inverse[r * per_row + j]] out[inverse[r * per_row + j]]`) are then
 gathers, and so are their transposes: each is the other's. Differentiating the plain
-gather instead gives a scatter-add, which XLA:CPU runs serially: at T=4096, k=4,
-d_model=512 float32, the scatter-add combine's forward+backward took 36 ms, against 1-2
-ms for a gather of the same rows.
+gather instead gives a scatter-add, which XLA:CPU runs as a serial loop. Measured at
+T=4096, k=4, d_model=512, float32 (min of 30, one process): the combine's forward is
+0.8 ms as a gather against 3.5 ms as a scatter-add, its forward+backward 10.7 against
+14.8 ms (most of the rest is writing two fresh `[T k, d_model]` arrays), and the token
+gather's backward 0.8 against 1.8 ms.
 
 Assumptions (the callers' contract):
 
