@@ -149,10 +149,11 @@ def trip_wire_rows(
         spec.exchange, axis_name=spec.axis_name, block_rows=bufs.block_rows
     )
     recv_x, recv_groups, recv_weights = send_rows(inputs.x, wire, plan, exchange, bufs)
+    recv_rows = recv_x.shape[0]  # the exchange's unpacked layout: B rows or more
     pairs, dropped_at_receiver = expand_rows(
         recv_groups,
         recv_weights,
-        jnp.asarray(bufs.rows, jnp.int32),
+        jnp.asarray(recv_rows, jnp.int32),
         local_groups=spec.local_groups,
         capacity=bufs.pairs,
     )
@@ -164,9 +165,9 @@ def trip_wire_rows(
         backend=spec.gmm_backend,
         grad_acc=grad_acc,
     )
-    y_rows = combine(expert_out, pairs, bufs.rows)
+    y_rows = combine(expert_out, pairs, recv_rows)
     with jax.named_scope("moe_eqx.exchange"):
-        back = combine_rows(exchange, y_rows, plan, bufs.send_rows)
+        back = combine_rows(exchange, y_rows, plan, bufs.send_rows, bufs.rows)
     y = sum_to_tokens(back, wire, inputs.x.shape[0])
     stats = TripStats(
         computed_pairs=jnp.sum(pairs.group_sizes).astype(jnp.int32),
@@ -190,8 +191,9 @@ def send_rows(
     Float[Array, "recv_rows width"],
 ]:
     """The dispatch trip: each wire row's token activation and its `(group, weight)`
-    entries, in the receive layout. Returns `(x, groups, weights)`, `[B, ...]` each;
-    rows that did not arrive have group -1 and weight 0."""
+    entries, in the exchange's unpacked receive layout (`[B, ...]` or more rows: the
+    trip needs each row's content, not its position). Returns `(x, groups,
+    weights)`; rows that did not arrive have group -1 and weight 0."""
     width = wire.groups.shape[1]
     with jax.named_scope("moe_eqx.exchange"):
         recv_x = dispatch_rows(

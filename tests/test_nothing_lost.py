@@ -149,13 +149,13 @@ def test_broken_exchange_shows_as_lost_pairs(getkey, monkeypatch):
     """A row that never arrives is not computed and not counted as dropped: the
     stats count what arrived, so the loss shows (a plan-derived count would not)."""
     dense = me.DenseExchange
-    real = dense.dispatch
+    real = dense.dispatch_unpacked  # the receive layout the trip uses
 
     def lossy(self, send, plan, capacity):
         out = real(self, send, plan, capacity)
         return out.at[0].set(jnp.zeros((), out.dtype))  # row 0 of each receiver
 
-    monkeypatch.setattr(dense, "dispatch", lossy)
+    monkeypatch.setattr(dense, "dispatch_unpacked", lossy)
     layer = make_layer(getkey(), mesh_size=4, d_ff=28, top_k=2, buffer_factor=None)
     x = tokens(getkey(), 64)
     _, stats = jax.jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)

@@ -135,11 +135,13 @@ def test_received_rows_to_pairs_and_back(getkey, capacity):
 @pytest.mark.parametrize("r,capacity", [(4, 64), (4, 9), (8, 20)])
 def test_exchange_backward_is_the_opposite_trip(getkey, r, capacity):
     """`dispatch_rows`/`combine_rows` have the values and gradients of autodiff through
-    the dense backend, also where the receive buffer cuts rows off."""
+    the dense backend's unpacked trips, also where the receive buffer cuts rows off;
+    the unpacked layout holds the rows of the packed one, and both round trips
+    return the same rows."""
     rng = np.random.default_rng(r * 31 + capacity)
     counts = jnp.asarray(rng.integers(0, 16 // r + 1, size=(r, r)), jnp.int32)
     send = jr.normal(getkey(), (r, 16, 3))
-    ct_recv = jr.normal(getkey(), (r, capacity, 3))
+    ct_recv = jr.normal(getkey(), (r, r * 16, 3))  # the unpacked layout's rows
     ct_back = jr.normal(getkey(), (r, 16, 3))
     ex = me.DenseExchange(axis_name="expert", block_rows=16)
 
@@ -151,28 +153,48 @@ def test_exchange_backward_is_the_opposite_trip(getkey, r, capacity):
             there = (
                 (lambda s: dispatch_rows(ex, s, plan, capacity))
                 if custom
-                else (lambda s: ex.dispatch(s, plan, capacity))
+                else (lambda s: ex.dispatch_unpacked(s, plan, capacity))
             )
             back = (
-                (lambda v: combine_rows(ex, v, plan, 16))
+                (lambda v: combine_rows(ex, v, plan, 16, capacity))
                 if custom
-                else (lambda v: ex.combine(v, plan, 16))
+                else (lambda v: ex.combine_unpacked(v, plan, 16))
             )
             recv, vjp_there = jax.vjp(there, send[0])
             returned, vjp_back = jax.vjp(back, recv)
             (d_recv,) = vjp_back(ct_back[0])
             (d_send,) = vjp_there(d_recv + ct_recv[0])
-            return recv[None], returned[None], d_send[None]
+            packed = ex.dispatch(send[0], plan, capacity)
+            packed_back = ex.combine(packed, plan, 16)
+            return (
+                recv[None],
+                returned[None],
+                d_send[None],
+                packed[None],
+                packed_back[None],
+            )
 
         return jax.jit(
             jax.shard_map(
                 body,
                 mesh=auto_mesh(r),
                 in_specs=(P("expert"),) * 3,
-                out_specs=(P("expert"),) * 3,
+                out_specs=(P("expert"),) * 5,
                 check_vma=False,
             )
         )(send, ct_recv, ct_back)
 
-    for got, want in zip(grads(send, True), grads(send, False), strict=True):
-        np.testing.assert_array_equal(got, want)
+    got, want = grads(send, True), grads(send, False)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    unpacked, returned, _, packed, packed_back = got
+    np.testing.assert_array_equal(returned, packed_back)
+    for d in range(r):  # the same rows, source by source, and zeros elsewhere
+        rows = np.asarray(unpacked[d]).reshape(r, 16, 3)
+        start = 0
+        for s in range(r):
+            n = int(np.sum(np.asarray(rows[s]).any(axis=1)))
+            np.testing.assert_array_equal(rows[s][:n], packed[d][start : start + n])
+            assert not np.asarray(rows[s][n:]).any()
+            start += n
+        assert not np.asarray(packed[d][start:]).any()

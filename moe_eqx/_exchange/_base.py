@@ -110,6 +110,39 @@ class AbstractExchange(eqx.Module):
         `[send_rows, ...]` in the sender's layout.
         """
 
+    def dispatch_unpacked(
+        self, send: Shaped[Array, "send_rows ..."], plan: ExchangePlan, capacity: int
+    ) -> Shaped[Array, "unpacked_rows ..."]:
+        """`dispatch` without packing the received rows into the common `[B, ...]`
+        layout: for a consumer that needs each received row's content (rows that did
+        not arrive are zero), not its position. The backend's own receive buffer;
+        this default is `dispatch`'s `[B, ...]`.
+
+        **Arguments:** as `dispatch`.
+
+        **Returns:**
+
+        `[N, ...]` rows (`N` fixed by the backend and the arguments' shapes).
+        """
+        return self.dispatch(send, plan, capacity)
+
+    def combine_unpacked(
+        self,
+        recv: Shaped[Array, "unpacked_rows ..."],
+        plan: ExchangePlan,
+        send_rows: int,
+    ) -> Shaped[Array, "send_rows ..."]:
+        """`combine` from the layout of `dispatch_unpacked` (the return trip of each
+        of its rows). This default is `combine`.
+
+        **Arguments:** as `combine`, with `recv` in the layout of `dispatch_unpacked`.
+
+        **Returns:**
+
+        `[send_rows, ...]` in the sender's layout.
+        """
+        return self.combine(recv, plan, send_rows)
+
 
 # Each trip is a partial permutation of rows (a row either lands at exactly one place
 # or nowhere), so the transpose of `dispatch` is `combine` and that of `combine` is
@@ -123,9 +156,9 @@ def dispatch_rows(
     plan: ExchangePlan,
     capacity: int,
 ) -> Shaped[Array, "recv_rows ..."]:
-    """`exchange.dispatch(send, plan, capacity)`, whose backward is
-    `exchange.combine` of the cotangent (the return trip) instead of the transpose of
-    the backend's own operations.
+    """`exchange.dispatch_unpacked(send, plan, capacity)`, whose backward is
+    `exchange.combine_unpacked` of the cotangent (the return trip) instead of the
+    transpose of the backend's own operations.
 
     **Arguments:**
 
@@ -136,9 +169,9 @@ def dispatch_rows(
 
     **Returns:**
 
-    `[B, ...]`, as `exchange.dispatch`.
+    The backend's unpacked receive layout, as `exchange.dispatch_unpacked`.
     """
-    return exchange.dispatch(send, plan, capacity)
+    return exchange.dispatch_unpacked(send, plan, capacity)
 
 
 def _dispatch_fwd(exchange, send, plan, capacity):
@@ -147,43 +180,44 @@ def _dispatch_fwd(exchange, send, plan, capacity):
 
 def _dispatch_bwd(exchange, capacity, res, g):
     plan, send_rows = res
-    return exchange.combine(g, plan, send_rows), None
+    return exchange.combine_unpacked(g, plan, send_rows), None
 
 
 dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
 def combine_rows(
     exchange: AbstractExchange,
     recv: Shaped[Array, "recv_rows ..."],
     plan: ExchangePlan,
     send_rows: int,
+    capacity: int,
 ) -> Shaped[Array, "send_rows ..."]:
-    """`exchange.combine(recv, plan, send_rows)` (the return trip), whose backward is
-    `exchange.dispatch` of the cotangent.
+    """`exchange.combine_unpacked(recv, plan, send_rows)` (the return trip), whose
+    backward is `exchange.dispatch_unpacked` of the cotangent.
 
     **Arguments:**
 
     - `exchange`: the [`moe_eqx.AbstractExchange`][] backend.
-    - `recv`: `[B, ...]` in the receive layout of `dispatch`.
+    - `recv`: rows in the layout of `exchange.dispatch_unpacked`.
     - `plan`: the same [`ExchangePlan`][].
     - `send_rows`: rows of the sender's layout.
+    - `capacity`: receive buffer rows `B` of the dispatch trip (for the backward).
 
     **Returns:**
 
-    `[send_rows, ...]`, as `exchange.combine`.
+    `[send_rows, ...]`, as `exchange.combine_unpacked`.
     """
-    return exchange.combine(recv, plan, send_rows)
+    return exchange.combine_unpacked(recv, plan, send_rows)
 
 
-def _combine_fwd(exchange, recv, plan, send_rows):
-    return combine_rows(exchange, recv, plan, send_rows), (plan, recv.shape[0])
+def _combine_fwd(exchange, recv, plan, send_rows, capacity):
+    return combine_rows(exchange, recv, plan, send_rows, capacity), plan
 
 
-def _combine_bwd(exchange, send_rows, res, g):
-    plan, capacity = res
-    return exchange.dispatch(g, plan, capacity), None
+def _combine_bwd(exchange, send_rows, capacity, plan, g):
+    return exchange.dispatch_unpacked(g, plan, capacity), None
 
 
 combine_rows.defvjp(_combine_fwd, _combine_bwd)

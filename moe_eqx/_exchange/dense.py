@@ -32,13 +32,7 @@ class DenseExchange(AbstractExchange):
     ) -> Shaped[Array, "recv_rows ..."]:
         num_shards = plan.sizes.shape[0]
         shard = plan.shard
-        i = jnp.arange(self.block_rows, dtype=jnp.int32)
-        # Blocks to each destination d: rows [send_offsets[shard, d], + sizes[shard, d]).
-        src = plan.send_offsets[shard][:, None] + i[None, :]
-        ok = i[None, :] < plan.sizes[shard][:, None]
-        src = jnp.clip(src, 0, send.shape[0] - 1)
-        blocks = _masked_take(send, src, ok)
-        blocks = jax.lax.all_to_all(blocks, self.axis_name, 0, 0, tiled=False)
+        blocks = self._send_blocks(send, plan)
         # blocks[s] now holds the rows source s sent here; compact them into [B, ...].
         row = jnp.arange(capacity, dtype=jnp.int32)
         starts = plan.recv_offsets[:, shard]
@@ -55,14 +49,55 @@ class DenseExchange(AbstractExchange):
     def combine(
         self, recv: Shaped[Array, "recv_rows ..."], plan: ExchangePlan, send_rows: int
     ) -> Shaped[Array, "send_rows ..."]:
-        num_shards = plan.sizes.shape[0]
         shard = plan.shard
         i = jnp.arange(self.block_rows, dtype=jnp.int32)
         # Block for source s: rows [recv_offsets[s, shard], + sizes[s, shard]) received.
         idx = plan.recv_offsets[:, shard][:, None] + i[None, :]
         ok = i[None, :] < plan.sizes[:, shard][:, None]
         idx = jnp.clip(idx, 0, recv.shape[0] - 1)
-        blocks = _masked_take(recv, idx, ok)
+        return self._return_blocks(_masked_take(recv, idx, ok), plan, send_rows)
+
+    # The unpacked layout is the `[R * block_rows, ...]` blocks themselves: without
+    # the packing gather on the receiver and its inverse on the return trip, a round
+    # trip moves each row through 2 gathers, not 4 (at the EP8 shape of
+    # benchmarks/layer.py, 8 MiB each per shard and direction).
+    def dispatch_unpacked(
+        self, send: Shaped[Array, "send_rows ..."], plan: ExchangePlan, capacity: int
+    ) -> Shaped[Array, "unpacked_rows ..."]:
+        """`[R * block_rows, ...]`: block `s` holds the rows source `s` sent here
+        (`plan.sizes[s, shard]` of them, then zeros)."""
+        blocks = self._send_blocks(send, plan)
+        return blocks.reshape(-1, *blocks.shape[2:])
+
+    def combine_unpacked(
+        self,
+        recv: Shaped[Array, "unpacked_rows ..."],
+        plan: ExchangePlan,
+        send_rows: int,
+    ) -> Shaped[Array, "send_rows ..."]:
+        num_shards = plan.sizes.shape[0]
+        # Rows past each block's received count may hold anything: their source
+        # never reads them back (`_return_blocks` takes only the rows it sent).
+        blocks = recv.reshape(num_shards, self.block_rows, *recv.shape[1:])
+        return self._return_blocks(blocks, plan, send_rows)
+
+    def _send_blocks(self, send, plan: ExchangePlan):
+        """`[R, block_rows, ...]` blocks to each destination, exchanged: block `s` of
+        the result holds what source `s` sent here."""
+        shard = plan.shard
+        i = jnp.arange(self.block_rows, dtype=jnp.int32)
+        # Blocks to each destination d: rows [send_offsets[shard, d], + sizes[shard, d]).
+        src = plan.send_offsets[shard][:, None] + i[None, :]
+        ok = i[None, :] < plan.sizes[shard][:, None]
+        src = jnp.clip(src, 0, send.shape[0] - 1)
+        blocks = _masked_take(send, src, ok)
+        return jax.lax.all_to_all(blocks, self.axis_name, 0, 0, tiled=False)
+
+    def _return_blocks(self, blocks, plan: ExchangePlan, send_rows: int):
+        """Exchanges `[R, block_rows, ...]` blocks back (block `s` to source `s`) and
+        puts each row at the position it was sent from (zero where none was)."""
+        num_shards = plan.sizes.shape[0]
+        shard = plan.shard
         blocks = jax.lax.all_to_all(blocks, self.axis_name, 0, 0, tiled=False)
         # blocks[d] holds my rows returned by destination d, in send order.
         row = jnp.arange(send_rows, dtype=jnp.int32)
