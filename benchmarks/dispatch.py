@@ -122,7 +122,8 @@ def main():
             on_overflow="drop",
         )
         layer = me.MoELayer(cfg, key=jr.PRNGKey(0))
-        params, static = eqx.partition(layer, eqx.is_array)
+        # Floating-point parameters: `expert_ids` is an integer array.
+        params, static = eqx.partition(layer, eqx.is_inexact_array)
         x = jnp.zeros((t_total, 128), jnp.float32)
 
         def fwd(p, x, static=static):

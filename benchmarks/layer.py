@@ -264,8 +264,10 @@ STAGE_FUNCTIONS = {
     "stats": {"_stats", "routed_stats"},
     "fallback (chunked)": {"chunked_dropless"},
 }
-# Gathers that several stages call: theirs where a stage above calls them.
+# Gathers that several stages call (functions, then named scopes): theirs where a
+# stage above calls them.
 HELPERS = {"permute_rows": "row gathers", "unpermute_sum": "combine"}
+HELPER_SCOPES = {"moe_eqx.permute": "row gathers", "moe_eqx.unpermute": "combine"}
 # Where a custom_vjp or a nested jit cut the recorded call stack short: the innermost
 # `moe_eqx.*` named scope of the instruction's name.
 STAGE_SCOPES = {
@@ -274,11 +276,9 @@ STAGE_SCOPES = {
     "moe_eqx.dedup_dispatch": "dedup/wire rows",
     "moe_eqx.exchange": "exchange copies",
     "moe_eqx.expand": "expand_rows",
-    "moe_eqx.permute": "row gathers",
     "moe_eqx.experts": "GMM",
     "moe_eqx.gmm": "GMM",
     "moe_eqx.combine": "combine",
-    "moe_eqx.unpermute": "combine",
     "moe_eqx.to_tokens": "scatter back to tokens",
     "moe_eqx.overflow": "planning",
 }
@@ -297,9 +297,10 @@ def stage_of(opcode: str, op_name: str, functions: tuple[str, ...]) -> str:
         for function in functions:
             if function in table:
                 return table[function]
-    scopes = [p for p in re.split(r"[/()]", op_name) if p in STAGE_SCOPES]
-    if scopes:
-        return STAGE_SCOPES[scopes[-1]]
+    for table in (STAGE_SCOPES, HELPER_SCOPES):
+        scopes = [p for p in re.split(r"[/()]", op_name) if p in table]
+        if scopes:
+            return table[scopes[-1]]
     for function in functions:
         if function in GLUE:
             return GLUE[function]

@@ -158,7 +158,7 @@ def trip_wire_rows(
         capacity=bufs.pairs,
     )
     expert_out = expert_ffn(
-        permute_rows(recv_x, pairs.order, pairs.inverse),
+        recv_x[pairs.row],  # see `_sort_pairs` for why not `permute_rows`
         inputs.w_gate_up,
         inputs.w_down,
         pairs.group_sizes,
