@@ -1,7 +1,7 @@
 """Wire rows and bytes with and without dedup, against the analytic count, and the
 compiled memory of the expert-parallel layer with a capped vs worst-case buffer.
 
-    python3 benchmarks/dispatch.py [--quick]
+    python3 benchmarks/dispatch.py [--quick]   # --quick: EP 8 and 16, forward memory only
 
 The wire counts come from `moe_eqx.send_counts`, the function the layer itself uses
 to size its exchange, applied to synthetic routing of every shard (no devices needed).
@@ -132,10 +132,12 @@ def main():
         def grad(p, x, static=static):
             return jax.grad(lambda p: jnp.sum(fwd(p, x)))(p)
 
-        for label, fn in (("forward", fwd), ("fwd+bwd", grad)):
+        # Quick: the forward only (each program takes seconds to compile).
+        passes = (("forward", fwd), ("fwd+bwd", grad))
+        for label, fn in passes[:1] if args.quick else passes:
             m = compiled_memory(fn, params, x)
             mem_rows.append(dict(buffer_factor=str(bf), pass_=label, **m))
-    for label in ("forward", "fwd+bwd"):
+    for label in ("forward",) if args.quick else ("forward", "fwd+bwd"):
         capped, worst = (r for r in mem_rows if r["pass_"] == label)
         capped["vs_worst"] = capped["peak_mib"] / worst["peak_mib"]
         worst["vs_worst"] = 1.0
