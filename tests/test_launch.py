@@ -165,6 +165,10 @@ def test_gloo_connection_reports_are_noise():
     assert without_noise(ok) is None
     # Written into the middle of another line: the rest of the line stays.
     assert without_noise("resumed at step 12" + ok) == "resumed at step 12"
+    # Two reports interleaved mid-word across two lines: both fragments go.
+    tail = " peer ranks. Expected number of connected peer ranks is : 7"
+    assert without_noise("[Gloo] Rank 7 is connected to 7[Gloo] Rank " + tail) is None
+    assert without_noise("6 is connected to 7" + tail) is None
     # A rank with missing peers, and anything else, is shown.
     missing = ok.replace("to 7", "to 5")
     assert without_noise(missing) == missing

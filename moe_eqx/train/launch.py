@@ -45,6 +45,14 @@ _GLOO_CONNECTED = re.compile(
     r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of "
     r"connected peer ranks is : (\d+)"
 )
+# Two ranks' reports written at once interleave mid-word across two lines (seen:
+# "[Gloo] Rank 7 is connected to 7[Gloo] Rank  peer ranks. Expected ... : 7" then
+# "6 is connected to 7 peer ranks. Expected ... : 7"): their fragments.
+_GLOO_HEAD = re.compile(r"\[Gloo\] Rank\s*\d*(?: is connected to \d*)?")
+_GLOO_TAIL = re.compile(
+    r"\d*\s*(?:is connected to \d+ )?peer ranks\. Expected number of connected peer "
+    r"ranks is : \d+"
+)
 
 
 def without_noise(line: str) -> str | None:
@@ -53,6 +61,8 @@ def without_noise(line: str) -> str | None:
     text = _GLOO_CONNECTED.sub(
         lambda m: "" if m.group(1) == m.group(2) else m.group(0), line
     )
+    if not _GLOO_CONNECTED.search(text):  # a rank with missing peers stays whole
+        text = _GLOO_TAIL.sub("", _GLOO_HEAD.sub("", text))
     return None if text != line and not text.strip() else text
 
 
