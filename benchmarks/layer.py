@@ -190,6 +190,13 @@ def hf_rows(shape, x, dense, repeats):
 def _time_hf(block, impl, shape, x, dense, repeats, torch):
     t, d, f, e, k = shape
     block = block.float().eval()
+    # transformers leaves the block's parameters uninitialised (torch.empty: NaNs and
+    # garbage) until a model's `_init_weights` runs: draw them here, scaled by fan-in
+    # (the last axis of every one of its `[..., out, in]` weights).
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
     state = {name: v.detach().numpy() for name, v in block.state_dict().items()}
     cfg = me.MoEConfig(d_model=d, d_ff=f, num_experts=e, top_k=k)
     ours = me.layer_from_hf_state_dict(cfg, state)
@@ -197,6 +204,8 @@ def _time_hf(block, impl, shape, x, dense, repeats, torch):
     y_hf = block(xt)
     y_hf = (y_hf[0] if isinstance(y_hf, tuple) else y_hf)[0].detach().numpy()
     err = float(np.max(np.abs(y_hf - np.asarray(ours(x)[0]))))
+    if not err < 1e-3 * max(1.0, float(np.max(np.abs(y_hf)))):
+        raise RuntimeError(f"the HF block and ours differ: max |y - ours| = {err:.1e}")
 
     class Fn:
         def __init__(self, backward):
