@@ -3,11 +3,12 @@
 
 The local tokens are split into `n` chunks small enough that one chunk's worst case
 (`R * c` wire rows, `R * c * min(k, G)` pairs) fits the capped buffers, and the chunks run
-in a `lax.scan`, so no pair is ever dropped and peak memory stays that of the capped
-path. The forward keeps only its inputs as residuals; the backward re-runs one chunk at
-a time and accumulates the expert-weight gradients in the scan carry, in place (the GMM
-backward adds into the carry; an unrolled loop would keep every chunk's weight gradient
-alive at once).
+in a loop, so no pair is ever dropped and peak memory stays that of the capped path
+(within one `[T, d_model]` buffer when the layer is compiled with both, see
+`capped_or_fallback`). The forward keeps only its inputs as residuals; the backward
+re-runs one chunk at a time and accumulates the expert-weight gradients in the loop
+carry, in place (the GMM backward adds into the carry; an unrolled loop would keep
+every chunk's weight gradient alive at once).
 """
 
 import functools as ft
@@ -286,15 +287,20 @@ def capped_or_fallback(
     union of both branches' residuals, and rematerialising the capped branch instead
     (`jax.checkpoint`, the previous design) re-runs its forward, exchange included, in
     the backward: measured 1.08-1.4x the capped-only forward+backward step when the
-    fallback never runs. Here there is no conditional. The capped trip always runs and
-    keeps its residuals; the fallback is a loop over its chunks whose trip count is
-    `num_chunks` on overflow and 0 otherwise, writing over the capped output in place.
-    One `custom_vjp` orders the work so that the two paths' big buffers never coexist:
-    backward, the capped pullback first (its residuals are then gone), then the
-    fallback's chunks summing their weight gradients onto it. In the forward the chunks
-    run while the capped trip's residuals are held, so they are `FORWARD_SPLIT` times
-    smaller than the backward's. On overflow the capped trip's work is wasted (its
-    gradient is zero): the price of a fallback that costs nothing when it does not run.
+    fallback never runs. Here there is no conditional: both paths always run, and the
+    overflow flag sets how much work each does. The fallback is a loop over its chunks
+    whose trip count is `num_chunks` on overflow and 0 otherwise. The capped trip's
+    exchange counts are zeroed on overflow: it then sends nothing and computes nothing,
+    and its output and gradients are zero without any masking.
+
+    One `custom_vjp` orders the work so that the big buffers of the two paths never
+    coexist. Forward: the chunks run first, before the capped trip's residuals exist
+    (an optimization barrier keeps them there); only their `[T, d_model]` output is
+    held across the capped trip. Backward: the capped pullback first (its residuals
+    are then gone), then the chunks, re-running their forward and summing their
+    weight gradients onto the capped ones. The backward's chunks are half the forward's
+    size: they run next to the weight-gradient accumulators and the step's `[T,
+    d_model]` cotangents.
 
     **Arguments:**
 
@@ -316,21 +322,23 @@ def capped_or_fallback(
     )
 
 
-# The forward's chunks run while the capped trip's residuals are held (the backward's
-# run after the capped pullback has freed them), so they are smaller: with the
-# backward's chunk size the step measured up to 1.06x the capped step's peak
-# (temp + output per device), at a quarter of it 1.0000-1.0001x (d_model=64..256,
-# 256..8192 tokens, EP8, float32). They also compute in the weights' dtype: a
-# low-precision cast of the weights inside the loop would sit next to the capped
-# trip's residuals (+10% with bfloat16 activations when the weights dominate).
-FORWARD_SPLIT = 4
+# Chunks per base chunk (`fallback_chunking`'s, sized to the capped buffers) in the
+# forward and in the backward. Forward+backward peak (temp + output per device, the
+# input differentiated too) against the capped-only step: see `_cof_fwd`. With
+# bfloat16 weights the backward's float32 weight-gradient accumulators sit next to a
+# chunk: base-size backward chunks measured +3.6 MiB (1.025x) at d_model=256,
+# d_ff=512, 8192 tokens, EP8; halved, +1.6 MiB (1.011x), and no faster with four.
+FORWARD_SPLIT = 2
+BACKWARD_SPLIT = 2
 
 
-def _forward_chunking(inputs: TripInputs, fallback: TripSpec, num_chunks: int):
-    """The forward's finer chunks: `FORWARD_SPLIT` times as many, with their own
-    worst-case buffers."""
+def _finer_chunking(
+    inputs: TripInputs, fallback: TripSpec, num_chunks: int, split: int
+) -> tuple[TripSpec, int]:
+    """`split` times as many chunks as the base `num_chunks` (at most one per token),
+    with their own worst-case buffers."""
     tokens = inputs.x.shape[0]
-    n = min(tokens, FORWARD_SPLIT * num_chunks)
+    n = min(tokens, split * num_chunks)
     buffers = buffer_sizes(
         tokens=math.ceil(tokens / n),
         top_k=inputs.weights.shape[1],
@@ -346,51 +354,76 @@ def _trips(overflow, num_chunks: int):
     return jnp.where(overflow, num_chunks, 0)
 
 
-def _then_fallback(y, stats, overflow, inputs, fallback, n, upcast=False):
-    """The capped trip's `(y, stats)`, overwritten in place by `n` chunks on overflow."""
-    stats = jax.tree.map(lambda a: jnp.where(overflow, 0, a), stats)
-    return _forward_loop(_trips(overflow, n), y, stats, inputs, fallback, n, upcast)
+def _capped_counts(counts, overflow):
+    """The capped trip's exchange counts: none on overflow (it then moves nothing)."""
+    return jnp.where(overflow, jnp.zeros_like(counts), counts)
+
+
+def _select(overflow, on_overflow, otherwise):
+    return jax.tree.map(lambda a, b: jnp.where(overflow, a, b), on_overflow, otherwise)
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _capped_or_fallback(capped, fallback, n, overflow, inputs, wire, counts):
-    # Without autodiff the capped trip holds no residuals: the backward's chunks.
-    y, stats = trip_wire_rows(inputs, wire, counts, capped)
-    return _then_fallback(y, stats, overflow, inputs, fallback, n)
+    # Without autodiff nothing is held: the capped trip, then the base chunks writing
+    # over its (zero) output in place.
+    y, stats = trip_wire_rows(inputs, wire, _capped_counts(counts, overflow), capped)
+    stats = jax.tree.map(lambda a: jnp.where(overflow, 0, a), stats)
+    return _forward_loop(_trips(overflow, n), y, stats, inputs, fallback, n)
 
 
 def _cof_fwd(capped, fallback, n, overflow, inputs, wire, counts):
+    # The chunks first, while nothing big is held; the barrier keeps XLA from moving
+    # them next to the capped trip's residuals. Measured forward+backward peak against
+    # the capped-only step: + one [T, d_model] (the chunks' output), e.g. 1.0085x at
+    # d_model=128, d_ff=512, EP4 and 1.0068x at d_model=256, 8192 tokens, EP8, where
+    # 4x finer chunks after the capped trip measured 1.032x and 1.0066x. They compute
+    # in the weights' dtype: a cast of the weights to bfloat16 activations in every
+    # chunk measured +40 KiB at the memory test's shape, where the weights dominate.
+    fine, fine_n = _finer_chunking(inputs, fallback, n, FORWARD_SPLIT)
+    chunked = _forward_loop(
+        _trips(overflow, fine_n),
+        _zeros_like_varying(inputs.x, inputs.x),
+        _zero_stats(inputs.valid),
+        inputs,
+        fine,
+        fine_n,
+        upcast=True,
+    )
+    chunked, x = jax.lax.optimization_barrier((chunked, inputs.x))
+    capped_counts = _capped_counts(counts, overflow)
+
     def trip(x, wire_weights, w_gate_up, w_down):
         trip_inputs = eqx.tree_at(
             lambda i: (i.x, i.w_gate_up, i.w_down), inputs, (x, w_gate_up, w_down)
         )
         rows = eqx.tree_at(lambda w: w.weights, wire, wire_weights)
-        return trip_wire_rows(trip_inputs, rows, counts, capped)
+        return trip_wire_rows(trip_inputs, rows, capped_counts, capped)
 
     y, pullback, stats = jax.vjp(
-        trip, inputs.x, wire.weights, inputs.w_gate_up, inputs.w_down, has_aux=True
+        trip, x, wire.weights, inputs.w_gate_up, inputs.w_down, has_aux=True
     )
-    fine, fine_n = _forward_chunking(inputs, fallback, n)
-    out = _then_fallback(y, stats, overflow, inputs, fine, fine_n, upcast=True)
+    out = _select(overflow, chunked, (y, stats))
     return out, (overflow, inputs, wire, pullback)
 
 
 def _cof_bwd(capped, fallback, n, res, cotangents):
     overflow, inputs, wire, pullback = res
     dy, _ = cotangents  # the integer stats have no cotangent
-    d_x, d_wire_weights, d_gu, d_dn = pullback(jnp.where(overflow, 0, dy))
+    # Zero on overflow: the capped trip moved nothing.
+    d_x, d_wire_weights, d_gu, d_dn = pullback(dy)
     # The fallback's chunks start after the capped pullback (whose buffers are then
-    # gone). On overflow the capped gradients are zero and every row of `d_x` is
-    # written by a chunk.
+    # gone). On overflow every row of `d_x` is written by a chunk.
+    fine, fine_n = _finer_chunking(inputs, fallback, n, BACKWARD_SPLIT)
     acc, d_x, d_weights = _backward_loop(
-        _trips(overflow, n),
+        _trips(overflow, fine_n),
         _grad_acc(inputs.w_gate_up, inputs.w_down, (d_gu, d_dn)),
         d_x,
         _zeros_like_varying(inputs.weights, dy),
         inputs,
         dy,
-        fallback,
-        n,
+        fine,
+        fine_n,
     )
     # Only the routing weights the wire rows carry have a cotangent.
     d_wire = eqx.tree_at(

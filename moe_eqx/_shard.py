@@ -44,8 +44,9 @@ class MoEStats(eqx.Module):
     - `load_balance_loss`, `router_z_loss`: global router losses.
     - `required_buffer_factor`: the smallest `buffer_factor` that would not overflow.
     - `dedup_ratio`: wire rows / pairs (1.0 without dedup).
-    - `num_chunks`: the chunk count the fallback uses when it runs (fixed per
-        configuration; 1 when it cannot be needed), whether or not it ran this call.
+    - `num_chunks`: the fallback's base chunk count, [`moe_eqx.fallback_chunking`][]'s
+        (fixed per configuration; 1 when it cannot be needed), whether or not it ran
+        this call. Its forward and backward each run twice as many half-size chunks.
     - `block_rows`: rows per destination block of the dense exchange (its buffers hold
         `R * block_rows` rows; 0 for the ragged exchange or one device).
     - `expert_counts`: `[E]` pairs routed to each expert, over all shards.
@@ -166,7 +167,7 @@ class _Routed(eqx.Module):
 
 def _route(setup: _ShardSetup, router: Router, expert_ids, x) -> _Routed:
     """Steps 1-2: route, then share the per-expert counts: every plan below is
-    identical on all shards, so every `lax.cond` takes the same branch everywhere."""
+    identical on all shards, so every shard takes the same path."""
     # Logical expert ids -> physical positions (`expert_ids[p]` is held at `p`): from
     # here on everything (plan, dispatch, GMM, slots) works in physical order.
     routing, position = physical_routing(router(x), expert_ids)
