@@ -25,8 +25,8 @@ with the baseline so that all see the same load; the CPU is shared):
 - `HF Qwen3-MoE (...)`: Hugging Face's `Qwen3MoeSparseMoeBlock` on the same shapes,
   with its weights loaded into the layer through `me.layer_from_hf_state_dict`, timed
   with torch on the same threads, once per experts implementation transformers offers.
-  Needs `torch` and `transformers` (not dependencies of moe_eqx); without them the
-  rows say so and are skipped.
+  Needs `torch` and `transformers` (the `hf` extra, not dependencies of moe_eqx);
+  without them the rows say so and are skipped.
 
 Prints a table and writes benchmarks/results/layer.json (`--gpu`: layer_gpu.json).
 
@@ -196,7 +196,9 @@ def _time_hf(block, impl, shape, x, dense, repeats, torch):
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in block.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+            param.copy_(
+                torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5
+            )
     state = {name: v.detach().numpy() for name, v in block.state_dict().items()}
     cfg = me.MoEConfig(d_model=d, d_ff=f, num_experts=e, top_k=k)
     ours = me.layer_from_hf_state_dict(cfg, state)
