@@ -24,6 +24,10 @@ Measures, on synthetic routing (`moe_eqx.workloads`):
    workload. The static placement is scored twice: with
    the window's split fractions (as static redundancy does) and with the best possible
    per-step split over its stale replicas (a linear program): even that loses.
+4. Compile time: XLA seconds to compile `plan_duplication` alone and with
+   `assign_destinations` (min over fresh compiles, run round-robin), at R=8, E=16,
+   S=1 (T=256, k=2), R=8, E=32, S=2 (T=256, k=4) and R=64, E=256, S=2 (T=1024,
+   k=8), with the number of kernels (fusions) XLA emits.
 
 Every ratio is measured against a baseline computed in the same process.
 
@@ -52,6 +56,7 @@ from moe_eqx._planner import (
     _plan,
     assign_destinations,
     default_max_exports,
+    plan_duplication,
 )
 
 NUM_EXPERTS = 256
@@ -63,6 +68,8 @@ BYTES_INDEX = 4
 
 
 GOAL = 1.001
+# (R, E, S, T, k) of the compile-time rows.
+COMPILE_SHAPES = [(8, 16, 1, 256, 2), (8, 32, 2, 256, 4), (64, 256, 2, 1024, 8)]
 
 
 @functools.cache
@@ -440,11 +447,68 @@ def static_vs_dynamic(args) -> list[dict]:
     return rows
 
 
+def compile_times(args) -> list[dict]:
+    """Seconds to compile the planner, alone and with `assign_destinations` (as one
+    program), min over `args.compile_reps` fresh compiles run round-robin."""
+
+    def programs(num_shards, num_experts, num_slots, tokens, top_k):
+        counts = jnp.ones((num_shards, num_experts), jnp.int32)
+        experts = jnp.zeros((tokens, top_k), jnp.int32)
+        local = num_experts // num_shards
+
+        def plan(counts):
+            return plan_duplication(counts, num_slots=num_slots)
+
+        def both(counts, experts):
+            return assign_destinations(
+                plan(counts), counts, experts, 0, num_local_experts=local
+            )
+
+        return {"plan": (plan, (counts,)), "plan+assign": (both, (counts, experts))}
+
+    best, kernels = {}, {}
+    for _ in range(args.compile_reps):
+        for shape in args.compile_shapes:
+            for kind, (fn, fn_args) in programs(*shape).items():
+                # A new function each time: nothing is reused from a cache.
+                start = time.perf_counter()
+                compiled = jax.jit(lambda *a, fn=fn: fn(*a)).lower(*fn_args).compile()
+                seconds = time.perf_counter() - start
+                key = (shape, kind)
+                best[key] = min(best.get(key, float("inf")), seconds)
+                kernels[key] = compiled.as_text().count(" fusion(")
+    rows = []
+    for shape in args.compile_shapes:
+        num_shards, num_experts, num_slots, tokens, top_k = shape
+        row = dict(
+            shards=num_shards,
+            experts=num_experts,
+            slots=num_slots,
+            tokens=tokens,
+            top_k=top_k,
+        )
+        for kind in ("plan", "plan+assign"):
+            row[f"{kind}_s"] = best[shape, kind]
+            row[f"{kind}_fusions"] = kernels[shape, kind]
+        rows.append(row)
+        print(
+            f"R={num_shards:3d} E={num_experts:3d} S={num_slots}: "
+            f"plan {row['plan_s']:.3f} s ({row['plan_fusions']} fusions)  "
+            f"plan+assign {row['plan+assign_s']:.3f} s "
+            f"({row['plan+assign_fusions']} fusions)",
+            flush=True,
+        )
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny run (seconds)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per shard")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument(
+        "--compile-reps", type=int, default=3, help="compiles per compile-time row"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--drift", type=float, default=0.1, help="drifting Zipf: log-weight walk/step"
@@ -459,7 +523,9 @@ def main():
     args.hot = ["spread", "contiguous", "random"]
     args.static_shards, args.static_tokens, args.steps, args.window = 32, 1024, 60, 10
     args.goal_shards, args.degree_shards, args.goal_tokens = [32, 64], [8, 32, 64], 1024
+    args.compile_shapes = COMPILE_SHAPES
     if args.quick:
+        args.compile_shapes, args.compile_reps = COMPILE_SHAPES[:1], 1
         args.shards, args.zipf, args.slots = [8], [1.2], [1, 2]
         # R = 8 everywhere: the goals then reuse the balance rows' compiled plans.
         args.goal_shards, args.degree_shards = [8], [8]
@@ -520,6 +586,8 @@ def main():
         )
     print("\n== per-step planning vs periodic static placement ==")
     static = static_vs_dynamic(args)
+    print(f"\n== compile time (min of {args.compile_reps}) ==")
+    compile_rows = compile_times(args)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(
@@ -530,6 +598,7 @@ def main():
         assign=assign,
         communication=comm,
         static_vs_dynamic=static,
+        compile=compile_rows,
     )
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

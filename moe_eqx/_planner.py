@@ -14,6 +14,7 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int
 
 from ._rules import local_experts
@@ -52,19 +53,41 @@ class DuplicationPlan(eqx.Module):
         return self.expert_shard_pairs.sum(axis=0)
 
 
-# Search for the lowest feasible level: the first round tries these levels (fractions
-# of the mean load above the lowest possible level, ceil(mean)), since most plans land
-# at or just above the mean; later rounds split the bracket evenly until it is exact.
+# Candidate levels per round, all filled at once. The first round tries these levels
+# (fractions of the mean load above the lowest possible level, ceil(mean)), since most
+# plans land at or just above the mean; later rounds split the bracket evenly until
+# it is exact.
 # fmt: off
 _FIRST_FRACTIONS = (
     0.0, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02,
     0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0,
 )
 # fmt: on
-_LEVELS_PER_ROUND = len(_FIRST_FRACTIONS)
-# Donors a remainder may be passed through within one slot (a chain of small donors).
+_LEVELS = len(_FIRST_FRACTIONS)
+# Donors a remainder may be passed through before a receiver's next slot copy (a
+# chain of small donors): each pass costs the passing donor one of its
+# `max_exports` copies and loads the last donor of the chain.
 _CHAIN_HOPS = 2
 _INT32_MAX = 2**31 - 1
+# Pairs are counted in int32: the total, a level plus a donor's excess, and the
+# fill's scores (`_INT32_MAX - pairs`, above every pair count) stay below 2**31
+# while the total number of pairs stays below this.
+_PAIRS_LIMIT = 2**30
+# `assign_destinations` sorts one int32 key (expert, then the pair's index, in the
+# low bits) when its largest value, `E * 2**bits`, is at most this, else the experts
+# with their indices (a stable two-operand sort).
+_SORT_KEY_LIMIT = 2**31
+# The most compares per pair and step of `assign_destinations`' search.
+_SEARCH_WIDTH = 16
+
+# Compile time: XLA:CPU compiles each kernel (a fusion, a reduction, a gather, ...)
+# on its own, at a cost that grows with its operations whatever the array sizes.
+# So the planner keeps its state in one array (a step is one gather, one reduction
+# over the experts, one over the levels and one update), writes columns with
+# selects against constant masks (a concatenate of more than 8 parts is not
+# fused), ranks shards and experts by counting compares (no sort and cumsum for
+# the sums of the hottest experts) and runs all rounds of the level search in one
+# loop.
 
 
 def most_exports(num_shards: int, num_local: int, num_slots: int) -> int:
@@ -122,308 +145,396 @@ class _Loads(NamedTuple):
 
     by_shard: Int[Array, "shards local"]  # pairs of each home expert
     load: Int[Array, " shards"]
-    donors: Int[Array, " shards"]  # shards by decreasing load: the donor order
-    receivers: Int[Array, " shards"]  # shards by increasing load: the receiver order
-    # top[r, m]: pairs of the m hottest experts of shard r (m = 0..L).
-    top: Int[Array, "shards local_plus_one"]
+    total: Int[Array, ""]
+    # One row per shard, by decreasing load (ties by shard index): the donor order;
+    # the receiver order is its reverse. Columns: load, shard, top[m] for m = 0..S
+    # (pairs of its m hottest experts), then the pairs of each of its L experts.
+    table: Int[Array, "shards columns"]
 
 
-class _Donor(NamedTuple):
-    """The donor being emptied, at each candidate level."""
-
-    position: Int[Array, " levels"]  # in the donor order; past the donors when done
-    shard: Int[Array, " levels"]
-    left: Int[Array, " levels"]  # pairs it still has to shed
-    avail: Int[Array, "levels local"]  # pairs of each of its experts not yet shed
-    exports: Int[Array, " levels"]  # slot copies of its experts so far
-
-
-def _loads(counts: Int[Array, "shards experts"]) -> _Loads:
+def _loads(counts: Int[Array, "shards experts"], num_slots: int) -> _Loads:
     num_shards, num_experts = counts.shape
-    by_shard = counts.astype(jnp.int32).sum(axis=0).reshape(num_shards, -1)
-    load = by_shard.sum(axis=1)
-    hot_first = -jnp.sort(-by_shard, axis=1)
-    top = jnp.concatenate(
-        [jnp.zeros_like(load)[:, None], jnp.cumsum(hot_first, axis=1)], axis=1
+    local = num_experts // num_shards
+    shards = np.arange(num_shards)
+    # [R, L + 1]: the pairs of each home expert, then the shard's load.
+    adds = np.concatenate([np.eye(local, dtype=bool), np.ones((1, local), bool)])
+    counts = counts.astype(jnp.int32).reshape(num_shards, num_shards, 1, local)
+    sums = jnp.where(adds, counts, 0).sum(axis=(0, 3))
+    by_shard, load = sums[:, :local], sums[:, local]
+    # [R, L + 2], one reduction over k: the experts of shard r hotter than its
+    # expert j (k < L, ties by index), then the shards before r in the donor order
+    # (k < R), then the total. `c` is the column, `r` the row.
+    size = max(num_shards, local)
+    c = np.arange(local + 2)[None, :, None]
+    k = np.arange(size)[None, None, :]
+    on_experts = c < local
+    other = jnp.where(
+        on_experts,
+        jnp.pad(by_shard, ((0, 0), (0, size - local)))[:, None, :],
+        jnp.pad(load, (0, size - num_shards))[None, None, :],
     )
-    return _Loads(
-        by_shard=by_shard,
-        load=load,
-        donors=jnp.argsort(-load, stable=True).astype(jnp.int32),
-        receivers=jnp.argsort(load, stable=True).astype(jnp.int32),
-        top=top,
+    mine = jnp.where(
+        on_experts, jnp.pad(by_shard, ((0, 0), (0, 2)))[:, :, None], load[:, None, None]
     )
-
-
-def _enter(loads, levels, position, received):
-    """The donor at `position` of the donor order (clipped), having `received` pairs
-    of the previous donor's expert in a slot: it sheds its excess plus those."""
-    shard = loads.donors[jnp.minimum(position, loads.load.shape[0] - 1)]
-    return _Donor(
-        position=position,
-        shard=shard,
-        left=loads.load[shard] - levels + received,
-        avail=loads.by_shard[shard],
-        exports=jnp.zeros_like(position),
+    ahead = k < np.where(on_experts, c, shards[:, None, None])
+    counted = (k < np.where(on_experts, local, num_shards)) & (
+        (other > mine) | (other == mine) & ahead
     )
+    ranks = jnp.where(c == local + 1, other, counted.astype(jnp.int32)).sum(axis=2)
+    hot_rank, rank, total = ranks[:, :local], ranks[:, local], ranks[0, local + 1]
+    # The table, one reduction over (shard, expert): a column adds up the pairs of
+    # all experts (load), of the m hottest (top[m]) or of one; the shard column
+    # adds up a constant.
+    width = 3 + num_slots + local
+    top = np.full((width, 1, 1), -1)
+    top[2 : 3 + num_slots, 0, 0] = np.arange(num_slots + 1)
+    adds = np.zeros((width, 1, local), bool)
+    adds[0] = True
+    adds[3 + num_slots :, 0] = np.eye(local, dtype=bool)
+    shard = np.zeros((width, num_shards, local), np.int32)
+    shard[1, :, 0] = shards
+    entry = shard + jnp.where(adds | (hot_rank[None] < top), by_shard[None], 0)
+    mine = rank[None, :] == shards[:, None]  # [row, shard]
+    table = jnp.where(mine[:, None, :, None], entry[None], 0).sum(axis=(2, 3))
+    return _Loads(by_shard=by_shard, load=load, total=total, table=table)
 
 
-def _select(pick, new, old):
-    return jax.tree.map(
-        lambda a, b: jnp.where(pick.reshape(pick.shape + (1,) * (a.ndim - 1)), a, b),
-        new,
-        old,
+def _argmin(score: Int[Array, "levels local"]):
+    """`(min, argmin)` along the last axis (the first index among ties), as one
+    reduction."""
+
+    def earlier(a, b):
+        pick = (a[0] < b[0]) | (a[0] == b[0]) & (a[1] < b[1])
+        return jnp.where(pick, a[0], b[0]), jnp.where(pick, a[1], b[1])
+
+    index = jax.lax.broadcasted_iota(jnp.int32, score.shape, 1)
+    init = (jnp.int32(_INT32_MAX), jnp.int32(score.shape[1]))
+    return jax.lax.reduce((score, index), init, earlier, (1,))
+
+
+# The search's state, a row per candidate level: the copy the last step made (its
+# slot + 1, 0 for none; expert; pairs), the level, the current donor (position in
+# the donor order, pairs still to shed, copies of its experts so far), the current
+# receiver (position in the receiver order, slot, deficit), the remainders passed on
+# since the last slot copy to a receiver; then, equal in all rows,
+# the steps of this round (R S before the first round), the bracket (highest failed
+# level, lowest feasible one) and the row of the log of the best level so far (the
+# last row, never written, for none); then the pairs left of each expert of the
+# donor.
+_COPY, _LEVEL, _POSITION, _LEFT, _EXPORTS, _INDEX, _SLOT, _NEED = 0, 3, 4, 5, 6, 7, 8, 9
+_HOPS, _STEP, _BELOW, _ABOVE, _BEST, _AVAIL = 10, 11, 12, 13, 14, 15
+
+
+def _put(state, values: dict):
+    """`state` with column `c` replaced by `values[c]` (the state's shape, or
+    broadcastable): selects against constant masks, which fuse into one kernel."""
+    column = np.arange(state.shape[1])[None, :]
+    for c, value in values.items():
+        state = jnp.where(column == c, value, state)
+    return state
+
+
+def _wide(array, c):
+    """Column `c` of `array` (row `0` if `c` is a pair), broadcast to `array`'s
+    shape once: computing in that shape lets XLA emit every value once per element
+    (a `[levels]` value broadcast into several places is emitted once per place,
+    and past 15 XLA keeps it in a kernel of its own)."""
+    part = (
+        array[c[0] : c[0] + 1, c[1], None]
+        if isinstance(c, tuple)
+        else array[:, c, None]
     )
+    return jnp.broadcast_to(part, array.shape)
 
 
-def _chain(loads, levels, num_donors, max_exports, slots_left, donor, need, used):
-    """Passes the donor's whole remainder to the next donor, in one slot copy there,
-    when the receiver's remaining slots then fill better from the next donor alone.
-
-    A donor's remainder smaller than the receiver's deficit would otherwise take a
-    slot of the receiver for a small piece (or, in its last slot, leave it short);
-    the next donor sheds the received pairs along with its own excess. The next donor
-    is above the level, so its slots are otherwise unused, and it receives at most
-    this one copy. Returns the updated donor, used-mask and the copy (target shard,
-    expert, pairs; target -1 when not passed).
-    """
-    local = loads.by_shard.shape[1]
-    active = donor.position < num_donors
-    after = _enter(loads, levels, donor.position + 1, donor.left)
-    excess = after.left - donor.left
-    top = loads.top[after.shard]
-    stay = donor.left + jnp.minimum(
-        jnp.minimum(need - donor.left, top[:, jnp.minimum(slots_left - 1, local)]),
-        excess,
-    )
-    move = jnp.minimum(
-        jnp.minimum(need, top[:, jnp.minimum(slots_left, local)]), after.left
-    )
-    expert = jnp.argmax(donor.avail, axis=1).astype(jnp.int32)
-    biggest = donor.avail.max(axis=1)
-    go = (
-        active
-        & (donor.position + 1 < num_donors)
-        & (donor.left < need)
-        & (move > stay)
-        & (biggest >= donor.left)
-        & (donor.exports < max_exports)
-    )
-    copy = (
-        jnp.where(go, after.shard, -1),
-        donor.shard * local + expert,
-        jnp.where(go, donor.left, 0),
-    )
-    return _select(go, after, donor), used & ~go[:, None], copy
-
-
-def _take(loads, levels, num_donors, max_exports, last, donor, need, used):
-    """Fills one slot of the receiver from the donor: its expert with the most pairs
-    left, or in the receiver's last slot the one that fits the deficit most tightly.
-    Moves on to the next donor once this one has shed its excess."""
-    local = loads.by_shard.shape[1]
-    active = (donor.position < num_donors) & (donor.exports < max_exports)
-    avail = jnp.where(used, -1, donor.avail)
-    want = jnp.minimum(need, donor.left)
-    fits = avail >= want[:, None]
-    tightest = jnp.argmin(jnp.where(fits, avail, _INT32_MAX), axis=1)
-    largest = jnp.argmax(avail, axis=1)
-    expert = jnp.where(last & fits.any(axis=1), tightest, largest).astype(jnp.int32)
-    amount = jnp.minimum(
-        want, jnp.take_along_axis(avail, expert[:, None], axis=1)[:, 0]
-    )
-    amount = jnp.where(active, jnp.maximum(amount, 0), 0)
-    hit = (jnp.arange(local, dtype=jnp.int32)[None, :] == expert[:, None]) & (
-        amount > 0
-    )[:, None]
-    taken = donor._replace(
-        left=donor.left - amount,
-        avail=donor.avail - jnp.where(hit, amount[:, None], 0),
-        exports=donor.exports + (amount > 0).astype(jnp.int32),
-    )
-    finished = active & (taken.left == 0)
-    after = _enter(loads, levels, donor.position + 1, jnp.zeros_like(amount))
-    take = (donor.shard * local + expert, amount)
-    donor = _select(finished, after, taken)
-    used = (used | hit) & ~finished[:, None]
-    return donor, need - amount, used, take
-
-
-def _fill(loads, levels, num_slots, max_exports):
-    """The greedy fill at every candidate level.
+def _step(loads, state, alive, num_slots):
+    """One step of the greedy fill at every level: one slot copy per living level.
 
     Donors (shards above the level, by decreasing load) are emptied one after the
     other; receivers (shards below it, by increasing load, so the largest deficits
-    meet the largest donors) each fill up to `num_slots` slots from the current
-    donor, each slot a different expert, `_take` and `_chain` choosing the piece. A
-    level is feasible if every donor has shed its excess.
+    meet the largest donors) each fill up to `num_slots` slots, each slot one piece
+    of one expert of the current donor up to the receiver's deficit: the expert with
+    the most pairs left, or in the receiver's last slot the one that fits most
+    tightly. When the donor's remainder is smaller than the deficit and the
+    receiver's remaining slots fill better from the next donor alone, the remainder
+    is passed instead, as one slot copy, to the next donor, which sheds it with its
+    own excess (it is above the level, so its slots are otherwise unused, and it
+    receives at most this copy), up to `_CHAIN_HOPS` times in a row. A level is
+    feasible once every donor has shed its excess, and fails when the receivers run
+    out or a donor reaches `max_exports` copies first (`alive` is false from then
+    on). Every value is `[levels, F]`, equal along a row but for the experts' pairs
+    (see `_wide`).
 
-    Returns `done [levels]` and the history: the receivers' slot copies `(expert,
-    pairs, slot)` (`[shards, slots, levels]` each, in receiver order, slot
-    `num_slots` where none) and the passed copies `(target, expert, pairs)`
-    (`[shards, slots, hops, levels]` each, target `-1` where none).
+    A living level always copies something (a donor with pairs to shed has an
+    expert with pairs left), and an expert that a receiver took from the current
+    donor has no pairs left unless the receiver is full or the donor empty (either
+    ends the pair): a receiver never gets two copies of one expert, and its copies
+    fill its slots in order.
     """
-    num_donors = (loads.load[None, :] > levels[:, None]).sum(axis=1, dtype=jnp.int32)
-    zeros = jnp.zeros_like(levels)
-    first = _enter(loads, levels, zeros, zeros)
+    table = loads.table
+    num_shards, local = loads.by_shard.shape
+    width, columns = state.shape[1], table.shape[1]
+    # What a step reads, in one gather laid out like the state: the next donor's
+    # load, shard, top[slots left - 1], top[slots left] (columns 0-3) and pairs per
+    # expert (from `_AVAIL`); the next receiver's load (4); the current donor's
+    # and receiver's shards (5, 6).
+    source = np.zeros(width, np.int32)
+    source[:7] = [0, 1, 1, 2, 0, 1, 1]
+    source[_AVAIL:] = np.arange(3 + num_slots, columns)
+    is_top = np.isin(np.arange(width), [2, 3]).astype(np.int32)[None, :]
+    is_receiver = np.isin(np.arange(width), [4, 6])[None, :]
+    is_next = (~np.isin(np.arange(width), [5, 6])).astype(np.int32)[None, :]
+    column = np.arange(width)[None, :]
+    level, position, left, exports, index, slot, need, hops, count = (
+        _wide(state, c) for c in range(_LEVEL, _BELOW)
+    )
+    alive = jnp.broadcast_to(alive[:, None], state.shape)
+    slots_left = num_slots - slot
+    row = jnp.where(is_receiver, num_shards - 1 - index - is_next, position + is_next)
+    row = jnp.clip(row, 0, num_shards - 1)
+    read = table.reshape(-1)[row * columns + source[None, :] + is_top * slots_left]
+    next_load, next_shard, top_less, top_all, receiver_load, donor, receiver = (
+        _wide(read, c) for c in range(7)
+    )
 
-    def receiver(donor, shard):
-        need = jnp.maximum(levels - loads.load[shard], 0)
-        used = jnp.zeros_like(donor.avail, dtype=bool)
-
-        def slot(carry, slots_left):
-            donor, need, used, filled = carry
-            copies = []
-            for _ in range(_CHAIN_HOPS):
-                donor, used, copy = _chain(
-                    loads,
-                    levels,
-                    num_donors,
-                    max_exports,
-                    slots_left,
-                    donor,
-                    need,
-                    used,
-                )
-                copies.append(copy)
-            donor, need, used, take = _take(
-                loads,
-                levels,
-                num_donors,
-                max_exports,
-                slots_left == 1,
-                donor,
-                need,
-                used,
-            )
-            # Where the copy goes among the receiver's slots: no gaps even after a
-            # slot that found nothing.
-            expert, pairs = take
-            column = jnp.where(pairs > 0, filled, num_slots)
-            filled = filled + (pairs > 0).astype(jnp.int32)
-            passed = tuple(jnp.stack(parts) for parts in zip(*copies, strict=True))
-            return (donor, need, used, filled), ((expert, pairs, column), passed)
-
-        slots_left = jnp.arange(num_slots, 0, -1, dtype=jnp.int32)
-        carry = (donor, need, used, jnp.zeros_like(need))
-        (donor, *_), out = jax.lax.scan(slot, carry, slots_left)
-        return donor, out
-
-    donor, history = jax.lax.scan(receiver, first, loads.receivers)
-    done = donor.position >= num_donors
-    return done, history
+    # One reduction picks the expert: in the last slot the tightest fit (score =
+    # its pairs), else, and if none fits, the largest (score above every fit).
+    avail = state[:, _AVAIL:]
+    fits = (avail >= state[:, _NEED, None]) | (avail >= state[:, _LEFT, None])
+    tight = (state[:, _SLOT, None] == num_slots - 1) & fits
+    best, expert = _argmin(jnp.where(tight, avail, _INT32_MAX - avail))
+    best = jnp.broadcast_to(best[:, None], state.shape)
+    expert = jnp.broadcast_to(expert[:, None], state.shape)
+    pairs = jnp.where(best < _PAIRS_LIMIT, best, _INT32_MAX - best)
+    # The receiver's fill from the remainder then the next donor, or from the next
+    # donor alone (the remainder passed to it).
+    excess = next_load - level
+    stay = left + jnp.minimum(jnp.minimum(need - left, top_less), excess)
+    move = jnp.minimum(jnp.minimum(need, top_all), excess + left)
+    passes = alive & (excess > 0) & (left < need) & (move > stay) & (pairs >= left)
+    passes = passes & (hops < _CHAIN_HOPS)
+    amount = jnp.where(alive, jnp.minimum(jnp.minimum(need, left), pairs), 0)
+    target = jnp.where(passes, next_shard * num_slots, receiver * num_slots + slot)
+    finished = alive & (left == amount)
+    takes = alive & ~passes
+    need = need - jnp.where(takes, amount, 0)
+    advance = takes & ((slot + 1 == num_slots) | (need == 0))
+    # The donor's pairs per expert, or the next donor's once it is empty.
+    taken = jnp.where(column == _AVAIL + expert, amount, 0)
+    state = jnp.where(finished & (column >= _AVAIL), read, state - taken)
+    return _put(
+        state,
+        {
+            _COPY: jnp.where(alive, target + 1, 0),
+            _COPY + 1: donor * local + expert,
+            _COPY + 2: amount,
+            _POSITION: position + finished.astype(jnp.int32),
+            _LEFT: jnp.where(
+                finished, excess + jnp.where(passes, amount, 0), left - amount
+            ),
+            _EXPORTS: jnp.where(finished, 0, exports + alive.astype(jnp.int32)),
+            _INDEX: index + advance.astype(jnp.int32),
+            _SLOT: jnp.where(advance, 0, slot + takes.astype(jnp.int32)),
+            _NEED: jnp.where(advance, jnp.maximum(level - receiver_load, 0), need),
+            _HOPS: jnp.where(passes, hops + 1, 0),
+            _STEP: count + 1,
+        },
+    )
 
 
 def _search(loads, num_slots, max_exports):
-    """The lowest level at which `_fill` succeeds, searched exactly, and its fill.
+    """The lowest level at which the fill (`_step`) succeeds, searched exactly, and
+    its log of copies.
 
-    The first round tries the levels of `_FIRST_FRACTIONS`; each later round tries
-    `_LEVELS_PER_ROUND` evenly spaced levels strictly inside the bracket (highest
-    failed, lowest feasible) until it closes. The highest load (nothing to shed,
-    no copies) starts as the feasible end, so the result is feasible even where
-    feasibility is not monotone. Each round keeps the fill of its best level, so
-    the fill is compiled once, not again to record the plan.
+    Rounds of `_LEVELS` levels, filled at once: the first round tries the levels of
+    `_FIRST_FRACTIONS`; each later one tries evenly spaced levels strictly inside
+    the bracket (highest failed, lowest feasible) until it closes. The highest load
+    (nothing to shed, no copies) starts as the feasible end, so the result is
+    feasible even where feasibility is not monotone. One loop runs the steps of all
+    rounds: the step after a round's last one starts the next. The log holds two
+    rounds, the one running and the one with the best level so far, and one empty
+    row (the log of no copies).
 
-    Returns `(level, done, history)` as `_fill` records them at that level.
+    Returns `(level, log)`: the log `[steps, 3]` of copies at that level (slot + 1,
+    0 for none, where slot is `shard * num_slots + column`; expert; pairs).
     """
-    num_shards = loads.load.shape[0]
-    total = loads.load.sum()
-    lowest = (total + num_shards - 1) // num_shards
-    highest = loads.load.max()
-    mean = total.astype(jnp.float32) / num_shards
-    fractions = jnp.asarray(_FIRST_FRACTIONS, jnp.float32)
+    table = loads.table
+    num_shards, local = loads.by_shard.shape
+    width = _AVAIL + local
+    # A step takes a receiver's slot or passes a remainder to the next donor: at
+    # most R_receivers S + R_donors - 1 < R S steps per round.
+    steps = num_shards * num_slots
+    # Computed once, the state before the first round, which every round's start
+    # reuses: the first donor's (row 0) pairs per expert; in the columns of the
+    # level, pairs left and deficit, the first round's levels, the first donor's
+    # load and the first receiver's (row R - 1) load; the first round's bracket; no
+    # best level; and R S steps, which no round reaches.
+    lowest = jax.lax.div(loads.total + num_shards - 1, num_shards)
+    highest = table[0, 0]
+    mean = loads.total.astype(jnp.float32) / num_shards
     # Clip in float32 before the cast so that no offset overflows int32.
     room = (highest - lowest).astype(jnp.float32)
+    fractions = np.asarray(_FIRST_FRACTIONS, np.float32)[:, None]
     first = lowest + jnp.minimum(fractions * mean, room).astype(jnp.int32)
-    offsets = jnp.arange(1, _LEVELS_PER_ROUND + 1, dtype=jnp.int32)
+    template = _put(
+        jnp.broadcast_to(
+            jnp.pad(table[0, 3 + num_slots :], (_AVAIL, 0)), (_LEVELS, width)
+        ),
+        {
+            _LEVEL: first,
+            _LEFT: highest,
+            _NEED: table[num_shards - 1, 0],
+            _STEP: steps,
+            _BELOW: lowest - 1,
+            _ABOVE: highest,
+            _BEST: 2 * _LEVELS,
+        },
+    )
+    number = np.arange(_LEVELS, dtype=np.int32)[:, None]
 
-    def round_(state):
-        count, below, above, best = state
-        step = jnp.maximum((above - below) // (_LEVELS_PER_ROUND + 1), 1)
-        evenly = jnp.minimum(below + step * offsets, above - 1)
-        levels = jnp.where(count == 0, first, evenly)
-        fill = _fill(loads, levels, num_slots, max_exports)
-        done = fill[0]
-        pick = jnp.argmin(jnp.where(done, levels, _INT32_MAX))
-        better = done[pick] & (levels[pick] < above)
-        best = jax.tree.map(
-            lambda new, old: jnp.where(better, new[..., pick], old), fill, best
+    def body(carry):
+        state, log = carry
+        # The step cap never binds (see `steps`); it keeps every round's count
+        # below `steps`, which marks the state before the first round.
+        alive = (
+            (state[:, _LEFT] > 0)
+            & (state[:, _NEED] > 0)
+            & (state[:, _EXPORTS] < max_exports)
+            & (state[:, _STEP] < steps - 1)
         )
-        above = jnp.where(better, levels[pick], above)
-        failed = jnp.where(~done & (levels < above), levels, below).max()
-        return count + 1, jnp.maximum(below, failed), above, best
+        # -1 while the round goes on, then its first feasible level (the levels
+        # increase, so those below it failed), _LEVELS if none.
+        status = jnp.where(
+            alive, -1, jnp.where(state[:, _LEFT] <= 0, number[:, 0], _LEVELS)
+        ).min()
+        level = state[jnp.minimum(status, _LEVELS - 1), _LEVEL]
+        previous = state[jnp.maximum(status - 1, 0), _LEVEL]
+        count, below, above, best = (
+            _wide(state, (0, c)) for c in (_STEP, _BELOW, _ABOVE, _BEST)
+        )
+        ended = status >= 0
+        started = count < steps  # not the state before the first round
+        better = ended & started & (status < _LEVELS) & (level < above)
+        # The round wrote the log's half that does not hold the best level.
+        half = jnp.where(best < _LEVELS, _LEVELS, 0)
+        below = jnp.where(started, below, _wide(template, (0, _BELOW)))
+        below = jnp.where(ended & started & (status > 0), previous, below)
+        above = jnp.where(
+            started, jnp.where(better, level, above), _wide(template, (0, _ABOVE))
+        )
+        # Any spacing that keeps the levels inside the bracket is exact; a float
+        # product rather than an integer division, which XLA keeps in a kernel of
+        # its own.
+        gap = (above - below).astype(jnp.float32) * (1 / (_LEVELS + 1))
+        gap = jnp.maximum(gap.astype(jnp.int32), 1)
+        levels = jnp.where(
+            started,
+            jnp.minimum(below + gap * (number + 1), above - 1),
+            _wide(template, _LEVEL),
+        )
+        start = _put(
+            template,
+            {
+                _LEVEL: levels,
+                _LEFT: _wide(template, _LEFT) - levels,
+                _NEED: jnp.maximum(levels - _wide(template, _NEED), 0),
+                _STEP: 0,
+                _BELOW: below,
+                _ABOVE: above,
+                _BEST: jnp.where(better, half + status, best),
+            },
+        )
+        state = jnp.where(ended, start, _step(loads, state, alive, num_slots))
+        # The copies of the step, at row step - 1 of the round's half (a new
+        # round writes its empty start at row 0).
+        half = jnp.where(state[0, _BEST] < _LEVELS, _LEVELS, 0)
+        offset = (half, state[0, _STEP] - 1, 0)
+        return state, jax.lax.dynamic_update_slice(log, state[:, None, :_LEVEL], offset)
 
-    # No copies at all: the fill at the highest load.
-    zero = jnp.zeros_like(highest)
-    shapes = jax.eval_shape(lambda: _fill(loads, first, num_slots, max_exports))
-    done, ((expert, pairs, column), (to, passed_expert, passed_pairs)) = jax.tree.map(
-        lambda s: jnp.broadcast_to(zero, s.shape[:-1]), shapes
+    # The template is also the state before the first round: no level alive (its
+    # steps are used up), so the first step starts the first round.
+    log = jnp.zeros_like(template, shape=(2 * _LEVELS + 1, steps, _LEVEL))
+    state, log = jax.lax.while_loop(
+        lambda carry: carry[0][0, _ABOVE] - carry[0][0, _BELOW] > 1,
+        body,
+        (template, log),
     )
-    takes = (expert, pairs, column + num_slots)
-    nothing = (done == 0, (takes, (to - 1, passed_expert, passed_pairs)))
-    state = (zero, lowest - 1, highest, nothing)
-    _, _, level, (done, history) = jax.lax.while_loop(
-        lambda s: (s[0] == 0) | (s[2] - s[1] > 1), round_, state
-    )
-    return level, done, history
+    return state[0, _ABOVE], log[state[0, _BEST]]
 
 
-def _home_only(pairs, num_shards, num_slots) -> DuplicationPlan:
-    home = jnp.arange(pairs.shape[0], dtype=jnp.int32) // (pairs.shape[0] // num_shards)
-    is_home = home[:, None] == jnp.arange(num_shards, dtype=jnp.int32)[None, :]
-    return DuplicationPlan(
-        slot_expert=jnp.full((num_shards, num_slots), -1, jnp.int32),
-        expert_shard_pairs=jnp.where(is_home, pairs[:, None], jnp.zeros((), jnp.int32)),
-    )
-
-
-def _assemble(loads, level, done, history, num_slots, max_exports) -> DuplicationPlan:
-    """The plan from the fill recorded at `level`: every copy's pairs come out of its
+def _assemble(loads, level, log, num_slots, max_exports) -> DuplicationPlan:
+    """The plan from the log of copies at `level`: every copy's pairs come out of its
     expert's home quota; each shard lists its copies in fill order (hottest donor
     first), then its empty slots. Should the plan break an invariant (never
     expected), the home-only plan, which always holds."""
     num_shards, local = loads.by_shard.shape
     num_experts = num_shards * local
-    (take_expert, take_pairs, column), (to, passed_expert, passed_pairs) = history
-    usable = take_expert.shape[1]
-    # (expert, pairs) of every slot; out-of-range indices (no copy) are dropped. A
-    # copy passed to a donor goes in its first slot: donors receive nothing else.
-    slots = jnp.stack([jnp.full((num_shards, usable), -1, jnp.int32)] * 2, axis=-1)
-    slots = slots.at[loads.receivers[:, None], column].set(
-        jnp.stack([take_expert, take_pairs], axis=-1), mode="drop"
+    usable = log.shape[0] // num_shards
+    copies = num_shards * usable
+    slot, expert, pairs = (log[None, :, c] for c in range(3))
+    copied = slot > 0
+    home = jax.lax.div(expert, local)
+    receiver = jax.lax.div(slot + usable - 1, usable) - 1
+    # One reduction over the log, with rows: per slot (expert + 1, pairs), a slot
+    # being written at most once; per expert (-, pairs copied); per shard (copies
+    # of its experts, pairs its slots receive less pairs its experts send).
+    kind = np.repeat([0, 1, 2], [copies, num_experts, num_shards])[:, None]
+    row = np.concatenate(
+        [np.arange(1, copies + 1), np.arange(num_experts), np.arange(num_shards)]
+    )[:, None]
+    hit = (jnp.where(kind == 0, slot, jnp.where(kind == 1, expert, home)) == row) & (
+        copied | (kind == 0)
     )
-    to = jnp.where(to >= 0, to, num_shards).ravel()
-    slots = slots.at[to, 0].set(
-        jnp.stack([passed_expert.ravel(), passed_pairs.ravel()], axis=-1), mode="drop"
-    )
-    expert, pairs = slots[..., 0], jnp.maximum(slots[..., 1], 0)
-
-    shards = jnp.arange(num_shards, dtype=jnp.int32)
-    moved = jnp.zeros((num_experts, num_shards), jnp.int32)
-    moved = moved.at[jnp.where(expert >= 0, expert, num_experts), shards[:, None]].add(
-        pairs, mode="drop"
-    )
+    received = copied & (receiver == row) & (kind == 2)
+    sums = jnp.stack(
+        [
+            jnp.where(hit, jnp.where(kind == 0, expert + 1, 1), 0),
+            jnp.where(hit, jnp.where(kind == 2, -pairs, pairs), 0)
+            + jnp.where(received, pairs, 0),
+        ],
+        axis=-1,
+    ).sum(axis=1)
     total = loads.by_shard.reshape(-1)
-    is_home = (jnp.arange(num_experts, dtype=jnp.int32) // local)[:, None] == shards[
-        None, :
-    ]
-    quota = moved + jnp.where(is_home, (total - moved.sum(axis=1))[:, None], 0)
-    sent = (expert[:, :, None] // local == shards[None, None, :]).sum(
-        axis=(0, 1), dtype=jnp.int32
+    # The checks, one reduction over the same rows: pairs copied within each
+    # expert's, each shard at most at the level, at most `max_exports` copies of
+    # each shard's experts.
+    limit = jnp.concatenate(
+        [jnp.full((copies,), _INT32_MAX), total, level - loads.load]
     )
-    ok = (
-        done
-        & (quota >= 0).all()
-        & (quota.sum(axis=0) <= level).all()
-        & (sent <= max_exports).all()
-    )
+    ok = ~((sums[:, 1] > limit) | (kind[:, 0] == 2) & (sums[:, 0] > max_exports)).any()
+    expert = sums[:copies, 0].reshape(num_shards, usable) - 1
+    received = sums[:copies, 1].reshape(num_shards, usable)
+    is_home = np.arange(num_experts)[:, None] // local == np.arange(num_shards)[None, :]
+    kept = total - sums[copies : copies + num_experts, 1]  # the home quotas
+    quota = jnp.where(
+        expert[None] == np.arange(num_experts)[:, None, None], received[None], 0
+    ).sum(axis=2) + jnp.where(is_home, kept[:, None], 0)
     padding = jnp.full((num_shards, num_slots - usable), -1, jnp.int32)
-    plan = DuplicationPlan(
-        slot_expert=jnp.concatenate([expert, padding], axis=1),
-        expert_shard_pairs=quota,
+    return DuplicationPlan(
+        slot_expert=jnp.where(ok, jnp.concatenate([expert, padding], axis=1), -1),
+        expert_shard_pairs=jnp.where(ok, quota, jnp.where(is_home, total[:, None], 0)),
     )
-    fallback = _home_only(total, num_shards, num_slots)
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), plan, fallback)
+
+
+def _home_only(pairs, num_shards, num_slots) -> DuplicationPlan:
+    local = pairs.shape[0] // num_shards
+    is_home = (
+        np.arange(pairs.shape[0])[:, None] // local == np.arange(num_shards)[None, :]
+    )
+    return DuplicationPlan(
+        slot_expert=jnp.full((num_shards, num_slots), -1, jnp.int32),
+        expert_shard_pairs=jnp.where(is_home, pairs[:, None], 0),
+    )
+
+
+def _check_int(name: str, value, *, none: bool = False) -> None:
+    if none and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(
+            f"`{name}` must be {'None or ' if none else ''}an integer >= 0, "
+            f"got {value!r}."
+        )
 
 
 def plan_duplication(
@@ -431,6 +542,7 @@ def plan_duplication(
     *,
     num_slots: int,
     max_exports: int | None = None,
+    max_pairs: int | None = None,
 ) -> DuplicationPlan:
     """Chooses the experts of every spare slot and each replica's quota of pairs.
 
@@ -455,7 +567,8 @@ def plan_duplication(
 
     - `counts`: `[R, E]` integer pairs routed by each source shard to each expert
         (all-gathered, so identical on every shard). `E` must be a multiple of `R`;
-        the total must stay below `2**30` (int32 arithmetic).
+        the total must stay below `2**30` (int32 arithmetic): checked here when
+        `counts` is concrete, and through `max_pairs` when it is traced.
     - `num_slots`: `S`, spare slots per shard (static). `0` gives the home-only plan.
     - `max_exports`: `C`, the most slot copies of one home shard's experts (static),
         which bounds the slot weights one shard sends; `None` is
@@ -463,29 +576,41 @@ def plan_duplication(
         A home shard `X` times as loaded as the mean needs about `X - 1` copies to
         reach the mean, so a small `C` limits the balance where hot experts share a
         home shard.
+    - `max_pairs`: a static bound on the total of `counts` that the caller knows
+        (e.g. `R * T * k` routed pairs), or `None`. A `ValueError` unless it is
+        below `2**30`.
 
     **Returns:**
 
     A `DuplicationPlan`; `plan.shard_load` is the resulting load per shard.
 
-    Cost: a few rounds of the fill (a `lax.scan` over the `R` receivers and their
-    slots, vectorised over 16 candidate levels), one more to record it, and `O(E R)`
+    Cost: a few rounds of the fill, each at most `R S` steps vectorised over 16
+    candidate levels (one loop runs all rounds), and `O(E R (L + S) + (R S)^2)`
     element-wise work. On CPU at `R=64, E=256` this is about a millisecond.
     """
     num_shards, num_experts = counts.shape
     local = local_experts(num_experts, num_shards)
-    if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
-        raise ValueError(f"`num_slots` must be an integer >= 0, got {num_slots!r}.")
+    _check_int("num_slots", num_slots)
+    _check_int("max_exports", max_exports, none=True)
+    _check_int("max_pairs", max_pairs, none=True)
+    if max_pairs is not None and max_pairs >= _PAIRS_LIMIT:
+        raise ValueError(
+            f"`max_pairs` ({max_pairs}) must be below 2**30: the planner counts "
+            "pairs in int32."
+        )
+    if not isinstance(counts, jax.core.Tracer):
+        total = int(np.asarray(counts).sum(dtype=np.int64))
+        if total >= _PAIRS_LIMIT:
+            raise ValueError(
+                f"`counts` sums to {total} pairs, not below 2**30: the planner "
+                "counts pairs in int32."
+            )
+        if max_pairs is not None and total > max_pairs:
+            raise ValueError(
+                f"`counts` sums to {total} pairs, more than `max_pairs` ({max_pairs})."
+            )
     if max_exports is None:
         max_exports = default_max_exports(num_shards, local, num_slots)
-    elif (
-        not isinstance(max_exports, int)
-        or isinstance(max_exports, bool)
-        or max_exports < 0
-    ):
-        raise ValueError(
-            f"`max_exports` must be None or an integer >= 0, got {max_exports!r}."
-        )
     # No home shard can send more copies than all the slots hold (keeps int32).
     max_exports = min(max_exports, num_shards * num_slots)
     return _plan(counts, num_slots, jnp.asarray(max_exports, jnp.int32))
@@ -503,9 +628,9 @@ def _plan(counts, num_slots: int, max_exports: Int[Array, ""]) -> DuplicationPla
             return _home_only(
                 counts.astype(jnp.int32).sum(axis=0), num_shards, num_slots
             )
-        loads = _loads(counts)
-        level, done, history = _search(loads, usable, max_exports)
-        return _assemble(loads, level, done, history, num_slots, max_exports)
+        loads = _loads(counts, usable)
+        level, log = _search(loads, usable, max_exports)
+        return _assemble(loads, level, log, num_slots, max_exports)
 
 
 def slot_pair_counts(
@@ -543,6 +668,20 @@ def slot_pair_counts(
         return jnp.concatenate([home_counts, slot_counts], axis=1)
 
 
+def _search_steps(num_shards: int) -> tuple[int, int]:
+    """`(levels, width)` of `assign_destinations`' search over the shards: the
+    fewest levels whose smallest `width` with `width**levels > R` stays within
+    `_SEARCH_WIDTH`."""
+    levels = 1
+    while True:
+        width = 2
+        while width**levels <= num_shards:
+            width += 1
+        if width <= _SEARCH_WIDTH:
+            return levels, width
+        levels += 1
+
+
 def assign_destinations(
     plan: DuplicationPlan,
     counts: Int[Array, "shards experts"],
@@ -558,7 +697,8 @@ def assign_destinations(
     of `e`, in shard order, take consecutive ranges of that order of lengths
     `plan.expert_shard_pairs[e]`. So, over all source shards, replica `d` of `e`
     receives exactly `plan.expert_shard_pairs[e, d]` pairs. Sort-based: memory is
-    `O(T k)`, and each pair's range is found by a binary search over the `R` shards.
+    `O(T k)`, and each pair's range is found by a search over the `R` shards, in
+    steps of up to 15 compares.
 
     **Arguments:**
 
@@ -587,58 +727,81 @@ def assign_destinations(
     num_slots = plan.slot_expert.shape[1]
     with jax.named_scope("moe_eqx.assign_destinations"):
         experts = experts.astype(jnp.int32)
-        home_shard = experts // num_local_experts
-        home_group = experts % num_local_experts
         if num_slots == 0 or num_shards == 1:
-            return home_shard, home_group
-        shard_index = jnp.asarray(shard_index, jnp.int32)
-        counts = counts.astype(jnp.int32)
+            return (
+                jax.lax.div(experts, num_local_experts),
+                jax.lax.rem(experts, num_local_experts),
+            )
         flat = experts.reshape(-1)
         num_pairs = flat.shape[0]
-
-        # Rank of each pair among this shard's pairs of the same expert, from one
-        # sort by (expert, position).
         index = jnp.arange(num_pairs, dtype=jnp.int32)
-        if num_experts * num_pairs < 2**31:
-            # A single int32 key sorts ~5x faster than a stable argsort on CPU.
-            key = jnp.sort(flat * num_pairs + index)
-            perm, sorted_experts = key % num_pairs, key // num_pairs
+        # rank[j]: the index of pair j among this shard's pairs sorted by (expert,
+        # position); one sort, then its inverse.
+        bits = max(num_pairs - 1, 1).bit_length()
+        mask = 2**bits - 1
+        if num_experts * 2**bits <= _SORT_KEY_LIMIT:
+            # One int32 key sorts ~5x faster than a stable two-operand sort on CPU.
+            order = jnp.sort(jnp.left_shift(flat, bits) | index) & mask
         else:
-            perm = jnp.argsort(flat, stable=True).astype(jnp.int32)
-            sorted_experts = flat[perm]
-        local_counts = counts[shard_index]
-        start = jnp.cumsum(local_counts) - local_counts
-        rank_sorted = index - start[sorted_experts]
-        rank = (
-            jnp.zeros((num_pairs,), jnp.int32)
-            .at[perm]
-            .set(rank_sorted, unique_indices=True)
+            order = jax.lax.sort((flat, index), num_keys=1, is_stable=True)[1]
+        # (`order` is a permutation: the scatter overwrites every entry of `flat`.)
+        rank = flat.at[order].set(index, unique_indices=True)
+        # Per expert: the position of its first pair here in its global order less
+        # its first sorted index (pairs of lower source shards, less local pairs of
+        # lower experts), and its cumulative quotas over the shards, padded to
+        # `padded` shards with a quota above every position. Searched in `levels`
+        # steps of `width - 1` compares.
+        levels, width = _search_steps(num_shards)
+        padded = width**levels
+        counts = counts.astype(jnp.int32)
+        shard = jnp.asarray(shard_index, jnp.int32)
+        lower_shards = jnp.where(np.arange(num_shards)[:, None] < shard, counts, 0)
+        lower_experts = (
+            np.arange(num_experts)[:, None] > np.arange(num_experts)[None, :]
         )
-        offset = (jnp.cumsum(counts, axis=0) - counts)[shard_index]
-        position = offset[flat] + rank
+        shift = jnp.concatenate(
+            [lower_shards.T, jnp.where(lower_experts, -counts[shard][None, :], 0)],
+            axis=1,
+        ).sum(axis=1)
+        quota = plan.expert_shard_pairs.astype(jnp.int32)
+        upto = np.arange(num_shards)[:, None] >= np.arange(num_shards)[None, :]
+        cumulative = jnp.where(upto[None], quota[:, None, :], 0).sum(axis=2)
+        cumulative = jnp.pad(
+            cumulative, ((0, 0), (0, padded - num_shards)), constant_values=_INT32_MAX
+        )
+        position = rank + shift[flat]
+        # The replica: the number of shards whose cumulative quota of the expert is
+        # at most the position (R if none is above it: no replica). A step compares
+        # the ends of `width - 1` consecutive blocks, one contiguous window of the
+        # block ends per pair.
+        dest = None
+        for step in range(levels):
+            block = width ** (levels - 1 - step)
+            ends = cumulative[:, block - 1 :: block]
+            if dest is None:  # the first window starts at shard 0: a row each
+                window = ends[flat, : width - 1]
+                dest = jnp.zeros_like(flat)
+            else:
+                window = jax.vmap(
+                    lambda e, start, ends=ends: jax.lax.dynamic_slice(
+                        ends, (e, start), (1, width - 1)
+                    )[0]
+                )(flat, jax.lax.div(dest, block))
+            below = window <= position[:, None]
+            dest = dest + block * below.sum(axis=1, dtype=jnp.int32)
 
-        # First shard d with cumulative quota[e, :d+1] > position (binary search).
-        cum = jnp.cumsum(plan.expert_shard_pairs.astype(jnp.int32), axis=1).reshape(-1)
-        base = flat * num_shards
-        lo = jnp.zeros_like(flat)
-        hi = jnp.full_like(flat, num_shards - 1)
-        for _ in range((num_shards - 1).bit_length()):
-            mid = (lo + hi) // 2
-            above = cum[base + mid] > position
-            lo = jnp.where(above, lo, mid + 1)
-            hi = jnp.where(above, mid, hi)
-        dest = lo
-
-        slot_match = plan.slot_expert[dest] == flat[:, None]
-        slot = jnp.argmax(slot_match, axis=1).astype(jnp.int32)
-        at_home = dest == home_shard.reshape(-1)
-        group = jnp.where(at_home, home_group.reshape(-1), num_local_experts + slot)
+        home = jax.lax.div(flat, num_local_experts)
+        held = plan.slot_expert[jnp.minimum(dest, num_shards - 1)] == flat[:, None]
+        at_home = dest == home
+        slot = jnp.where(held, np.arange(num_slots, dtype=np.int32)[None, :], 0).sum(
+            axis=1
+        )
+        group = jnp.where(
+            at_home, flat - home * num_local_experts, num_local_experts + slot
+        )
         # A pair past its expert's quotas, or sent where no copy of its expert lives,
         # has no destination: it is marked -1 (never sent), and the layer counts it
         # in `stats.lost_pairs`, rather than computing it with the wrong expert.
-        has_quota = position < cum[base + num_shards - 1]
-        has_copy = at_home | jnp.any(slot_match, axis=1)
-        ok = has_quota & has_copy
-        dest = jnp.where(ok, dest, -1)
-        group = jnp.where(ok, group, -1)
+        ok = (dest < num_shards) & (at_home | held.any(axis=1))
+        dest, group = jnp.where(ok, dest, -1), jnp.where(ok, group, -1)
         return dest.reshape(experts.shape), group.reshape(experts.shape)

@@ -202,16 +202,15 @@ def test_plan_exact_on_many_random_counts(shape):
 
 
 def test_no_feasible_level_gives_the_home_only_plan(monkeypatch):
-    """Should the fill ever fail at every level (even the highest load, where nothing
-    is shed), the planner returns the home-only plan (always valid), not a partial
-    fill."""
-    real = planner._fill
+    """Should the fill ever fail at every level below the highest load (where
+    nothing is shed), the planner returns the home-only plan (always valid), not a
+    partial fill."""
 
-    def never_done(*args):
-        done, history = real(*args)
-        return jnp.zeros_like(done), history
+    def stuck(loads, state, alive, num_slots):
+        # Sheds nothing: every level runs out of steps with its donors still full.
+        return planner._put(state, {planner._STEP: state[:, planner._STEP, None] + 1})
 
-    monkeypatch.setattr(planner, "_fill", never_done)
+    monkeypatch.setattr(planner, "_step", stuck)
     counts = np.zeros((4, 8), np.int32)
     counts[:, 0] = 100
     plan = plan_duplication(jnp.asarray(counts), num_slots=2)
@@ -292,6 +291,34 @@ def test_bad_arguments():
         assign_destinations(
             plan, jnp.zeros((2, 8), jnp.int32), experts, 0, num_local_experts=3
         )
+
+
+def test_max_pairs_bounds_the_int32_arithmetic():
+    """The planner counts pairs in int32: a static bound `max_pairs` of 2**30 or
+    more is refused, and so are concrete counts with that many pairs or more than
+    the bound claims."""
+    counts = jnp.ones((2, 4), jnp.int32)
+    plan_duplication(counts, num_slots=1, max_pairs=2**30 - 1)
+    plan_duplication(counts, num_slots=1, max_pairs=8)
+    for bad in (2**30, 2**31, -1, True):
+        with pytest.raises(ValueError, match="max_pairs"):
+            plan_duplication(counts, num_slots=1, max_pairs=bad)
+    # Traced counts: the bound is checked when tracing.
+    with pytest.raises(ValueError, match="max_pairs"):
+        jax.jit(functools.partial(plan_duplication, num_slots=1, max_pairs=2**30))(
+            counts
+        )
+    # Concrete counts: their total is checked, with or without a bound.
+    with pytest.raises(ValueError, match="max_pairs"):
+        plan_duplication(counts, num_slots=1, max_pairs=7)
+    huge = np.zeros((2, 4), np.int32)
+    huge[:, 0] = 2**29  # 2**30 pairs in all; int32 itself would hold them
+    with pytest.raises(ValueError, match=r"2\*\*30"):
+        plan_duplication(jnp.asarray(huge), num_slots=1)
+    with pytest.raises(ValueError, match=r"2\*\*30"):
+        plan_duplication(jnp.asarray(huge), num_slots=1, max_pairs=2**30 - 1)
+    huge[0, 0] -= 1  # just below: fine
+    check_plan(plan_duplication(jnp.asarray(huge), num_slots=1), huge, 1)
 
 
 def test_assign_never_invents_a_destination():
@@ -441,19 +468,19 @@ def test_check_plan_catches_an_over_bound_plan():
 def test_over_bound_fill_falls_back_to_home_only(monkeypatch):
     """Should the fill ever ignore the bound, the planner's final check catches the
     over-bound plan and returns the home-only plan rather than break the bound."""
-    real = planner._fill
+    real = planner._search
 
-    def unbounded(loads, levels, num_slots, max_exports):
-        return real(loads, levels, num_slots, 10**6)
+    def unbounded(loads, num_slots, max_exports):
+        return real(loads, num_slots, 10**6)
 
-    monkeypatch.setattr(planner, "_fill", unbounded)
+    monkeypatch.setattr(planner, "_search", unbounded)
     counts = np.zeros((4, 8), np.int32)
     counts[:, 0] = 100
     plan = plan_duplication(jnp.asarray(counts), num_slots=1, max_exports=2)
     check_plan(plan, counts, 1, 2)
     assert (np.asarray(plan.slot_expert) == -1).all()
-    # With the real fill the bound shapes the plan instead: two copies, 134 each.
-    monkeypatch.setattr(planner, "_fill", real)
+    # With the real search the bound shapes the plan instead: two copies, 134 each.
+    monkeypatch.setattr(planner, "_search", real)
     plan = plan_duplication(jnp.asarray(counts), num_slots=1, max_exports=2)
     check_plan(plan, counts, 1, 2)
     assert exports_per_home(plan, 2).tolist() == [2, 0, 0, 0]
@@ -607,6 +634,57 @@ def test_assign_matches_reference(workload, num_shards, num_experts, top_k, num_
     if num_slots == 0 or num_shards == 1:
         np.testing.assert_array_equal(dest, choices // local)
         np.testing.assert_array_equal(group, choices % local)
+
+
+@pytest.mark.parametrize(
+    "workload, num_shards, num_experts, top_k, num_slots", ASSIGN_CASES[:6]
+)
+def test_assign_sort_branches_agree(
+    monkeypatch, workload, num_shards, num_experts, top_k, num_slots
+):
+    """The stable two-operand sort, taken when the single int32 sort key would
+    overflow (`E * 2**bits > 2**31`), gives the same destinations as the key sort and
+    as the reference."""
+    local = num_experts // num_shards
+    choices = wl.sample_workload(
+        workload,
+        num_shards=num_shards,
+        tokens=40,
+        num_experts=num_experts,
+        top_k=top_k,
+        hot="contiguous",
+        seed=13,
+    )
+    counts = wl.counts_from_choices(choices, num_experts)
+    plan = _plan(counts, num_slots)
+
+    def assign_all():
+        # A fresh jit: the branch is chosen when tracing.
+        fn = jax.jit(functools.partial(assign_destinations, num_local_experts=local))
+        jaxpr = jax.make_jaxpr(fn)(
+            plan, jnp.asarray(counts), jnp.asarray(choices[0]), jnp.int32(0)
+        )
+        # The operands of each sort: the outputs left of `= sort[`.
+        sorts = [
+            len(line.split("=")[0].split())
+            for line in str(jaxpr).splitlines()
+            if " sort[" in line
+        ]
+        out = [
+            fn(plan, jnp.asarray(counts), jnp.asarray(choices[r]), jnp.int32(r))
+            for r in range(num_shards)
+        ]
+        return np.stack([d for d, _ in out]), np.stack([g for _, g in out]), sorts
+
+    key_dest, key_group, key_sorts = assign_all()
+    monkeypatch.setattr(planner, "_SORT_KEY_LIMIT", 0)
+    two_dest, two_group, two_sorts = assign_all()
+    assert key_sorts == [1] and two_sorts == [2]  # each branch really ran
+    np.testing.assert_array_equal(two_dest, key_dest)
+    np.testing.assert_array_equal(two_group, key_group)
+    ref_dest, ref_group = reference_destinations(plan, choices, local)
+    np.testing.assert_array_equal(two_dest, ref_dest)
+    np.testing.assert_array_equal(two_group, ref_group)
 
 
 def test_assign_diverts_to_replicas():
