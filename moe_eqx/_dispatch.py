@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._permute import inverse_permutation, permute_rows
+from ._rules import cumsum, histogram
 
 
 class SortedPairs(eqx.Module):
@@ -46,17 +47,15 @@ def _sort_pairs(
     key = jnp.where(valid, groups, num_groups)
     order = _stable_order(key, num_groups + 1)[:capacity]
     inverse = inverse_permutation(order, key.shape[0])
-    sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
+    sizes = histogram(key, num_groups)
     total = jnp.sum(sizes)
     # Keep the first `capacity` pairs in sorted order: trim the group sizes to match.
-    ends = jnp.minimum(jnp.cumsum(sizes), capacity)
+    ends = jnp.minimum(cumsum(sizes), capacity)
     kept = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     in_range = jnp.arange(capacity) < ends[-1]
     # No `order`/`inverse` in the result: the gather-both-ways combine and pair
     # gather read every candidate slot (rows x per_row), and a receiver's rows are
-    # mostly empty slots (EP8 of benchmarks/layer.py: 4096 rows x 4 slots for ~2048
-    # pairs), where the scatter-add touches only the pairs: combine 115 ms against
-    # 12 ms, row gathers 44 against 3 ms of the fwd+bwd step (--breakdown).
+    # mostly empty slots, where the scatter-add touches only the pairs.
     pairs = SortedPairs(
         row=order // per_row,
         weight=jnp.where(in_range, permute_rows(weights, order, inverse), 0.0),
@@ -80,7 +79,7 @@ def sort_by_expert(
 
     **Returns:**
 
-    [`moe_eqx.SortedPairs`][] with `T * k` pairs, `row` = token index, and `order` /
+    [`moe_eqx.internal.SortedPairs`][] with `T * k` pairs, `row` = token index, and `order` /
     `inverse` set (a full permutation of the `T * k` pairs): the weights' gradient,
     [`moe_eqx.combine`][] and `moe_eqx._permute.permute_rows` are then gathers.
     """
@@ -104,8 +103,7 @@ def _stable_order(flat: Int[Array, " pairs"], num_groups: int) -> Int[Array, " p
     if (num_groups + 1) * num >= 2**31:
         return jnp.argsort(flat, stable=True).astype(jnp.int32)
     # One int32 key per pair, `group * num + pair`, is unique, so an unstable sort of a
-    # single array gives the stable order: 0.45 ms against 2.2 ms for the stable
-    # (key, index) sort at 16384 pairs on XLA:CPU.
+    # single array gives the stable order, faster than a stable (key, index) sort.
     key = flat.astype(jnp.int32) * num + jnp.arange(num, dtype=jnp.int32)
     return jnp.sort(key) % num
 
@@ -130,6 +128,7 @@ class WireRows(eqx.Module):
     - `inverse`: `[T * k]` the row of each candidate pair (`>= N` for one that is not a
         row), the inverse of `order`: the gathers of `moe_eqx._permute` move tokens to
         rows and rows back to tokens in both directions without scatter-adds.
+    - `num_tokens`: `T`.
     """
 
     token: Int[Array, " rows"]
@@ -139,6 +138,7 @@ class WireRows(eqx.Module):
     send_pairs: Int[Array, " shards"]
     order: Int[Array, " rows"]
     inverse: Int[Array, " candidates"]
+    num_tokens: int = eqx.field(static=True)
 
     @property
     def num_pairs(self) -> Int[Array, " rows"]:
@@ -166,7 +166,7 @@ def dedup_rows(
 
     **Returns:**
 
-    [`moe_eqx.WireRows`][] with `T * min(k, R)` rows if deduplicating, else `T * k`.
+    [`moe_eqx.internal.WireRows`][] with `T * min(k, R)` rows if deduplicating, else `T * k`.
     """
     with jax.named_scope("moe_eqx.dedup_dispatch"):
         tokens, k = dest_shard.shape
@@ -196,12 +196,13 @@ def dedup_rows(
             ),
             order=order,
             inverse=inverse,
+            num_tokens=tokens,
         )
 
 
 def _histogram(index: Int[Array, " n"], size: int) -> Int[Array, " size"]:
     """Counts of each value in `[0, size)`; the value `size` marks "not counted"."""
-    return jnp.zeros((size + 1,), jnp.int32).at[index].add(1)[:size]
+    return histogram(index, size)
 
 
 def _same_shard(dest_shard: Array, valid: Array) -> Array:
@@ -222,7 +223,7 @@ def send_counts(
     num_shards: int,
     dedup: bool,
 ) -> Int[Array, " shards"]:
-    """Wire rows this shard sends to each shard (what [`moe_eqx.dedup_rows`][] would
+    """Wire rows this shard sends to each shard (what [`moe_eqx.internal.dedup_rows`][] would
     produce), without building the rows: the input of the overflow predicate.
 
     **Arguments:**
@@ -259,7 +260,7 @@ def expand_rows(
 
     **Returns:**
 
-    `(pairs, dropped)`: [`moe_eqx.SortedPairs`][] with `capacity` pairs (`row` = wire row)
+    `(pairs, dropped)`: [`moe_eqx.internal.SortedPairs`][] with `capacity` pairs (`row` = wire row)
     and the number of valid pairs that did not fit (deterministic: the last in group
     order).
     """

@@ -7,7 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import MoEConfig
-from ._gmm import AbstractGMMBackend, accumulating_gmm, gmm
+from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
 
 
 def _check_float(dtype) -> None:
@@ -73,12 +73,10 @@ def expert_ffn(
     group_sizes: Int[Array, " groups"],
     *,
     backend: str | AbstractGMMBackend = "auto",
-    grad_acc: tuple[
-        Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
-    ]
-    | None = None,
-) -> Float[Array, "rows d_model"]:
-    """SwiGLU over consecutive groups of rows: two grouped matmuls.
+    grad_acc: GradAcc | None = None,
+) -> Float[Array, "rows d_model"] | tuple[Float[Array, "rows d_model"], GradAcc]:
+    """SwiGLU over consecutive groups of rows: two grouped matmuls (one loop of
+    windows with the tiled backend).
 
     **Arguments:**
 
@@ -88,30 +86,18 @@ def expert_ffn(
     - `group_sizes`: `[G]` int32.
     - `backend`: the [`moe_eqx.gmm`][] backend.
     - `grad_acc`: optional float accumulators `(acc_gate_up, acc_down)` shaped like
-        the weights. When given, the weights get no gradient through this call;
-        instead the cotangents of the accumulators are `acc + d_weight`, summed in
-        place by the GMM backward (`AbstractAccumulatingGMMBackend`).
+        the weights, passed through: under `jax.vjp` the cotangent of the input
+        accumulators is that of the output ones plus the weights' gradient, and the
+        weights get none through this call (see `moe_eqx.AbstractGMMBackend.ffn`).
 
     **Returns:**
 
-    `[M, d_model]` in `x.dtype`; rows beyond `sum(group_sizes)` are zero.
+    `[M, d_model]` in `x.dtype`; rows beyond `sum(group_sizes)` are zero. With
+    `grad_acc`, `(out, grad_acc)`.
     """
-
-    def product(lhs, rhs, acc):
-        rhs = rhs.astype(x.dtype)
-        if acc is None:
-            return gmm(lhs, rhs, group_sizes, backend=backend)
-        return accumulating_gmm(lhs, rhs, group_sizes, acc, backend=backend)
-
-    acc_gu, acc_dn = (None, None) if grad_acc is None else grad_acc
     with jax.named_scope("moe_eqx.experts"):
-        d_ff = w_down.shape[1]
-        gate_up = product(x, w_gate_up, acc_gu)
-        gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
-        act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(
-            x.dtype
-        )
-        return product(act, w_down, acc_dn)
+        impl = resolve_backend(backend)
+        return impl.ffn(x, w_gate_up, w_down, group_sizes.astype(jnp.int32), grad_acc)
 
 
 class SharedExperts(eqx.Module):

@@ -1,15 +1,13 @@
-"""Pair permutations as gathers in both directions (explicit `custom_vjp`s).
+"""Pair permutations as gathers in both directions (custom transposes, see
+`moe_eqx._autodiff`).
 
 Sorting pairs by group is a permutation: pair `p = r * per_row + j` (the `j`-th pair of
 row `r`) lands at position `inverse[p]` of the sorted order, and `order[i]` is the pair
 at position `i`. Both the dispatch (`xs[i] = x[order[i] // per_row]`) and the combine
 (`y[r] = sum_j w[inverse[r * per_row + j]] out[inverse[r * per_row + j]]`) are then
 gathers, and so are their transposes: each is the other's. Differentiating the plain
-gather instead gives a scatter-add, which XLA:CPU runs as a serial loop. Measured at
-T=4096, k=4, d_model=512, float32 (min of 30, one process): the combine's forward is
-0.8 ms as a gather against 3.5 ms as a scatter-add, its forward+backward 10.7 against
-14.8 ms (most of the rest is writing two fresh `[T k, d_model]` arrays), and the token
-gather's backward 0.8 against 1.8 ms.
+gather instead gives a scatter-add, which XLA:CPU runs as a serial loop (the timings
+are in `docs/measured.md`).
 
 Assumptions (the callers' contract):
 
@@ -29,6 +27,8 @@ import functools as ft
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from ._autodiff import custom_linear, symbolic_zeros_to_none
 
 
 def inverse_permutation(
@@ -90,26 +90,41 @@ def _sum_rows(values, weight, order, inverse, num_rows):
     return total
 
 
+def sum_rows(
+    values: Float[Array, "pairs d"],
+    order: Int[Array, " pairs"],
+    inverse: Int[Array, " candidates"],
+    num_rows: int,
+) -> Float[Array, "rows d"]:
+    """`y[r] = sum_j values[inverse[r * per_row + j]]` in float32 (entries `>= C`, not
+    kept, add nothing): the sum of each row's pairs as gathers, not a scatter-add.
+
+    **Arguments:**
+
+    - `values`: `[C, d]` per-pair values in sorted order.
+    - `order`, `inverse`: as for `permute_rows`.
+    - `num_rows`: `R`.
+
+    **Returns:**
+
+    `[R, d]` float32.
+    """
+    return _sum_rows(values, None, order, inverse, num_rows)
+
+
 def _rows_of(order: Array, inverse: Array, num_rows: int) -> Array:
     return order // _per_row(inverse, num_rows)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _permute(x, order, inverse, num_rows):
+def _gather_rows(res, x):
+    order, inverse, num_rows = res
     return x.at[_rows_of(order, inverse, num_rows)].get(mode="promise_in_bounds")
 
 
-def _permute_fwd(x, order, inverse, num_rows):
-    return _permute(x, order, inverse, num_rows), (order, inverse)
-
-
-def _permute_bwd(num_rows, res, g):
-    order, inverse = res
+def _gather_rows_t(res, g):
+    order, inverse, num_rows = res
     # `g` has the dtype of `xs`, which is that of `x`.
-    return _sum_rows(g, None, order, inverse, num_rows).astype(g.dtype), None, None
-
-
-_permute.defvjp(_permute_fwd, _permute_bwd)
+    return _sum_rows(g, None, order, inverse, num_rows).astype(g.dtype)
 
 
 def permute_rows(
@@ -134,31 +149,54 @@ def permute_rows(
     `[C, ...]` in `x.dtype`.
     """
     with jax.named_scope("moe_eqx.permute"):
-        return _permute(x, order, inverse, x.shape[0])
+        res = (order, inverse, x.shape[0])
+        out = jax.ShapeDtypeStruct((order.shape[0], *x.shape[1:]), x.dtype)
+        return custom_linear(_gather_rows, _gather_rows_t, res, x, out)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _unpermute_tangent(res, lin):
+    values, weight, order, inverse, num_rows, _ = res
+    t_values, t_weight = lin
+    total = 0
+    if t_values is not None:
+        total = total + _sum_rows(t_values, weight, order, inverse, num_rows)
+    if t_weight is not None:
+        total = total + _sum_rows(values, t_weight, order, inverse, num_rows)
+    return total.astype(values.dtype)
+
+
+def _unpermute_transpose(res, g):
+    values, weight, order, inverse, num_rows, (want_values, want_weight) = res
+    # Both cotangents read `g` at each pair's row: a gather by `order`.
+    g_pairs = g.at[_rows_of(order, inverse, num_rows)].get(mode="promise_in_bounds")
+    g_pairs = g_pairs.astype(jnp.float32)
+    d_values = d_weight = None
+    if want_values:
+        d_values = g_pairs * weight.astype(jnp.float32)[:, None]
+        d_values = d_values.astype(values.dtype)
+    if want_weight:
+        d_weight = jnp.sum(g_pairs * values.astype(jnp.float32), axis=1)
+        d_weight = d_weight.astype(weight.dtype)
+    return d_values, d_weight
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _unpermute(values, weight, order, inverse, num_rows):
     total = _sum_rows(values, weight, order, inverse, num_rows)
     return total.astype(values.dtype)
 
 
-def _unpermute_fwd(values, weight, order, inverse, num_rows):
+def _unpermute_jvp(num_rows, primals, tangents):
+    values, weight, order, inverse = primals
+    t_values, t_weight, _, _ = symbolic_zeros_to_none(tangents)
     out = _unpermute(values, weight, order, inverse, num_rows)
-    return out, (values, weight, order, inverse)
+    want = (t_values is not None, t_weight is not None)
+    res = (values, weight, order, inverse, num_rows, want)
+    lin = (t_values, t_weight)
+    return out, custom_linear(_unpermute_tangent, _unpermute_transpose, res, lin, out)
 
 
-def _unpermute_bwd(num_rows, res, g):
-    values, weight, order, inverse = res
-    # Both cotangents read `g` at each pair's row: a gather by `order`.
-    g_pairs = g.at[_rows_of(order, inverse, num_rows)].get(mode="promise_in_bounds")
-    g_pairs = g_pairs.astype(jnp.float32)
-    d_values = (g_pairs * weight.astype(jnp.float32)[:, None]).astype(values.dtype)
-    d_weight = jnp.sum(g_pairs * values.astype(jnp.float32), axis=1)
-    return d_values, d_weight.astype(weight.dtype), None, None
-
-
-_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+_unpermute.defjvp(_unpermute_jvp, symbolic_zeros=True)
 
 
 def unpermute_sum(

@@ -4,8 +4,9 @@ tests/conftest.py defaults `JAX_PLATFORMS` to cpu, so run these with the GPU vis
 
     JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/test_gmm_gpu.py -q
 
-(add `-o addopts=""` where beartype is not installed). All checks compare against a
-float32 numpy reference computed from the same (bf16/f16-rounded) random inputs.
+(add `-o addopts=""` where beartype is not installed). All checks compare against
+float32 references (a numpy per-group loop, or a one-hot JAX FFN) computed from the
+same (bf16/f16-rounded) random inputs.
 """
 
 import jax
@@ -14,21 +15,14 @@ import numpy as np
 import pytest
 from jax import lax
 
-from moe_eqx._gmm import (
-    MosaicGPUGMM,
-    MosaicTileConfig,
-    accumulating_gmm,
-    auto_backend_name,
-    autotune_gmm,
-    gmm,
-    mosaic_gpu_available,
-    resolve_backend,
-)
+import moe_eqx.internal as mi
+from moe_eqx import MosaicGPUGMM, gmm
+from moe_eqx.internal import MosaicTileConfig
 
 
 def _hopper() -> bool:
     try:
-        return mosaic_gpu_available()
+        return mi.mosaic_gpu_available()
     except Exception:
         return False
 
@@ -102,8 +96,8 @@ def _run(backend, lhs, rhs, sizes, d_out):
 
 
 def test_auto_is_mosaic():
-    assert auto_backend_name() == "mosaic_gpu"
-    assert isinstance(resolve_backend("auto"), MosaicGPUGMM)
+    assert mi.auto_backend_name() == "mosaic_gpu"
+    assert isinstance(mi.resolve_backend("auto"), MosaicGPUGMM)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -202,7 +196,7 @@ def test_autotune_writes_table_the_backend_reads(tmp_path, monkeypatch):
         MosaicTileConfig(64, 64, 64, 2, 1),
         MosaicTileConfig(64, 128, 64, 2, 1),
     ]
-    entries = autotune_gmm(
+    entries = mi.autotune_gmm(
         [(1024, 256, 384, 8)], candidates=candidates, iters=2, verbose=False
     )
     assert len(entries) == 3 and path.exists()
@@ -217,20 +211,116 @@ def test_autotune_writes_table_the_backend_reads(tmp_path, monkeypatch):
         _check(got, want)
 
 
-def test_accumulating_adds_into_accumulator():
-    lhs, rhs, sizes, d_out = _data("unaligned_empty", jnp.bfloat16, seed=7)
-    acc = jnp.asarray(np.random.default_rng(7).standard_normal(rhs.shape), jnp.float32)
+def _tangent_data(seed):
+    lhs, rhs, sizes, d_out = _data("unaligned_empty", jnp.bfloat16, seed=seed)
+    t_lhs, t_rhs, _, _ = _data("unaligned_empty", jnp.bfloat16, seed=seed + 1)
+    return lhs, rhs, jnp.asarray(sizes), d_out, t_lhs, t_rhs
+
+
+def _loss(a, b, sizes, d_out):
+    out = gmm(a, b, sizes, backend="mosaic_gpu")
+    return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+
+def test_forward_mode_and_each_gradient_alone():
+    """A tangent (the forward kernel on each tangent) and the gradient of the rows
+    alone and of the matrices alone, through the kernels' `custom_jvp`."""
+    lhs, rhs, sizes, d_out, t_lhs, t_rhs = _tangent_data(8)
 
     @jax.jit
-    def run(a, b, c, d):
-        f = lambda x, y: accumulating_gmm(  # noqa: E731
-            x, b, jnp.asarray(sizes), y, backend="mosaic_gpu"
-        )
-        out, vjp = jax.vjp(f, a, c)
-        return out, *vjp(d)
+    def run(a, b, t_a, t_b):
+        f = lambda x, y: gmm(x, y, sizes, backend="mosaic_gpu")  # noqa: E731
+        tangent = jax.jvp(f, (a, b), (t_a, t_b))[1]
+        d_lhs_only = jax.grad(_loss, 0)(a, b, sizes, d_out)
+        d_rhs_only = jax.grad(_loss, 1)(a, b, sizes, d_out)
+        return tangent, d_lhs_only, d_rhs_only
 
-    out, d_lhs, d_acc = run(lhs, rhs, acc, d_out)
-    ref_out, ref_lhs, ref_rhs = _reference(lhs, rhs, sizes, d_out)
-    _check(out, ref_out)
-    _check(d_lhs, ref_lhs)
-    _check(d_acc - acc, ref_rhs)
+    tangent, d_lhs_only, d_rhs_only = run(lhs, rhs, t_lhs, t_rhs)
+    ref_t = _reference(t_lhs, rhs, sizes, d_out)[0]
+    _check(tangent, ref_t + _reference(lhs, t_rhs, sizes, d_out)[0])
+    _, ref_lhs, ref_rhs = _reference(lhs, rhs, sizes, d_out)
+    _check(d_lhs_only, ref_lhs)
+    _check(d_rhs_only, ref_rhs)
+
+
+def test_hessian_vector_product():
+    """Forward over reverse (`jax.jvp(jax.grad(f))`): the tangent of the backward
+    kernels. The loss is bilinear in `(lhs, rhs)`, so its Hessian-vector product is
+    `(gmm(d_out, t_rhs^T), t_lhs_g^T d_out_g)`."""
+    lhs, rhs, sizes, d_out, t_lhs, t_rhs = _tangent_data(10)
+
+    @jax.jit
+    def hvp(a, b, t_a, t_b):
+        grad = jax.grad(_loss, (0, 1))
+        return jax.jvp(lambda x, y: grad(x, y, sizes, d_out), (a, b), (t_a, t_b))[1]
+
+    hvp_lhs, hvp_rhs = hvp(lhs, rhs, t_lhs, t_rhs)
+    _check(hvp_lhs, _reference(lhs, t_rhs, sizes, d_out)[1])
+    _check(hvp_rhs, _reference(t_lhs, rhs, sizes, d_out)[2])
+
+
+def _ffn_reference(x, w_gate_up, w_down, sizes, dy):
+    """The SwiGLU FFN of each group in float32 from the same rounded inputs, and the
+    gradients `(d_x, d_w_gate_up, d_w_down)`."""
+    x, w_gate_up, w_down, dy = (
+        a.astype(jnp.float32) for a in (x, w_gate_up, w_down, dy)
+    )
+
+    def ffn(x, w_gate_up, w_down):
+        ends = jnp.cumsum(sizes)[None, :]
+        rows = jnp.arange(x.shape[0], dtype=sizes.dtype)[:, None]
+        member = ((rows >= ends - sizes[None, :]) & (rows < ends)).astype(x.dtype)
+        gate_up = jnp.einsum("mg,mk,gkn->mn", member, x, w_gate_up)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        return jnp.einsum("mg,mf,gfd->md", member, jax.nn.silu(gate) * up, w_down)
+
+    y, vjp = jax.vjp(ffn, x, w_gate_up, w_down)
+    return [np.asarray(a, np.float64) for a in (y, *vjp(dy))]
+
+
+def test_ffn_grad_acc():
+    """`MosaicGPUGMM.ffn` with float32 accumulators: the same output as without; under
+    `jax.vjp` the rows' gradient and the accumulators' cotangent `acc + d_weights`."""
+    rng = np.random.default_rng(7)
+    m, d_model, d_ff = 777, 200, 96
+    sizes = jnp.asarray([0, 311, 0, 5, 400, 0], jnp.int32)
+    g = sizes.shape[0]
+    x = jnp.asarray(rng.standard_normal((m, d_model)), jnp.bfloat16)
+    w_gate_up = jnp.asarray(
+        rng.standard_normal((g, d_model, 2 * d_ff)) / np.sqrt(d_model), jnp.bfloat16
+    )
+    w_down = jnp.asarray(
+        rng.standard_normal((g, d_ff, d_model)) / np.sqrt(d_ff), jnp.bfloat16
+    )
+    dy = jnp.asarray(rng.standard_normal((m, d_model)), jnp.bfloat16)
+    acc_ct = tuple(
+        jnp.asarray(rng.standard_normal(w.shape), jnp.float32)
+        for w in (w_gate_up, w_down)
+    )
+    backend = MosaicGPUGMM()
+
+    @jax.jit
+    def run(x, w_gate_up, w_down, dy, acc_ct):
+        plain = backend.ffn(x, w_gate_up, w_down, sizes)
+        zero = tuple(jnp.zeros_like(a) for a in acc_ct)
+        (y, _), vjp = jax.vjp(
+            lambda x, acc: backend.ffn(x, w_gate_up, w_down, sizes, grad_acc=acc),
+            x,
+            zero,
+        )
+        return plain, y, vjp((dy, acc_ct))
+
+    plain, y, (d_x, (d_gu, d_dn)) = run(x, w_gate_up, w_down, dy, acc_ct)
+    ref_y, ref_x, ref_gu, ref_dn = _ffn_reference(x, w_gate_up, w_down, sizes, dy)
+    assert y.dtype == d_x.dtype == jnp.bfloat16
+    assert d_gu.dtype == d_dn.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(y.astype(jnp.float32)), np.asarray(plain.astype(jnp.float32))
+    )
+    _check(y, ref_y)
+    _check(d_x, ref_x)
+    _check(d_gu - acc_ct[0], ref_gu)
+    _check(d_dn - acc_ct[1], ref_dn)
+    total = int(sizes.sum())
+    assert np.all(np.asarray(y.astype(jnp.float32))[total:] == 0)
+    assert np.all(np.asarray(d_x.astype(jnp.float32))[total:] == 0)

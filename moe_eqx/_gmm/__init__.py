@@ -1,12 +1,13 @@
-"""Grouped matmul (`me.gmm`) and its interchangeable backends."""
+"""Grouped matmul (`me.gmm`), the expert FFN built on it, and their interchangeable
+backends."""
 
 import jax
 from jaxtyping import Array, Float, Int
 
 from ._base import (
-    AbstractAccumulatingGMMBackend as AbstractAccumulatingGMMBackend,
     AbstractGMMBackend as AbstractGMMBackend,
-    generic_accumulating,
+    GradAcc as GradAcc,
+    gmm_ffn as gmm_ffn,
 )
 from .dense import DenseGMM as DenseGMM
 from .mosaic_gpu import (
@@ -36,24 +37,30 @@ def auto_backend_name(platform: str | None = None) -> str:
     platform = jax.default_backend() if platform is None else platform
     if platform == "tpu":
         return "ragged_dot"
-    if platform == "gpu" and mosaic_gpu_available():
+    if platform in ("gpu", "cuda") and mosaic_gpu_available():
         return "mosaic_gpu"
     return "tiled"
 
 
-def resolve_backend(name: str) -> AbstractGMMBackend:
-    """Returns the backend instance for `name` (`"auto"` picks by platform).
+def resolve_backend(
+    name: "str | AbstractGMMBackend", platform: str | None = None
+) -> AbstractGMMBackend:
+    """Returns the backend instance for `name` (`"auto"` picks by `platform`).
 
     **Arguments:**
 
-    - `name`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"` or `"mosaic_gpu"`.
+    - `name`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"`, `"mosaic_gpu"`, or an
+        `AbstractGMMBackend` instance (returned as is).
+    - `platform`: for `"auto"`; default: the default backend.
 
     **Returns:**
 
     An `AbstractGMMBackend`. Raises `ValueError` for any other name.
     """
+    if isinstance(name, AbstractGMMBackend):
+        return name
     if name == "auto":
-        name = auto_backend_name()
+        name = auto_backend_name(platform)
     try:
         return _BACKENDS[name]()
     except (KeyError, TypeError):
@@ -83,49 +90,9 @@ def gmm(
     **Returns:**
 
     `[M, N]` in `lhs.dtype` (float32 accumulation); rows at or beyond
-    `sum(group_sizes)` are zero. Differentiable with respect to `lhs` and `rhs`.
+    `sum(group_sizes)` are zero. Differentiable with respect to `lhs` and `rhs`, in
+    forward and reverse mode.
     """
-    impl = _checked_backend(lhs, rhs, group_sizes, backend)
-    with jax.named_scope("moe_eqx.gmm"):
-        return impl(lhs, rhs, group_sizes)
-
-
-def accumulating_gmm(
-    lhs: Float[Array, "rows k_dim"],
-    rhs: Float[Array, "groups k_dim n_dim"],
-    group_sizes: Int[Array, " groups"],
-    rhs_grad_acc: Float[Array, "groups k_dim n_dim"],
-    *,
-    backend: str | AbstractGMMBackend = "auto",
-) -> Float[Array, "rows n_dim"]:
-    """`gmm` whose backward adds `rhs`'s gradient into `rhs_grad_acc`'s cotangent.
-
-    See `AbstractAccumulatingGMMBackend.accumulating`: under `jax.vjp`, the cotangent
-    of `rhs_grad_acc` is `rhs_grad_acc + d_rhs` and `rhs` gets none. Used by the
-    dropless fallback's backward to sum weight gradients over chunks in one buffer:
-    in place for accumulating backends (`tiled`), with one add for the others.
-
-    **Arguments:**
-
-    - `lhs`, `rhs`, `group_sizes`, `backend`: as for `gmm`.
-    - `rhs_grad_acc`: `[G, K, N]` float accumulator.
-
-    **Returns:**
-
-    The same `[M, N]` as `gmm`.
-    """
-    impl = _checked_backend(lhs, rhs, group_sizes, backend)
-    if rhs_grad_acc.shape != rhs.shape:
-        raise ValueError(
-            f"gmm: `rhs_grad_acc` has shape {rhs_grad_acc.shape}, expected {rhs.shape}."
-        )
-    with jax.named_scope("moe_eqx.gmm"):
-        if isinstance(impl, AbstractAccumulatingGMMBackend):
-            return impl.accumulating(lhs, rhs, group_sizes, rhs_grad_acc)
-        return generic_accumulating(impl, lhs, rhs, group_sizes, rhs_grad_acc)
-
-
-def _checked_backend(lhs, rhs, group_sizes, backend) -> AbstractGMMBackend:
     if lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"gmm: contracting dims differ: lhs {lhs.shape} vs rhs {rhs.shape}."
@@ -140,6 +107,6 @@ def _checked_backend(lhs, rhs, group_sizes, backend) -> AbstractGMMBackend:
             f"gmm: `lhs` ({lhs.dtype}) and `rhs` ({rhs.dtype}) must have the same "
             "dtype."
         )
-    if isinstance(backend, AbstractGMMBackend):
-        return backend
-    return resolve_backend(backend)
+    impl = resolve_backend(backend)
+    with jax.named_scope("moe_eqx.gmm"):
+        return impl(lhs, rhs, group_sizes)

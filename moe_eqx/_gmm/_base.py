@@ -1,17 +1,51 @@
-"""The grouped-matmul backend interface."""
+"""The grouped-matmul backend interface, and the SwiGLU expert FFN built on it."""
 
 import abc
 import functools as ft
 
 import equinox as eqx
 import jax
-import numpy as np
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from .._autodiff import custom_linear, symbolic_zeros_to_none
+
+GradAcc = tuple[
+    Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
+]
+
+
+def swiglu(gate_up: Array) -> Array:
+    """`silu(gate) * up` in float32, gate = first half of the last axis."""
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def swiglu_jvp(gate_up: Array, t_gate_up: Array) -> tuple[Array, Array]:
+    """`(swiglu(gate_up), its tangent along t_gate_up)`, both float32."""
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    t_gate, t_up = jnp.split(t_gate_up.astype(jnp.float32), 2, axis=-1)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    d_silu = sig * (1 + gate * (1 - sig))
+    return silu * up, d_silu * up * t_gate + silu * t_up
+
+
+def swiglu_vjp(gate_up: Array, d_act: Array) -> Array:
+    """The cotangent of `gate_up` for the cotangent `d_act` of `swiglu(gate_up)`,
+    float32."""
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    d_act = d_act.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    d_silu = sig * (1 + gate * (1 - sig))
+    return jnp.concatenate([d_act * up * d_silu, d_act * silu], axis=-1)
 
 
 class AbstractGMMBackend(eqx.Module):
     """A grouped matrix multiply: rows of `lhs` are split into consecutive groups, and
-    group `g` is multiplied by `rhs[g]`."""
+    group `g` is multiplied by `rhs[g]`; and the SwiGLU expert FFN made of two of
+    them."""
 
     @abc.abstractmethod
     def __call__(
@@ -32,65 +66,112 @@ class AbstractGMMBackend(eqx.Module):
 
         `[M, N]` in `lhs.dtype` (accumulated in float32). Rows at or beyond
         `sum(group_sizes)` are exactly zero. Differentiable with respect to `lhs` and
-        `rhs`; gradients of rows beyond `sum(group_sizes)` and of empty groups are zero.
+        `rhs` in forward and reverse mode; gradients of rows beyond `sum(group_sizes)`
+        and of empty groups are zero.
         """
 
-
-class AbstractAccumulatingGMMBackend(AbstractGMMBackend):
-    """A GMM backend whose backward can add `d_rhs` into an existing buffer in place.
-
-    Backends that are not of this kind get the same semantics from
-    `generic_accumulating` (their own backward, then one add).
-    """
-
     @abc.abstractmethod
-    def accumulating(
+    def ffn(
         self,
-        lhs: Float[Array, "rows k_dim"],
-        rhs: Float[Array, "groups k_dim n_dim"],
+        x: Float[Array, "rows d_model"],
+        w_gate_up: Float[Array, "groups d_model two_d_ff"],
+        w_down: Float[Array, "groups d_ff d_model"],
         group_sizes: Int[Array, " groups"],
-        rhs_grad_acc: Float[Array, "groups k_dim n_dim"],
-    ) -> Float[Array, "rows n_dim"]:
-        """The same product, with `rhs`'s gradient added into an accumulator.
-
-        For gradient accumulation over chunks (the dropless fallback's backward) without
-        a second weight-gradient buffer: under `jax.vjp`, the cotangent of
-        `rhs_grad_acc` is `rhs_grad_acc + d_rhs` (in place where the backend can),
-        `rhs` gets a zero cotangent and `lhs` its usual one. Do not differentiate
-        `rhs` through this call.
+        grad_acc: GradAcc | None = None,
+    ):
+        """The SwiGLU expert FFN of each group:
+        `out[i] = (silu(x[i] @ Wg) * (x[i] @ Wu)) @ Wd` with the group's weights
+        (`w_gate_up[g] = [Wg | Wu]`), products in `x.dtype` with float32 accumulation
+        and the activation in float32 (as [`moe_eqx.gmm`][] twice).
 
         **Arguments:**
 
-        - `lhs`, `rhs`, `group_sizes`: as for `__call__`.
-        - `rhs_grad_acc`: `[G, K, N]`, the gradient of `rhs` so far (float32, or
-            float64 for float64 inputs).
+        - `x`: `[M, d_model]` rows sorted by group.
+        - `w_gate_up`: `[G, d_model, 2 d_ff]`; `w_down`: `[G, d_ff, d_model]`.
+        - `group_sizes`: `[G]` int32, `sum <= M`.
+        - `grad_acc`: optional float32 accumulators shaped like the weights, for
+            the chunked fallback's backward, which sums its chunks' weight gradients
+            in one buffer: they pass through unchanged, and under `jax.vjp` the
+            cotangent of the input accumulators is that of the output ones plus the
+            weights' gradient (summed in place where the backend can); the weights
+            get no cotangent through this call.
 
         **Returns:**
 
-        The same `[M, N]` as `__call__`.
+        `[M, d_model]` in `x.dtype` (rows beyond `sum(group_sizes)` are zero); with
+        `grad_acc`, `(out, grad_acc)`.
         """
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def generic_accumulating(backend, lhs, rhs, group_sizes, rhs_grad_acc):
-    """`AbstractAccumulatingGMMBackend.accumulating` for any backend: its own
-    backward, then one add (so one extra `[G, K, N]` buffer while the add runs)."""
-    del rhs_grad_acc
-    return backend(lhs, rhs, group_sizes)
+def gmm_ffn(
+    backend: AbstractGMMBackend,
+    x: Array,
+    w_gate_up: Array,
+    w_down: Array,
+    group_sizes: Array,
+    grad_acc: GradAcc | None = None,
+) -> Array | tuple[Array, GradAcc]:
+    """`AbstractGMMBackend.ffn` as two calls of `backend` (for backends without a
+    fused FFN)."""
+    if grad_acc is None:
+        return _two_products(backend, x, w_gate_up, w_down, group_sizes)
+    return _accumulating_ffn(backend, x, w_gate_up, w_down, group_sizes, grad_acc)
 
 
-def _generic_fwd(backend, lhs, rhs, group_sizes, rhs_grad_acc):
-    # The backend's own vjp (a pytree of its residuals) is the residual: the backward
-    # then never re-runs the forward product.
-    out, vjp = jax.vjp(lambda a, b: backend(a, b, group_sizes), lhs, rhs)
-    return out, (vjp, group_sizes, rhs_grad_acc)
+def _two_products(backend, x, w_gate_up, w_down, group_sizes):
+    gate_up = backend(x, w_gate_up.astype(x.dtype), group_sizes)
+    act = swiglu(gate_up).astype(x.dtype)
+    return backend(act, w_down.astype(x.dtype), group_sizes)
 
 
-def _generic_bwd(backend, res, d_out):
-    vjp, group_sizes, acc = res
-    d_lhs, d_rhs = vjp(d_out)
-    d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
-    return d_lhs, None, d_sizes, acc + d_rhs.astype(acc.dtype)
+def _acc_tangent(res, lin):
+    backend, x, w_gate_up, w_down, group_sizes, _ = res
+    t_x, t_gu, t_dn, t_acc = lin
+    ffn = ft.partial(_two_products, backend, group_sizes=group_sizes)
+    primals = (x, w_gate_up, w_down)
+    tangents = tuple(
+        jnp.zeros_like(p) if t is None else t
+        for p, t in zip(primals, (t_x, t_gu, t_dn), strict=True)
+    )
+    return jax.jvp(ffn, primals, tangents)[1], t_acc
 
 
-generic_accumulating.defvjp(_generic_fwd, _generic_bwd)
+def _acc_transpose(res, ct):
+    pullback = res[-1]
+    d_out, acc = ct
+    d_x, d_gu, d_dn = pullback(d_out)
+    acc = tuple(a + d.astype(a.dtype) for a, d in zip(acc, (d_gu, d_dn), strict=True))
+    return d_x, None, None, acc
+
+
+def _acc_transpose_no_x(res, ct):
+    return (None, *_acc_transpose(res, ct)[1:])
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _accumulating_ffn(backend, x, w_gate_up, w_down, group_sizes, grad_acc):
+    return _two_products(backend, x, w_gate_up, w_down, group_sizes), grad_acc
+
+
+def _accumulating_ffn_jvp(backend, primals, tangents):
+    x, w_gate_up, w_down, group_sizes, grad_acc = primals
+    t_x, t_gu, t_dn, _, t_acc = symbolic_zeros_to_none(tangents)
+    t_acc = tuple(
+        jnp.zeros_like(a) if t is None else t
+        for a, t in zip(grad_acc, t_acc, strict=True)
+    )
+    ffn = ft.partial(_two_products, backend, group_sizes=group_sizes)
+    # The backend's own residuals: the backward never re-runs the products.
+    out, pullback = jax.vjp(ffn, x, w_gate_up, w_down)
+    res = (backend, x, w_gate_up, w_down, group_sizes, pullback)
+    lin = (t_x, t_gu, t_dn, t_acc)
+    # The transpose gives the weights no cotangent (it goes to the accumulators).
+    out_t = (None if t_x is None else x, None, None, grad_acc)
+    transpose = _acc_transpose if t_x is not None else _acc_transpose_no_x
+    # No `out` given: `_acc_tangent` is traced, so that a backend's kernel effects
+    # (a Pallas kernel in interpret mode) are declared.
+    t_out = custom_linear(_acc_tangent, transpose, res, lin, out_t=out_t)
+    return (out, grad_acc), t_out
+
+
+_accumulating_ffn.defjvp(_accumulating_ffn_jvp, symbolic_zeros=True)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._rules import acc_dtype
-from ._base import AbstractGMMBackend
+from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
 
 
 def group_ids(group_sizes: Int[Array, " groups"], num_rows: int) -> Int[Array, " rows"]:
@@ -50,3 +50,13 @@ class DenseGMM(AbstractGMMBackend):
             acc = acc_dtype(lhs.dtype)
             out = jnp.einsum("mgk,gkn->mn", expanded, rhs, preferred_element_type=acc)
             return out.astype(lhs.dtype)
+
+    def ffn(
+        self,
+        x: Float[Array, "rows d_model"],
+        w_gate_up: Float[Array, "groups d_model two_d_ff"],
+        w_down: Float[Array, "groups d_ff d_model"],
+        group_sizes: Int[Array, " groups"],
+        grad_acc: GradAcc | None = None,
+    ):
+        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc)

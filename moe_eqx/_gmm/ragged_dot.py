@@ -1,14 +1,14 @@
 """`lax.ragged_dot`: the TPU path and a reference everywhere else.
 
-Off TPU it lowers to a dense masked product (measured 13% of dense matmul speed at G=8
-and 1.6% at G=64 on CPU), so `auto` never picks it there.
+Off TPU it lowers to a dense masked product, `G` times the work (see
+`docs/measured.md`), so `auto` never picks it there.
 """
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._base import AbstractGMMBackend
+from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
 
 
 class RaggedDotGMM(AbstractGMMBackend):
@@ -27,3 +27,13 @@ class RaggedDotGMM(AbstractGMMBackend):
             preferred_element_type=jnp.float32,
         )
         return out.astype(lhs.dtype)
+
+    def ffn(
+        self,
+        x: Float[Array, "rows d_model"],
+        w_gate_up: Float[Array, "groups d_model two_d_ff"],
+        w_down: Float[Array, "groups d_ff d_model"],
+        group_sizes: Int[Array, " groups"],
+        grad_acc: GradAcc | None = None,
+    ):
+        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc)

@@ -1,354 +1,374 @@
-"""A tiled grouped matmul in pure JAX: the fast CPU backend (and the GPU fallback).
+"""A tiled grouped matmul in pure JAX: the CPU backend (and the GPU fallback).
 
-Each group is cut into row windows that never straddle a group boundary, so every
-window is one dense `[rows, K] @ [K, N]` product with its group's matrix. A group of
-`s` rows takes `s // T` full windows of the largest size `T`, then one window for the
-remainder `r`: the smallest entry `>= r` of a static ladder (`8, 16, 24, 32, 48, 64,
-96, ...`: multiples of 8, two steps per doubling). So each group costs at most
-`s // T + 1` products, and a window for more than 16 rows is under a third padding.
-All trip counts come from the traced `group_sizes`: one compiled program serves every
-routing.
+Each group's rows are cut into windows of `W` rows that never straddle a group
+boundary (a group's last window is clamped into the array and masked), so every
+window is one dense `[W, K] @ [K, N]` product with its group's matrix, and the work
+follows the traced `group_sizes`: one compiled program serves every routing.
 
-Why few, large products: on a 2-core CPU (M=4096, K=512, N=1024, float32) a loop of
-64-row products runs at ~70% of one big matmul and 16-row ones at ~35%. Each ladder
-entry is one more loop to compile (~0.2 s on that CPU), which is why small problems
-(`M < 2048`) use a coarser, power-of-two ladder.
+One window size, one loop: XLA compiles each loop body and each fused kernel
+separately, so a ladder of window sizes (one loop each) multiplies the compile time,
+while windows of 16-128 rows already run near the speed of one large matmul on a CPU.
+The expert FFN (`TiledGMM.ffn`) runs both products and the activation in one loop.
 
-The backward is one loop over groups: each window gives its `d_lhs` rows and adds its
-`lhs^T @ d_out` into a `[K, N]` block that is stored once per group. At G=64 on that
-CPU the three passes are bound by the products themselves: 64 products of 64 rows
-take 1.4-1.5x one dense product of 4096 rows whether their weights come from memory
-or cache, and neither a finer ladder (less padding) nor the other XLA:CPU dot kernel
-for `d_rhs` gained more than ~5%. Returning the 128 MB `d_rhs` also costs first-touch
-page faults of a fresh allocation (60-90 ms; see benchmarks/gmm.py), more than all
-its FLOPs.
+Derivatives: `jax.custom_jvp`, whose tangent is a `custom_linear`
+(`moe_eqx._autodiff`) transposing to one backward loop over the same windows: it
+computes the rows' gradient and adds each window's weight gradient into its group's
+float32 block, in place in the loop carry. So forward mode (`jax.jvp`, `jax.jacfwd`),
+reverse mode and their compositions all work, and a gradient nobody asked for (the
+weights', or the rows') is not computed.
 """
+
+import functools as ft
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from .._rules import acc_dtype, match_varying
-from ._base import AbstractAccumulatingGMMBackend
+from .._autodiff import custom_linear, symbolic_zeros_to_none
+from .._rules import acc_dtype, cumsum, match_varying
+from ._base import AbstractGMMBackend, GradAcc, swiglu, swiglu_jvp, swiglu_vjp
 
-# On a 2-core x86 CPU (benchmarks/gmm.py shapes) 512- and 256-row windows measured
-# within noise of each other; 8-row granularity keeps remainder waste small.
-DEFAULT_TILE_ROWS = 512
-DEFAULT_MIN_TILE_ROWS = 8
-# Below this many rows, compile time (~0.2 s per ladder size) matters more than the
-# FLOPs a finer ladder saves: a judgement call, not a measured crossover.
-_FINE_LADDER_ROWS = 2048
+# Window rows: between these, from the rows per group (static shapes).
+_MIN_WINDOW = 16
+_MAX_WINDOW = 128
 
 
-def window_ladder(
-    tile_rows: int, min_tile_rows: int, num_rows: int, steps: int = 2
-) -> tuple[int, ...]:
-    """The static window sizes: multiples of `min_tile_rows` with `steps` steps per
-    doubling (`8, 16, 24, 32, 48, 64, 96, ...` for 8 and 2 steps) up to `tile_rows`,
-    capped at `num_rows`.
-
-    **Arguments:**
-
-    - `tile_rows`: the largest window `T`.
-    - `min_tile_rows`: the smallest window and the granularity.
-    - `num_rows`: `M`; no window may be larger.
-    - `steps`: sizes per doubling (1: powers of two).
-
-    **Returns:**
-
-    A non-empty tuple of ascending ints whose last entry is the full-window size.
-    """
-    top = max(1, min(tile_rows, num_rows))
-    unit = max(1, min_tile_rows)
-    sizes = []
-    size = unit
-    while size < top:
-        sizes.append(size)
-        size += max(unit, (1 << (size.bit_length() - 1)) // steps)
-    sizes.append(top)
-    return tuple(sizes)
+def window_rows(num_rows: int, num_groups: int, tile_rows: int | None = None) -> int:
+    """The window size `W` for `num_rows` rows in `num_groups` groups: `tile_rows` if
+    given, else the power of two at or below half the mean group, within `[16, 128]`;
+    never more than `num_rows` (and at least 1)."""
+    if tile_rows is None:
+        half_group = max(num_rows // max(2 * num_groups, 1), 1)
+        tile_rows = 1 << (half_group.bit_length() - 1)
+        tile_rows = min(max(tile_rows, _MIN_WINDOW), _MAX_WINDOW)
+    return max(1, min(tile_rows, num_rows))
 
 
-def _row_mask(size, start, row_start, group_end):
-    rows = start + jnp.arange(size, dtype=jnp.int32)
-    return (rows >= row_start) & (rows < group_end)
+def _index(a, i):
+    return lax.dynamic_index_in_dim(a, i, keepdims=False)
 
 
-def _group_windows(ladder, size, group_start, num_rows, body, carry, remainder_first):
-    """Folds `body(carry, size, start, row_start, group_end, full, first)` over the
-    windows of one group of `size` rows from row `group_start`.
+def _for_windows(group_sizes, window: int, num_rows: int, body, carry):
+    """Folds `body(carry, g, start, keep)` over every window of every group, in one
+    loop: `g` is the window's group, `start` where its `W` rows are read (clamped
+    into the array), `keep [W, 1]` marks the rows it owns."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends = cumsum(sizes)
+    counts = (sizes + window - 1) // window  # windows per group
+    window_ends = cumsum(counts)
 
-    The full windows of `ladder[-1]` rows and one remainder window (if any). `start` is
-    where a window is read (clamped into `[0, num_rows - size]`), `row_start` the first
-    row it owns, `group_end` one past the last row it may own; `full` (static) says the
-    window lies inside its group with `start == row_start`, so it needs no mask. With
-    `remainder_first` the remainder (`1..T` rows) comes first and `first` (static) is
-    True for it: it is then the first window of every non-empty group. Otherwise the
-    remainder (`0..T-1` rows) comes last and `first` is always False.
-    """
-    big = ladder[-1]
-    if remainder_first:
-        num_full = jnp.maximum(size - 1, 0) // big
-        rest = size - num_full * big
-        rest_start = group_start
-        full_start = rest_start + rest
-    else:
-        num_full = size // big
-        rest = size - num_full * big
-        full_start = group_start
-        rest_start = full_start + num_full * big
-    rest_end = rest_start + rest
+    def one(i, carry):
+        # The window's group: the number of groups whose windows end at or before it.
+        g = jnp.sum(window_ends <= i, dtype=jnp.int32)
+        end = _index(ends, g)
+        first = end - _index(sizes, g) + (i - _index(window_ends - counts, g)) * window
+        start = jnp.minimum(first, num_rows - window)
+        rows = start + jnp.arange(window, dtype=jnp.int32)
+        keep = ((rows >= first) & (rows < end))[:, None]
+        return body(carry, g, start, keep)
 
-    def full_body(i, c):
-        row_start = full_start + i * big
-        return body(c, big, row_start, row_start, row_start + big, True, False)
-
-    def remainder(c):
-        # The remainder window is the smallest ladder entry >= rest, selected with
-        # 0-or-1-trip loops. `lax.switch` was measured 6x (forward) to 13x
-        # (`d_rhs`) slower at G=64 on XLA:CPU: the conditional copies the carry.
-        choice = jnp.searchsorted(jnp.asarray(np.asarray(ladder, np.int32)), rest)
-        for j, w in enumerate(ladder):
-
-            def window_body(i, c, w=w):
-                # `i` is always 0, but without it the body is loop-invariant and
-                # XLA hoists it out of the loop, running every ladder size for
-                # every group.
-                first = rest_start + i
-                start = jnp.minimum(first, num_rows - w)
-                return body(c, w, start, first, rest_end, False, remainder_first)
-
-            trips = ((rest > 0) & (choice == j)).astype(jnp.int32)
-            c = lax.fori_loop(0, trips, window_body, c)
-        return c
-
-    if remainder_first:
-        carry = remainder(carry)
-    carry = lax.fori_loop(0, num_full, full_body, carry)
-    if not remainder_first:
-        carry = remainder(carry)
-    return carry
+    return lax.fori_loop(0, window_ends[-1], one, carry)
 
 
-def _for_each_group(group_sizes, body, init):
-    """Folds `body(carry, g, size, group_start)` over the groups."""
-    group_sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-
-    def group_body(g, carry):
-        return body(carry, g, group_sizes[g], starts[g])
-
-    return lax.fori_loop(0, group_sizes.shape[0], group_body, init)
+def _take(a, start, window: int):
+    return lax.dynamic_slice_in_dim(a, start, window)
 
 
-def _product_window(lhs, w, out, size, start, row_start, group_end, full, transpose):
-    """`out` with the window's rows replaced by `lhs[rows] @ w` (or `w.T`)."""
-    x = lax.dynamic_slice_in_dim(lhs, start, size)
-    y = lax.dot_general(
-        x,
-        w,
-        (((1,), (1 if transpose else 0,)), ((), ())),
-        preferred_element_type=acc_dtype(lhs.dtype),
-    ).astype(out.dtype)
-    if not full:
-        # A clamped or partial window overlaps rows owned by other windows (or by no
-        # group, which stay zero): keep what is there.
-        keep = _row_mask(size, start, row_start, group_end)[:, None]
-        y = jnp.where(keep, y, lax.dynamic_slice_in_dim(out, start, size))
-    return lax.dynamic_update_slice_in_dim(out, y, start, 0)
+def _put(a, rows, start, keep):
+    """Writes the window's owned rows into `a`, keeping the others."""
+    rows = jnp.where(keep, rows.astype(a.dtype), _take(a, start, rows.shape[0]))
+    return lax.dynamic_update_slice_in_dim(a, rows, start, 0)
 
 
-def _outer_window(lhs, d_out, total, size, start, row_start, group_end, full, first):
-    """`total + lhs[rows]^T @ d_out[rows]` over the rows the window owns (just the
-    product for a group's `first` window: `total` is then stale)."""
-    x = lax.dynamic_slice_in_dim(lhs, start, size)
-    if not full:
-        keep = _row_mask(size, start, row_start, group_end)[:, None]
-        x = jnp.where(keep, x, jnp.zeros((), x.dtype))
-    dy = lax.dynamic_slice_in_dim(d_out, start, size)
-    product = jnp.matmul(x.T, dy, preferred_element_type=total.dtype)
-    return product if first else total + product
+def _add_block(blocks, g, block):
+    """`blocks[g] += block`, in place in a loop carry."""
+    return lax.dynamic_update_index_in_dim(blocks, _index(blocks, g) + block, g, 0)
 
 
-def _grouped_product(lhs, rhs, group_sizes, ladder):
-    """`out[i] = lhs[i] @ rhs[g(i)]`; rows past the groups are 0."""
+def _dot(a, b, dtype):
+    """`a @ b` accumulated in `acc_dtype`, returned in `dtype`."""
+    return jnp.matmul(a, b, preferred_element_type=acc_dtype(a.dtype)).astype(dtype)
+
+
+def _zeros(shape, dtype, *like):
+    return match_varying(jnp.zeros(shape, dtype), *like)[0]
+
+
+# ---------------------------------------------------------------------------------
+# One grouped matmul.
+
+
+def _gmm_forward(lhs, rhs, group_sizes, window):
     num_rows = lhs.shape[0]
-
-    def group(out, g, size, group_start):
-        w = rhs[g]
-
-        def window(out, size, start, row_start, group_end, full, first):
-            del first
-            return _product_window(
-                lhs, w, out, size, start, row_start, group_end, full, False
-            )
-
-        return _group_windows(ladder, size, group_start, num_rows, window, out, False)
-
-    (out, _) = match_varying(jnp.zeros((num_rows, rhs.shape[2]), lhs.dtype), lhs)
-    if num_rows == 0:  # no window fits
+    out = _zeros((num_rows, rhs.shape[2]), lhs.dtype, lhs, rhs)
+    if num_rows == 0:
         return out
-    return _for_each_group(group_sizes, group, out)
+
+    def body(out, g, start, keep):
+        y = _dot(_take(lhs, start, window), _index(rhs, g).astype(lhs.dtype), lhs.dtype)
+        return _put(out, y, start, keep)
+
+    return _for_windows(group_sizes, window, num_rows, body, out)
 
 
-def _grouped_backward(lhs, rhs, d_out, group_sizes, ladder, rhs_grad_acc):
-    """`d_lhs[i] = d_out[i] @ rhs[g(i)].T` and `d_rhs[g] = lhs_g^T @ d_out_g` in one
-    pass over the windows (each `d_out` window is read once for both).
+class _GMMRes(NamedTuple):
+    lhs: Array
+    rhs: Array
+    group_sizes: Array
+    window: int
 
-    `d_rhs` is summed in `acc_dtype` and written in place into `rhs_grad_acc` (added to
-    it) if given, else into a zero-initialised buffer. A group's block is summed over
-    its windows in a `[K, N]` scratch loop carry (2 MB at K=512, N=1024: in cache)
-    and stored once, so the `[G, K, N]` buffer is written once per group, not read
-    and written once per window.
-    """
+
+def _gmm_tangent(res: _GMMRes, lin):
+    t_lhs, t_rhs = lin
+    terms = []
+    if t_lhs is not None:
+        terms.append(_gmm_forward(t_lhs, res.rhs, res.group_sizes, res.window))
+    if t_rhs is not None:
+        terms.append(_gmm_forward(res.lhs, t_rhs, res.group_sizes, res.window))
+    return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+def _gmm_backward(res: _GMMRes, d_out, want_lhs: bool, want_rhs: bool):
+    """`(d_lhs, d_rhs)` (each `None` unless wanted): `d_lhs = gmm(d_out, rhs^T)`,
+    `d_rhs[g] = lhs_g^T d_out_g` (summed in float32), in one pass over the windows."""
+    lhs, rhs, window = res.lhs, res.rhs, res.window
     num_rows = lhs.shape[0]
-    accumulate = rhs_grad_acc is not None
-    if rhs_grad_acc is None:
-        rhs_grad_acc = jnp.zeros(rhs.shape, acc_dtype(lhs.dtype))
+    d_out = d_out.astype(lhs.dtype)
+    acc = acc_dtype(lhs.dtype)
+    like = (lhs, d_out, rhs)
+    d_lhs = _zeros(lhs.shape, lhs.dtype, *like) if want_lhs else None
+    d_rhs = _zeros(rhs.shape, acc, *like) if want_rhs else None
 
-    def group(carry, g, size, group_start):
-        d_lhs, d_rhs, scratch = carry
-        if accumulate:
-            scratch = lax.dynamic_index_in_dim(d_rhs, g, 0, keepdims=False)
-        w = rhs[g]
+    def body(carry, g, start, keep):
+        d_lhs, d_rhs = carry
+        dy = jnp.where(keep, _take(d_out, start, window), 0)
+        if want_lhs:
+            w = _index(rhs, g).astype(lhs.dtype)
+            d_lhs = _put(d_lhs, _dot(dy, w.T, lhs.dtype), start, keep)
+        if want_rhs:
+            d_rhs = _add_block(d_rhs, g, _dot(_take(lhs, start, window).T, dy, acc))
+        return d_lhs, d_rhs
 
-        def window(carry, size, start, row_start, group_end, full, first):
-            d_lhs, scratch = carry
-            where = (size, start, row_start, group_end, full)
-            d_lhs = _product_window(d_out, w, d_lhs, *where, True)
-            return d_lhs, _outer_window(lhs, d_out, scratch, *where, first)
-
-        # Without `accumulate` a group's first window overwrites the scratch (what the
-        # previous group left there) instead of adding to zeros.
-        carry = (d_lhs, scratch)
-        first_writes = not accumulate
-        (d_lhs, scratch) = _group_windows(
-            ladder, size, group_start, num_rows, window, carry, first_writes
+    if num_rows > 0:
+        d_lhs, d_rhs = _for_windows(
+            res.group_sizes, window, num_rows, body, (d_lhs, d_rhs)
         )
-        block = scratch if accumulate else jnp.where(size > 0, scratch, 0)
-        d_rhs = lax.dynamic_update_index_in_dim(d_rhs, block, g, 0)
-        return d_lhs, d_rhs, scratch
-
-    d_lhs = jnp.zeros(lhs.shape, lhs.dtype)
-    scratch = jnp.zeros(rhs.shape[1:], rhs_grad_acc.dtype)
-    init = match_varying(d_lhs, rhs_grad_acc, scratch, lhs, d_out)[:3]
-    if num_rows == 0:  # no window fits
-        return init[:2]
-    (d_lhs, d_rhs, _) = _for_each_group(group_sizes, group, init)
-    return d_lhs, d_rhs
+    return d_lhs, None if d_rhs is None else d_rhs.astype(rhs.dtype)
 
 
-def _make_tiled_gmm(ladder: tuple[int, ...]):
-    def forward(lhs, rhs, group_sizes):
-        return _grouped_product(lhs, rhs, group_sizes, ladder)
-
-    @jax.custom_vjp
-    def tiled(lhs, rhs, group_sizes):
-        return forward(lhs, rhs, group_sizes)
-
-    def tiled_fwd(lhs, rhs, group_sizes):
-        return forward(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
-
-    def tiled_bwd(res, d_out):
-        lhs, rhs, group_sizes = res
-        d_out = d_out.astype(lhs.dtype)
-        d_lhs, d_rhs = _grouped_backward(lhs, rhs, d_out, group_sizes, ladder, None)
-        d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
-        return d_lhs, d_rhs.astype(rhs.dtype), d_sizes
-
-    tiled.defvjp(tiled_fwd, tiled_bwd)
-
-    @jax.custom_vjp
-    def accumulating(lhs, rhs, group_sizes, rhs_grad_acc):
-        del rhs_grad_acc
-        return forward(lhs, rhs, group_sizes)
-
-    def accumulating_fwd(lhs, rhs, group_sizes, rhs_grad_acc):
-        out = forward(lhs, rhs, group_sizes)
-        return out, (lhs, rhs, group_sizes, rhs_grad_acc)
-
-    def accumulating_bwd(res, d_out):
-        lhs, rhs, group_sizes, acc = res
-        d_out = d_out.astype(lhs.dtype)
-        d_lhs, d_acc = _grouped_backward(lhs, rhs, d_out, group_sizes, ladder, acc)
-        d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
-        return d_lhs, None, d_sizes, d_acc
-
-    accumulating.defvjp(accumulating_fwd, accumulating_bwd)
-    return tiled, accumulating
+@ft.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _tiled_gmm(lhs, rhs, group_sizes, window):
+    return _gmm_forward(lhs, rhs, group_sizes, window)
 
 
-_CACHE: dict = {}
+def _tiled_gmm_jvp(window, primals, tangents):
+    lhs, rhs, group_sizes = primals
+    t_lhs, t_rhs, _ = symbolic_zeros_to_none(tangents)
+    out = _tiled_gmm(lhs, rhs, group_sizes, window)
+    res = _GMMRes(lhs, rhs, group_sizes, window)
+
+    def transpose(res, d_out):
+        return _gmm_backward(res, d_out, t_lhs is not None, t_rhs is not None)
+
+    return out, custom_linear(_gmm_tangent, transpose, res, (t_lhs, t_rhs), out)
 
 
-def tiled_gmm(
-    lhs: Float[Array, "rows k_dim"],
-    rhs: Float[Array, "groups k_dim n_dim"],
+_tiled_gmm.defjvp(_tiled_gmm_jvp, symbolic_zeros=True)
+
+
+# ---------------------------------------------------------------------------------
+# The expert FFN, `swiglu(x @ w_gate_up) @ w_down`, in one loop.
+
+
+def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, keep_gate_up: bool):
+    """`(out, gate_up)`: the FFN's output and (with `keep_gate_up`) its first product,
+    the backward's residual."""
+    num_rows, d_model = x.shape
+    like = (x, w_gate_up, w_down)
+    out = _zeros((num_rows, d_model), x.dtype, *like)
+    gate_up = None
+    if keep_gate_up:
+        gate_up = _zeros((num_rows, w_gate_up.shape[2]), x.dtype, *like)
+    if num_rows == 0:
+        return out, gate_up
+
+    def body(carry, g, start, keep):
+        out, gate_up = carry
+        w_gu = _index(w_gate_up, g).astype(x.dtype)
+        gu = _dot(_take(x, start, window), w_gu, x.dtype)
+        w_dn = _index(w_down, g).astype(x.dtype)
+        y = _dot(swiglu(gu).astype(x.dtype), w_dn, x.dtype)
+        if gate_up is not None:
+            gate_up = _put(gate_up, gu, start, keep)
+        return _put(out, y, start, keep), gate_up
+
+    return _for_windows(group_sizes, window, num_rows, body, (out, gate_up))
+
+
+class _FFNRes(NamedTuple):
+    x: Array
+    w_gate_up: Array
+    w_down: Array
+    gate_up: Array
+    group_sizes: Array
+    window: int
+
+
+def _ffn_tangent(res: _FFNRes, lin):
+    """The FFN's tangent in `(x, w_gate_up, w_down)` (`None`: zero); accumulators
+    pass through."""
+    t_x, t_gu, t_dn, *t_acc = lin  # `t_acc`: `[(t_acc_gu, t_acc_dn)]` or `[]`
+    x, window = res.x, res.window
+    num_rows = x.shape[0]
+    out = _zeros(x.shape, x.dtype, x, res.w_gate_up)
+
+    def body(out, g, start, keep):
+        gu = _take(res.gate_up, start, window)
+        t_gate_up = jnp.zeros(gu.shape, jnp.float32)
+        if t_x is not None:
+            w_gu = _index(res.w_gate_up, g).astype(x.dtype)
+            t_gate_up += _dot(_take(t_x, start, window), w_gu, jnp.float32)
+        if t_gu is not None:
+            t_w = _index(t_gu, g).astype(x.dtype)
+            t_gate_up += _dot(_take(x, start, window), t_w, jnp.float32)
+        act, t_act = swiglu_jvp(gu, t_gate_up.astype(x.dtype))
+        w_dn = _index(res.w_down, g).astype(x.dtype)
+        t_y = _dot(t_act.astype(x.dtype), w_dn, jnp.float32)
+        if t_dn is not None:
+            t_w = _index(t_dn, g).astype(x.dtype)
+            t_y += _dot(act.astype(x.dtype), t_w, jnp.float32)
+        return _put(out, t_y, start, keep)
+
+    if num_rows > 0:
+        out = _for_windows(res.group_sizes, window, num_rows, body, out)
+    return (out, t_acc[0]) if t_acc else out
+
+
+def _ffn_backward(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
+    """`(d_x, d_w_gate_up, d_w_down)` in one pass over the windows, each `None` unless
+    wanted (the weights' summed in float32); with accumulators `acc_in` the weight
+    gradients are added into them in place instead (returned in their place)."""
+    x, window = res.x, res.window
+    num_rows = x.shape[0]
+    acc = acc_dtype(x.dtype)
+    d_out = d_out.astype(x.dtype)
+    like = (x, d_out, res.w_gate_up, res.w_down)
+    want_w = want_w or acc_in is not None
+    d_x = _zeros(x.shape, x.dtype, *like) if want_x else None
+    d_gu = d_dn = None
+    if acc_in is not None:
+        d_gu, d_dn = match_varying(*(a.astype(acc) for a in acc_in), *like)[:2]
+    elif want_w:
+        d_gu = _zeros(res.w_gate_up.shape, acc, *like)
+        d_dn = _zeros(res.w_down.shape, acc, *like)
+
+    def body(carry, g, start, keep):
+        d_x, d_gu, d_dn = carry
+        dy = jnp.where(keep, _take(d_out, start, window), 0)
+        gu = _take(res.gate_up, start, window)
+        w_dn = _index(res.w_down, g).astype(x.dtype)
+        d_act = _dot(dy, w_dn.T, x.dtype)
+        d_gate_up = swiglu_vjp(gu, d_act).astype(x.dtype)
+        if want_x:
+            w_gu = _index(res.w_gate_up, g).astype(x.dtype)
+            d_x = _put(d_x, _dot(d_gate_up, w_gu.T, x.dtype), start, keep)
+        if want_w:
+            act = swiglu(gu).astype(x.dtype)
+            d_dn = _add_block(d_dn, g, _dot(act.T, dy, acc))
+            x_w = _take(x, start, window)
+            d_gu = _add_block(d_gu, g, _dot(x_w.T, d_gate_up, acc))
+        return d_x, d_gu, d_dn
+
+    if num_rows > 0:
+        d_x, d_gu, d_dn = _for_windows(
+            res.group_sizes, window, num_rows, body, (d_x, d_gu, d_dn)
+        )
+    return d_x, d_gu, d_dn
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, grad_acc):
+    out = _ffn_forward(x, w_gate_up, w_down, group_sizes, window, False)[0]
+    return out if grad_acc is None else (out, grad_acc)
+
+
+def _tiled_ffn_jvp(window, primals, tangents):
+    x, w_gate_up, w_down, group_sizes, grad_acc = primals
+    t_x, t_gu, t_dn, _, t_acc = symbolic_zeros_to_none(tangents)
+    out, gate_up = _ffn_forward(x, w_gate_up, w_down, group_sizes, window, True)
+    res = _FFNRes(x, w_gate_up, w_down, gate_up, group_sizes, window)
+    want_x = t_x is not None
+    if grad_acc is None:
+        want_w = (t_gu is not None, t_dn is not None)
+
+        def transpose(res, d_out):
+            d_x, d_gu, d_dn = _ffn_backward(res, d_out, None, want_x, any(want_w))
+            d_gu = d_gu.astype(res.w_gate_up.dtype) if want_w[0] else None
+            d_dn = d_dn.astype(res.w_down.dtype) if want_w[1] else None
+            return d_x, d_gu, d_dn
+
+        lin = (t_x, t_gu, t_dn)
+        return out, custom_linear(_ffn_tangent, transpose, res, lin, out)
+
+    # The weight gradients go to the accumulators (the weights get no cotangent).
+    def acc_transpose(res, ct):
+        d_out, acc_in = ct
+        d_x, d_gu, d_dn = _ffn_backward(res, d_out, acc_in, want_x, True)
+        return d_x, None, None, (d_gu, d_dn)
+
+    t_acc = tuple(
+        jnp.zeros_like(a) if t is None else t
+        for a, t in zip(grad_acc, t_acc, strict=True)
+    )
+    lin = (t_x, t_gu, t_dn, t_acc)
+    out_t = (x if want_x else None, None, None, grad_acc)
+    t_out = custom_linear(_ffn_tangent, acc_transpose, res, lin, (out, grad_acc), out_t)
+    return (out, grad_acc), t_out
+
+
+_tiled_ffn.defjvp(_tiled_ffn_jvp, symbolic_zeros=True)
+
+
+def tiled_ffn(
+    x: Float[Array, "rows d_model"],
+    w_gate_up: Float[Array, "groups d_model two_d_ff"],
+    w_down: Float[Array, "groups d_ff d_model"],
     group_sizes: Int[Array, " groups"],
-    tile_rows: int = DEFAULT_TILE_ROWS,
-    min_tile_rows: int = DEFAULT_MIN_TILE_ROWS,
-    ladder_steps: int | None = None,
-    rhs_grad_acc: Float[Array, "groups k_dim n_dim"] | None = None,
-) -> Float[Array, "rows n_dim"]:
-    """The tiled grouped matmul as a function; see `TiledGMM` for the arguments (and
-    `AbstractGMMBackend.accumulating` for `rhs_grad_acc`)."""
-    num_rows = lhs.shape[0]
-    if ladder_steps is None:
-        ladder_steps = 2 if num_rows >= _FINE_LADDER_ROWS else 1
-    ladder = window_ladder(tile_rows, min_tile_rows, num_rows, ladder_steps)
-    fns = _CACHE.get(ladder)
-    if fns is None:
-        # One custom_vjp per ladder, so that traces are cached by JAX.
-        fns = _CACHE[ladder] = _make_tiled_gmm(ladder)
-    plain, accumulating = fns
-    # Under shard_map the primals must share their varying axes; the transpose of the
-    # cast (a psum) then sums `d_rhs` over shards for a replicated `rhs`.
-    group_sizes = group_sizes.astype(jnp.int32)
-    if rhs_grad_acc is None:
-        return plain(*match_varying(lhs, rhs, group_sizes))
-    return accumulating(*match_varying(lhs, rhs, group_sizes, rhs_grad_acc))
+    *,
+    tile_rows: int | None = None,
+    grad_acc: GradAcc | None = None,
+):
+    """The SwiGLU expert FFN over groups of rows in one loop of windows; see
+    `moe_eqx.AbstractGMMBackend.ffn` for the arguments and results."""
+    window = window_rows(x.shape[0], w_gate_up.shape[0], tile_rows)
+    x, w_gate_up, w_down, group_sizes = match_varying(
+        x, w_gate_up, w_down, group_sizes.astype(jnp.int32)
+    )
+    return _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, grad_acc)
 
 
-class TiledGMM(AbstractAccumulatingGMMBackend):
+class TiledGMM(AbstractGMMBackend):
     """Grouped matmul as a loop of dense row windows that never straddle a group.
 
     Pure JAX (`lax.fori_loop`s whose trip counts come from the traced `group_sizes`),
-    with its own backward (`jax.custom_vjp`): one pass over the same windows computes
-    `d_lhs = gmm(d_out, rhs^T)` and `d_rhs[g] = lhs_g^T @ d_out_g`, summed over a
-    group's windows in float32. Extra memory: one window's product and one `[K, N]`
-    float32 block, plus a float32 `d_rhs` in the backward when `rhs` is not float32.
+    with its own derivatives (see the module): a backward loop over the same windows
+    computes `d_lhs` and `d_rhs[g] = lhs_g^T @ d_out_g`, each group's block summed in
+    float32. Its `ffn` runs the whole SwiGLU expert FFN in one loop of windows.
 
     **Arguments:**
 
-    - `tile_rows`: the largest window in rows: groups are covered by full windows of
-        this size plus one smaller window.
-    - `min_tile_rows`: the smallest window and the granularity of the ladder.
-    - `ladder_steps`: window sizes per doubling between them (2: a window for more
-        than `2 * min_tile_rows` rows is under a third padding; 1: under half, with
-        fewer loops to compile); `None` picks 2 for `M >= 2048` rows and 1 below.
+    - `tile_rows`: rows per window; `None` picks a power of two from the shapes (half
+        the mean group, within 16 to 128).
     """
 
-    tile_rows: int = eqx.field(static=True, default=DEFAULT_TILE_ROWS)
-    min_tile_rows: int = eqx.field(static=True, default=DEFAULT_MIN_TILE_ROWS)
-    ladder_steps: int | None = eqx.field(static=True, default=None)
+    tile_rows: int | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
-        if self.tile_rows < 1 or self.min_tile_rows < 1:
-            raise ValueError(
-                f"`tile_rows` and `min_tile_rows` must be positive, got "
-                f"{self.tile_rows} and {self.min_tile_rows}."
-            )
-        if self.min_tile_rows > self.tile_rows:
-            raise ValueError(
-                f"`min_tile_rows` ({self.min_tile_rows}) must not exceed `tile_rows` "
-                f"({self.tile_rows})."
-            )
-        if self.ladder_steps is not None and self.ladder_steps < 1:
-            raise ValueError(f"`ladder_steps` must be >= 1, got {self.ladder_steps}.")
+        if self.tile_rows is not None and self.tile_rows < 1:
+            raise ValueError(f"`tile_rows` must be positive, got {self.tile_rows}.")
 
     def __call__(
         self,
@@ -356,26 +376,27 @@ class TiledGMM(AbstractAccumulatingGMMBackend):
         rhs: Float[Array, "groups k_dim n_dim"],
         group_sizes: Int[Array, " groups"],
     ) -> Float[Array, "rows n_dim"]:
-        return self._gmm(lhs, rhs, group_sizes, None)
-
-    def accumulating(
-        self,
-        lhs: Float[Array, "rows k_dim"],
-        rhs: Float[Array, "groups k_dim n_dim"],
-        group_sizes: Int[Array, " groups"],
-        rhs_grad_acc: Float[Array, "groups k_dim n_dim"],
-    ) -> Float[Array, "rows n_dim"]:
-        # Each group's `d_rhs` block is added straight into the accumulator.
-        return self._gmm(lhs, rhs, group_sizes, rhs_grad_acc)
-
-    def _gmm(self, lhs, rhs, group_sizes, rhs_grad_acc):
         with jax.named_scope("moe_eqx.gmm.tiled"):
-            return tiled_gmm(
-                lhs,
-                rhs,
+            window = window_rows(lhs.shape[0], rhs.shape[0], self.tile_rows)
+            lhs, rhs, group_sizes = match_varying(
+                lhs, rhs, group_sizes.astype(jnp.int32)
+            )
+            return _tiled_gmm(lhs, rhs, group_sizes, window)
+
+    def ffn(
+        self,
+        x: Float[Array, "rows d_model"],
+        w_gate_up: Float[Array, "groups d_model two_d_ff"],
+        w_down: Float[Array, "groups d_ff d_model"],
+        group_sizes: Int[Array, " groups"],
+        grad_acc: GradAcc | None = None,
+    ):
+        with jax.named_scope("moe_eqx.gmm.tiled"):
+            return tiled_ffn(
+                x,
+                w_gate_up,
+                w_down,
                 group_sizes,
-                self.tile_rows,
-                self.min_tile_rows,
-                self.ladder_steps,
-                rhs_grad_acc,
+                tile_rows=self.tile_rows,
+                grad_acc=grad_acc,
             )

@@ -1,7 +1,7 @@
 """Hopper (sm_90) grouped matmul on the Pallas Mosaic GPU kernels shipped in jax.
 
 Forward: `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`; backward
-(`jax.custom_vjp`): the same kernel for `d_lhs` and
+(the transpose of a `jax.custom_jvp`'s tangent): the same kernel for `d_lhs` and
 `transposed_ragged_dot_mgpu.transposed_ragged_dot` for `d_rhs`. The kernels take equal
 16-bit input dtypes (WGMMA; float32 would silently run as TF32, so float32 inputs use
 the tiled backend instead).
@@ -13,7 +13,7 @@ device, dtype, `K`, `N`, `G`), then `default_tile_config`.
 
 Modules, one concern each: `tiling` (`MosaicTileConfig`, the kernels' constraints, the
 heuristic), `tuning` (the tuning table file), `kernels` (the padded, masked kernel
-calls and `mosaic_gpu_available`), `vjp` (the `custom_vjp`), `backend`
+calls and `mosaic_gpu_available`), `derivatives` (the `custom_jvp`), `backend`
 (`MosaicGPUGMM`), `autotune` (`autotune_gmm`). `moe_eqx` re-exports only
 `MosaicGPUGMM`, `MosaicTileConfig` (the type of its tiling fields),
 `mosaic_gpu_available` and `autotune_gmm`; the tuning internals are reached here.

@@ -1,5 +1,5 @@
 """`MosaicGPUGMM`: the Equinox backend that picks tilings, pads and calls the
-`custom_vjp` grouped matmul."""
+differentiable grouped matmul of `derivatives`."""
 
 import equinox as eqx
 import jax
@@ -7,12 +7,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..._rules import match_varying
-from .._base import AbstractGMMBackend
+from .._base import AbstractGMMBackend, GradAcc, gmm_ffn
 from ..tiled import TiledGMM
+from .derivatives import mosaic_gmm
 from .kernels import pad_axis
 from .tiling import KERNELS, MosaicTileConfig, config_is_valid, padded_dims
 from .tuning import lookup_tile_config
-from .vjp import mosaic_gmm
 
 # WGMMA takes 16-bit inputs; float32 would silently run as TF32.
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -83,3 +83,15 @@ class MosaicGPUGMM(AbstractGMMBackend):
                 lhs_p, rhs_p, group_sizes.astype(jnp.int32)
             )
             return fn(lhs_p, rhs_p, sizes)[:, :n]
+
+    def ffn(
+        self,
+        x: Float[Array, "rows d_model"],
+        w_gate_up: Float[Array, "groups d_model two_d_ff"],
+        w_down: Float[Array, "groups d_ff d_model"],
+        group_sizes: Int[Array, " groups"],
+        grad_acc: GradAcc | None = None,
+    ):
+        if x.dtype not in _SUPPORTED_DTYPES:
+            return self.fallback.ffn(x, w_gate_up, w_down, group_sizes, grad_acc)
+        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc)

@@ -1,0 +1,271 @@
+"""A linear function with a custom transpose, for custom derivatives that keep every
+JAX transformation.
+
+`jax.custom_vjp` blocks forward-mode autodiff (`jax.jvp`, `jax.linearize`,
+`jax.jacfwd`). The stages that need their own backward (the grouped matmul, the
+exchange trips, the slot weights, the chunked fallback) instead define a
+`jax.custom_jvp` whose tangent is a `custom_linear` call: a primitive, linear in its
+`lin` arguments, that evaluates `fn(res, lin)` and transposes to `fn_t(res, ct)`.
+
+- Forward mode and `jax.linearize` evaluate `fn`.
+- Reverse mode transposes it: the backward is `fn_t`, the stage's own.
+- Forward-over-reverse (Hessian-vector products) differentiates `fn_t` with respect
+  to the residuals by plain forward-mode autodiff.
+- `vmap` batches every rule (`equinox.internal.create_vprim`), so `jax.jacfwd` and
+  per-example gradients work too.
+
+`fn` and `fn_t` must be pure functions of their arguments (no closed-over arrays):
+every array they need travels in `res`.
+"""
+
+import functools as ft
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import equinox.internal as eqxi
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+from jax.interpreters import ad
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+def _is_undefined(x) -> bool:
+    return isinstance(x, ad.UndefinedPrimal)
+
+
+def _struct(x):
+    """`x` (an array, an aval or an undefined primal) as a `ShapeDtypeStruct`; other
+    leaves unchanged."""
+    if _is_undefined(x):
+        x = x.aval
+    if isinstance(x, jax.core.ShapedArray) or eqx.is_array(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+def _is_traced(x) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
+
+
+def _trace(fn, res, lin):
+    """`fn`'s output as `ShapeDtypeStruct`s, and its side effects (a Pallas kernel in
+    interpret mode has some: the primitive must declare them to be lowered)."""
+    structs = jtu.tree_map(_struct, (res, lin), is_leaf=_is_undefined)
+    # Only arrays are traced: other leaves (sizes, flags) stay Python values.
+    dynamic, static = eqx.partition(structs, _is_traced)
+    jaxpr, out = jax.make_jaxpr(
+        lambda d: fn(*eqx.combine(d, static)), return_shape=True
+    )(dynamic)
+    return out, frozenset(jaxpr.effects)
+
+
+def _zeros(struct):
+    return jnp.zeros(struct.shape, struct.dtype)
+
+
+def _impl(res, lin, fn, fn_t, out, out_t, effects):
+    del fn_t, out, out_t, effects
+    return fn(res, lin)
+
+
+def _varying(aval) -> frozenset:
+    """The `shard_map` axes an input varies over (empty outside `shard_map`)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # jax < 0.10
+
+
+def _out_aval(struct, varying_like, vma):
+    if not vma:
+        return jax.core.ShapedArray(struct.shape, struct.dtype)
+    if hasattr(varying_like, "manual_axis_type"):
+        sharding = jax.sharding.NamedSharding(
+            varying_like.sharding.mesh, jax.sharding.PartitionSpec()
+        )
+        mat = varying_like.manual_axis_type.update(varying=vma)
+        return jax.core.ShapedArray(
+            struct.shape, struct.dtype, sharding=sharding, manual_axis_type=mat
+        )
+    return jax.core.ShapedArray(struct.shape, struct.dtype, vma=vma)  # jax < 0.10
+
+
+def _abstract_eval(res, lin, fn, fn_t, out, out_t, effects):
+    del fn, fn_t, out_t, effects
+    # Outputs vary over the union of the inputs' `shard_map` axes.
+    avals = [a for a in jtu.tree_leaves((res, lin)) if _varying(a)]
+    vma = frozenset().union(*map(_varying, avals))
+    like = avals[0] if avals else None
+    return jtu.tree_map(lambda s: _out_aval(s, like, vma), out)
+
+
+def _float0_or_zeros(primal, tangent):
+    if tangent is not None or not eqx.is_array(primal):
+        return tangent
+    if jnp.issubdtype(primal.dtype, jnp.inexact):
+        return jnp.zeros_like(primal)
+    return np.zeros(primal.shape, jax.dtypes.float0)
+
+
+def _jvp(primals, tangents):
+    res, lin, fn, fn_t, out_structs, out_t, effects = primals
+    t_res, t_lin = tangents[:2]
+    # An effectful `fn` is traced again, to find its effects on these operands.
+    out_structs = None if effects else out_structs
+    out = custom_linear(fn, fn_t, res, lin, out_structs, out_t)
+    terms = []
+    if any(t is not None for t in jtu.tree_leaves(t_lin, is_leaf=_is_none)):
+        t_lin = jtu.tree_map(
+            lambda p, t: jnp.zeros_like(p) if t is None and eqx.is_array(p) else t,
+            lin,
+            t_lin,
+            is_leaf=_is_none,
+        )
+        terms.append(custom_linear(fn, fn_t, res, t_lin, out_structs, out_t))
+    if any(t is not None for t in jtu.tree_leaves(t_res, is_leaf=_is_none)):
+        # `fn` is not linear in `res`: its derivative there is plain forward mode.
+        dyn, static = eqx.partition(res, eqx.is_array)
+        t_dyn = jtu.tree_map(_float0_or_zeros, dyn, t_res, is_leaf=_is_none)
+        terms.append(
+            jax.jvp(lambda d: fn(eqx.combine(d, static), lin), (dyn,), (t_dyn,))[1]
+        )
+    if not terms:
+        return out, None
+    return out, terms[0] if len(terms) == 1 else jtu.tree_map(jnp.add, *terms)
+
+
+class _NoCotangent:
+    """Marks an operand that gets no cotangent (a `None` would be an empty subtree)."""
+
+
+def _transpose(cts, *dynamic, treedef, static, flatten):
+    """The transpose rule, on the primitive's flat operands: `fn_t` of the output
+    cotangents, each linear operand's cotangent put back at its operand's position.
+    (Not `equinox.internal.filter_primitive_transpose`: that re-derives which
+    operands are arrays from their values, and a residual that JAX has folded into a
+    constant, e.g. a NumPy scalar, would no longer count as one.)"""
+    treedef_out, _ = flatten.get()
+    cts = [None if type(ct) is ad.Zero else ct for ct in cts]
+    cts = jtu.tree_unflatten(treedef_out, cts)
+    # Operand positions among all leaves (`static` holds the non-array leaves).
+    dynamic_iter = iter(dynamic)
+    leaves = [next(dynamic_iter) if _is_dynamic(x) else x for x in static]
+    res, lin, fn, fn_t, out_structs, out_t, effects = jtu.tree_unflatten(
+        treedef, leaves
+    )
+    cts = jtu.tree_map(
+        lambda s, c: _zeros(s) if c is None else c, out_structs, cts, is_leaf=_is_none
+    )
+    # The transpose of the transpose is `fn` again. (With effects, `fn_t` is traced
+    # to find its own.)
+    ct_lin = custom_linear(fn_t, fn, res, cts, None if effects else out_t, out_structs)
+    # Cotangents for the linear operands being transposed; none for the rest.
+    ct_lin = jtu.tree_map(
+        lambda x, c: c if _is_undefined(x) and c is not None else _NoCotangent,
+        lin,
+        ct_lin,
+        is_leaf=_is_undefined,
+    )
+    nothing = ft.partial(jtu.tree_map, lambda _: _NoCotangent)
+    ct_all = (nothing(res), ct_lin, _NoCotangent, _NoCotangent, nothing(out_structs))
+    ct_all = (*ct_all, nothing(out_t), _NoCotangent)
+    flat = treedef.flatten_up_to(ct_all)
+    return [
+        None if ct is _NoCotangent else ct
+        for ct, x in zip(flat, static, strict=True)
+        if _is_dynamic(x)
+    ]
+
+
+def _is_dynamic(x) -> bool:
+    return x is _MISSING
+
+
+_MISSING = eqxi._primitive._missing_dynamic
+
+
+_custom_linear_p = eqxi.create_vprim(
+    "moe_eqx_custom_linear",
+    eqxi.filter_primitive_def(_impl),
+    eqxi.filter_primitive_def(_abstract_eval),
+    eqxi.filter_primitive_jvp(_jvp),
+    _transpose,
+)
+
+
+def _effectful_abstract_eval(*dynamic, treedef, static, flatten):
+    avals = eqxi.filter_primitive_def(_abstract_eval)(
+        *dynamic, treedef=treedef, static=static, flatten=flatten
+    )
+    dynamic_iter = iter(dynamic)
+    leaves = [next(dynamic_iter) if _is_dynamic(x) else x for x in static]
+    effects = jtu.tree_unflatten(treedef, leaves)[-1]
+    return avals, set(effects)
+
+
+# Declares `fn`'s effects (none for every stage of the layer; a Pallas kernel run by
+# its interpreter has some), so that lowering threads their tokens.
+_custom_linear_p.def_effectful_abstract_eval(_effectful_abstract_eval)
+
+
+def _is_symbolic_zero(x) -> bool:
+    return isinstance(x, SymbolicZero)
+
+
+def symbolic_zeros_to_none(tangents: Any) -> Any:
+    """The tangents a `custom_jvp` rule (`symbolic_zeros=True`) receives, with `None`
+    for the symbolic zeros: the linear arguments `custom_linear` takes."""
+    return jtu.tree_map(
+        lambda t: None if _is_symbolic_zero(t) else t,
+        tangents,
+        is_leaf=_is_symbolic_zero,
+    )
+
+
+def custom_linear(
+    fn: Callable[[Any, Any], Any],
+    fn_t: Callable[[Any, Any], Any],
+    res: Any,
+    lin: Any,
+    out: Any = None,
+    out_t: Any = None,
+) -> Any:
+    """`fn(res, lin)`, a function linear in `lin`, whose transpose is `fn_t`.
+
+    **Arguments:**
+
+    - `fn`: `(res, lin) -> out`, linear in `lin` (a pure function: no closed-over
+        arrays).
+    - `fn_t`: `(res, ct_out) -> ct_lin`, the transpose of `fn` in `lin`: its output
+        has the structure, shapes and dtypes of `lin`.
+    - `res`: residuals (any PyTree; non-array leaves are static).
+    - `lin`: the linear arguments (a PyTree of arrays; `None` for a zero one: `fn`
+        must treat it as zero and `fn_t` return `None` for it).
+    - `out`: `fn`'s output as `jax.ShapeDtypeStruct`s, if known, and then `fn` must
+        have no side effects. Else `fn` is traced once more to find its output and
+        its effects (e.g. a Pallas kernel in interpret mode), which the primitive
+        then declares; `fn_t` is then traced for its own when transposed.
+    - `out_t`: `fn_t`'s output, if not shaped like `lin` (`fn_t` may return `None`, a
+        zero cotangent, for some linear arguments).
+
+    **Returns:**
+
+    `fn(res, lin)`.
+    """
+    if out is None:
+        out, effects = _trace(fn, res, lin)
+    else:
+        out, effects = jtu.tree_map(_struct, out), frozenset()
+    if not jtu.tree_leaves(lin):
+        return jtu.tree_map(_zeros, out)
+    out_t = jtu.tree_map(_struct, lin if out_t is None else out_t)
+    return eqxi.filter_primitive_bind(
+        _custom_linear_p, res, lin, fn, fn_t, out, out_t, effects
+    )

@@ -1,0 +1,125 @@
+"""Forward-mode autodiff and its compositions through the layer: `jax.jvp`,
+`jax.linearize`, `jax.jacfwd`, Hessian-vector products (`jax.jvp` of `jax.grad`) and
+`jax.hessian`, each equal to the same transform of the dense oracle
+`moe_eqx.reference_moe`, on one device and expert parallel in drop and fallback
+modes (with the fallback really running) and with duplication slots."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import make_layer, mesh, tokens
+
+import moe_eqx as me
+
+ATOL = RTOL = 5e-5
+
+CASES = {
+    "one device": (1, dict()),
+    "EP4 drop": (4, dict(on_overflow="drop")),
+    # A small buffer: the fallback runs its chunks (checked below).
+    "EP4 fallback": (4, dict(buffer_factor=0.5)),
+    "EP4 fallback + slots": (4, dict(buffer_factor=0.5, num_slots=1)),
+}
+
+
+def _setup(key, case):
+    num_shards, overrides = CASES[case]
+    layer = make_layer(key, mesh_size=num_shards, top_k=2, **overrides)
+    m = None if num_shards == 1 else mesh(num_shards)
+    return layer, m
+
+
+def _close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, atol=ATOL, rtol=RTOL)
+
+
+def _fallback_ran(layer, m, x):
+    if m is None or layer.config.on_overflow == "drop":
+        return
+    stats = jax.jit(lambda l, x: l(x, mesh=m)[1])(layer, x)
+    assert bool(stats.fallback_used), "the case must exercise the fallback"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_jvp_and_linearize_in_x_and_parameters(getkey, case):
+    layer, m = _setup(getkey(), case)
+    x = tokens(getkey(), 32)
+    _fallback_ran(layer, m, x)
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+    t_params = jax.tree.map(lambda a: jr.normal(getkey(), a.shape, a.dtype), params)
+    t_x = jr.normal(getkey(), x.shape)
+
+    def f(params, x):
+        return eqx.combine(params, static)(x, mesh=m)[0]
+
+    def f_ref(params, x):
+        return me.reference_moe(eqx.combine(params, static), x)
+
+    got = jax.jit(lambda p, x: jax.jvp(f, (p, x), (t_params, t_x)))(params, x)
+    want = jax.jvp(f_ref, (params, x), (t_params, t_x))
+    _close(got, want)
+    y, lin = jax.linearize(f, params, x)
+    _close((y, jax.jit(lin)(t_params, t_x)), want)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_jacfwd_matches_jacrev_and_the_oracle(getkey, case):
+    layer, m = _setup(getkey(), case)
+    x = tokens(getkey(), 16)
+    _fallback_ran(layer, m, x)
+
+    def f(x):
+        return layer(x, mesh=m)[0][:, :3]
+
+    got = jax.jit(jax.jacfwd(f))(x)
+    _close(got, jax.jacfwd(lambda x: me.reference_moe(layer, x)[:, :3])(x))
+    _close(got, jax.jit(jax.jacrev(f))(x))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hessian_vector_products(getkey, case):
+    """Forward over reverse: `jax.jvp(jax.grad(loss))`, in the input and in the
+    expert weights (through the fallback's own backward and the grouped matmul's
+    transpose)."""
+    layer, m = _setup(getkey(), case)
+    x = tokens(getkey(), 32)
+    _fallback_ran(layer, m, x)
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+    t_params = jax.tree.map(lambda a: jr.normal(getkey(), a.shape, a.dtype), params)
+    t_x = jr.normal(getkey(), x.shape)
+
+    def loss(forward):
+        def f(params, x):
+            y = forward(eqx.combine(params, static), x)
+            return jnp.sum(jnp.sin(y))
+
+        return f
+
+    ours = loss(lambda l, x: l(x, mesh=m)[0])
+    ref = loss(me.reference_moe)
+    grad = jax.grad(ours, argnums=(0, 1))
+    got = jax.jit(lambda p, x: jax.jvp(grad, (p, x), (t_params, t_x)))(params, x)
+    want = jax.jvp(jax.grad(ref, argnums=(0, 1)), (params, x), (t_params, t_x))
+    _close(got, want)
+
+
+@pytest.mark.parametrize("case", ["one device", "EP4 fallback"])
+def test_hessian(getkey, case):
+    layer, m = _setup(getkey(), case)
+    x = tokens(getkey(), 8)
+    x_small = x[:, :4]
+
+    def loss(forward):
+        def f(x4):
+            full = x.at[:, :4].set(x4)
+            return jnp.sum(jnp.sin(forward(full)))
+
+        return f
+
+    got = jax.jit(jax.hessian(loss(lambda x: layer(x, mesh=m)[0])))(x_small)
+    want = jax.hessian(loss(lambda x: me.reference_moe(layer, x)))(x_small)
+    _close(got, want)
