@@ -68,7 +68,7 @@ class MoEConfig(eqx.Module):
         `"all_gather"` (all-gather the `[S, ...]` slot gradients, `R*S` expert-sized
         buffers per device), `"home"` (send each only to its home shard: `S + C` with
         the ragged exchange) or `"auto"` (the one with fewer buffers); see
-        [`moe_eqx.gather_slot_weights`][].
+        [`moe_eqx.internal.gather_slot_weights`][].
     - `max_slot_exports`: `C`, the most slot copies of one shard's home experts per
         step (the plan's out-degree bound, which sizes the slot exchange);
         `None` = `default_max_exports(R, L, S)` of the planner.

@@ -98,7 +98,7 @@ def layer_from_hf_state_dict(
         raise ValueError(f"keys not understood (nothing may be ignored): {unused}.")
     if dtype is None:
         dtype = w_gate_up.dtype if np.issubdtype(w_gate_up.dtype, np.floating) else None
-    layer = MoELayer(config, key=jr.PRNGKey(0), dtype=dtype or jnp.float32)
+    layer = MoELayer(config, key=jr.key(0), dtype=dtype or jnp.float32)
 
     def arr(x, like):
         return jnp.asarray(x, like.dtype)

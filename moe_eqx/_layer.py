@@ -14,8 +14,9 @@ from ._combine import combine
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts
+from ._gmm import resolve_backend
 from ._permute import permute_rows
-from ._rebalance import physical_routing
+from ._placement import physical_routing
 from ._router import Router
 from ._rules import has_explicit_axes, local_experts
 from ._shard import MoEStats, add_shared, expert_parallel_shard_body, routed_stats
@@ -61,19 +62,23 @@ class MoELayer(eqx.Module):
     config: MoEConfig = eqx.field(static=True)
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
-        router_key, experts_key = jr.split(key)
+        router_key, experts_key, shared_key = jr.split(key, 3)
         self.config = config
         self.router = Router(config, key=router_key)
         self.experts = Experts(config, key=experts_key, dtype=dtype)
         self.shared_experts = (
-            SharedExperts(config, key=jr.fold_in(key, 2), dtype=dtype)
+            SharedExperts(config, key=shared_key, dtype=dtype)
             if config.shared_d_ff > 0
             else None
         )
         self.expert_ids = jnp.arange(config.num_experts, dtype=jnp.int32)
 
     def __call__(
-        self, x: Float[Array, "*batch d_model"], *, mesh: Mesh | None = None
+        self,
+        x: Float[Array, "*batch d_model"],
+        *,
+        mesh: Mesh | None = None,
+        platform: str | None = None,
     ) -> tuple[Float[Array, "*batch d_model"], MoEStats]:
         """Applies the layer.
 
@@ -85,6 +90,11 @@ class MoELayer(eqx.Module):
             divisible by its size). Zero tokens give an empty output and zero counts.
         - `mesh`: `None` for one device; else a mesh with axis `config.axis_name` over
             which experts and tokens are sharded (expert parallelism).
+        - `platform`: what the `"auto"` exchange and GMM backend resolve for:
+            `"cpu"`, `"gpu"` (or `"cuda"`, `"rocm"`) or `"tpu"`. `None`: the platform
+            of the mesh's devices, else `jax.default_backend()`. Set it to lower for
+            another platform than the devices' (`jax.jit(f).trace(...).lower(
+            lowering_platforms=("cuda",))`).
 
         **Returns:**
 
@@ -93,6 +103,7 @@ class MoELayer(eqx.Module):
         cfg = self.config
         _check_input(x, cfg)
         num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
+        platform = _resolve_platform(platform, mesh)
         num_devices = 1 if mesh is None else mesh.size
         num_tokens = math.prod(x.shape[:-1])
         if num_tokens % num_devices:
@@ -107,6 +118,7 @@ class MoELayer(eqx.Module):
             batch_shape = x.shape[:-1]
             y, stats = _single_device_call(
                 cfg,
+                platform,
                 self.router,
                 self.experts,
                 self.shared_experts,
@@ -117,6 +129,7 @@ class MoELayer(eqx.Module):
         return _expert_parallel_call(
             cfg,
             mesh,
+            platform,
             self.router,
             self.experts.w_gate_up,
             self.experts.w_down,
@@ -180,15 +193,18 @@ def _empty_stats(cfg: MoEConfig, num_shards: int) -> MoEStats:
 
 # Jitted with the config static, like the expert-parallel call: an eager call compiles
 # once instead of running op by op; under an outer jit this is inlined.
-@ft.partial(jax.jit, static_argnums=0)
-def _single_device_call(cfg: MoEConfig, router, experts, shared, expert_ids, x):
+@ft.partial(jax.jit, static_argnums=(0, 1))
+def _single_device_call(
+    cfg: MoEConfig, platform: str, router, experts, shared, expert_ids, x
+):
     tokens = x.shape[0]
     routing = router(x)
     physical, _ = physical_routing(routing, expert_ids)
     pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
     # A gather whose backward is a gather too (not XLA:CPU's serial scatter-add).
     xs = permute_rows(x, pairs.order, pairs.inverse)
-    out = experts(xs, pairs.group_sizes, backend=cfg.gmm_backend)
+    backend = resolve_backend(cfg.gmm_backend, platform)
+    out = experts(xs, pairs.group_sizes, backend=backend)
     y = add_shared(cfg, combine(out, pairs, tokens), shared, x)
     stats = routed_stats(
         routed=jnp.sum(routing.counts),
@@ -212,9 +228,17 @@ def _single_device_call(cfg: MoEConfig, router, experts, shared, expert_ids, x):
 # Jitted with the config and mesh static: an eager call then compiles once per
 # configuration instead of running the shard_map body op by op, and under an outer jit
 # this is inlined.
-@ft.partial(jax.jit, static_argnums=(0, 1))
+@ft.partial(jax.jit, static_argnums=(0, 1, 2))
 def _expert_parallel_call(
-    cfg: MoEConfig, mesh: Mesh, router, w_gate_up, w_down, shared, expert_ids, x
+    cfg: MoEConfig,
+    mesh: Mesh,
+    platform: str,
+    router,
+    w_gate_up,
+    w_down,
+    shared,
+    expert_ids,
+    x,
 ):
     ax = cfg.axis_name
     explicit = has_explicit_axes(mesh)
@@ -227,9 +251,7 @@ def _expert_parallel_call(
     tokens = P(tuple(mesh.axis_names))
     other = tuple(a for a in mesh.axis_names if a != ax)
     per_shard = jax.shard_map(
-        ft.partial(
-            expert_parallel_shard_body, cfg, mesh.shape[ax], _platform(mesh), other
-        ),
+        ft.partial(expert_parallel_shard_body, cfg, mesh.shape[ax], platform, other),
         mesh=mesh,
         in_specs=(P(), P(ax), P(ax), P(), P(), tokens),
         out_specs=(tokens, P()),
@@ -272,27 +294,21 @@ def _reshard(a, mesh: Mesh, spec: P):
     return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
 
 
-def _platform(mesh: Mesh) -> str:
-    # The mesh's devices, not the default backend, decide what "auto" means: a CPU
-    # mesh on a GPU machine still needs the dense exchange.
-    return mesh.devices.flat[0].platform
+_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
-def shard_layer(layer: MoELayer, mesh: Mesh) -> MoELayer:
-    """Places a layer's parameters for expert parallelism over `mesh`: the experts split
-    over `config.axis_name` (replicated over any other axis), everything else (router,
-    shared experts) replicated. Same as [`moe_eqx.shard_model`][] on one layer.
-
-    **Arguments:**
-
-    - `layer`: a [`moe_eqx.MoELayer`][].
-    - `mesh`: the mesh it will be called with.
-
-    **Returns:**
-
-    The same layer with its arrays placed on `mesh`.
-    """
-    return shard_model(layer, mesh)
+def _resolve_platform(platform: str | None, mesh: Mesh | None) -> str:
+    if platform is None:
+        # The mesh's devices, not the default backend, decide what "auto" means: a
+        # CPU mesh on a GPU machine still needs the dense exchange.
+        if mesh is None:
+            return jax.default_backend()
+        return mesh.devices.flat[0].platform
+    if platform not in _PLATFORMS:
+        raise ValueError(
+            f"`platform` must be one of {tuple(_PLATFORMS)} or None, got {platform!r}."
+        )
+    return _PLATFORMS[platform]
 
 
 def shard_model(tree: PyTree, mesh: Mesh) -> PyTree:

@@ -58,7 +58,7 @@ def buffer_sizes(
 
     **Returns:**
 
-    A [`moe_eqx.BufferSizes`][].
+    A [`moe_eqx.internal.BufferSizes`][].
     """
     per_token_pairs, per_token_rows = per_token_counts(
         top_k=top_k, local_groups=local_groups, dedup=dedup
@@ -94,7 +94,7 @@ def overflow_predicate(
     - `pair_counts`: `[R, X]` pairs each shard (row) receives, split over any second
         axis: per local group, or per source shard (the layer passes the pairs each
         shard really dispatched to each other, transposed).
-    - `buffers`: the [`moe_eqx.BufferSizes`][].
+    - `buffers`: the [`moe_eqx.internal.BufferSizes`][].
 
     **Returns:**
 

@@ -24,54 +24,17 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, PyTree
+from jaxtyping import Int, PyTree
 
-from ._router import Routing
+from ._layer import MoELayer
 from ._rules import has_explicit_axes, local_experts
 
 __all__ = [
     "permute_experts",
-    "physical_routing",
     "plan_placement",
     "rebalance",
     "rebalance_experts",
 ]
-
-
-# ---------------------------------------------------------------------------------
-# In the layer: logical -> physical.
-
-
-def physical_routing(
-    routing: Routing, expert_ids: Int[Array, " experts"]
-) -> tuple[Routing, Int[Array, " experts"]]:
-    """Maps a [`moe_eqx.Routing`][] from logical expert ids to physical positions.
-
-    **Arguments:**
-
-    - `routing`: the router's output (logical expert ids).
-    - `expert_ids`: `[E]` the logical expert held at each physical position
-        (`layer.expert_ids`).
-
-    **Returns:**
-
-    `(routing, position)`: the routing with `experts` and `counts` in physical order
-    (`counts_phys[p] = counts[expert_ids[p]]`), and `position: [E]`, the physical
-    position of each logical expert (`position[expert_ids[p]] = p`).
-    """
-    expert_ids = expert_ids.astype(jnp.int32)
-    num_experts = expert_ids.shape[0]
-    position = (
-        jnp.zeros((num_experts,), jnp.int32)
-        .at[expert_ids]
-        .set(jnp.arange(num_experts, dtype=jnp.int32), unique_indices=True)
-    )
-    routing = eqx.tree_at(
-        lambda r: (r.experts, r.counts),
-        routing,
-        (position[routing.experts], routing.counts[expert_ids]),
-    )
-    return routing, position
 
 
 # ---------------------------------------------------------------------------------
@@ -302,7 +265,7 @@ def plan_placement(
     100-200 of 256 per window without it; `benchmarks/rebalance.py`). The result is laid out to move as few experts as possible (a group of
     experts goes to the shard that holds most of them, and an expert that stays on
     its shard keeps its slot). Deterministic; runs on the host (NumPy) between
-    steps, in milliseconds (E = 256: 30-300 ms on one CPU core).
+    steps, in milliseconds (`benchmarks/rebalance.py`).
 
     **Arguments:**
 
@@ -350,8 +313,6 @@ def plan_placement(
 
 
 def _is_layer(node) -> bool:
-    from ._layer import MoELayer  # _layer imports this module (physical_routing)
-
     return isinstance(node, MoELayer)
 
 
@@ -450,8 +411,7 @@ def _move_sharded(a, perm: np.ndarray, sharding, axis_name: str):
     """`a[_index(perm)]` for experts split over `axis_name`, moving only the experts
     that change shard, by cyclic shifts (`ppermute`): a device holds its shard, the
     result and what it receives (at most its shard again). A gather along the split
-    axis instead materialises every expert on every device (measured: 8x a shard's
-    bytes of temporary memory at EP8)."""
+    axis instead materialises every expert on every device."""
     mesh = sharding.mesh
     num_shards = mesh.shape[axis_name]
     batch = perm.shape[:-1]
@@ -600,7 +560,7 @@ def rebalance_experts(
 ) -> PyTree:
     """Re-places experts on their home shards to balance `expert_load`.
 
-    Plans with [`moe_eqx.plan_placement`][] from the layer's current `expert_ids` and
+    Plans with [`moe_eqx.internal.plan_placement`][] from the layer's current `expert_ids` and
     moves the expert weights accordingly; the layer computes the same function
     before and after (the router keeps logical ids). Runs between steps (outside
     `jit`); placed arrays keep their sharding. For the optimizer state as well, use

@@ -7,6 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import MoEConfig
+from ._rules import histogram
 
 
 class Routing(eqx.Module):
@@ -142,7 +143,7 @@ class Router(eqx.Module):
             else:
                 weights = chosen
             num_experts = self.num_experts
-            counts = jnp.zeros((num_experts,), jnp.int32).at[experts.ravel()].add(1)
+            counts = histogram(experts, num_experts)
             mean_probs = jnp.mean(probs, axis=0)
             lb = load_balance_loss(counts, mean_probs)
             z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))

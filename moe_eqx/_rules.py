@@ -30,6 +30,59 @@ def per_token_counts(*, top_k: int, local_groups: int, dedup: bool) -> tuple[int
     return pairs, 1 if dedup else pairs
 
 
+# Index arithmetic on short arrays (shards, groups, experts) as fused compares and
+# reductions: `jnp.cumsum` (a reduce-window), `jnp.searchsorted` (a loop) and
+# histograms by scatter-add are each kernels of their own for XLA:CPU to compile,
+# several times over in a layer's forward and backward.
+
+
+def cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+    """Inclusive cumulative sum along `axis` of a short array (`O(n^2)` work)."""
+    x = jnp.moveaxis(x, axis, -1)
+    i = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    upper = i[:, None] <= i[None, :]  # [j, i]: element j counts towards i
+    upper = upper.reshape((1,) * (x.ndim - 1) + upper.shape)
+    terms = jnp.where(upper, x[..., :, None], jnp.zeros((), x.dtype))
+    out = jnp.sum(terms, axis=-2, dtype=x.dtype)
+    return jnp.moveaxis(out, -1, axis)
+
+
+def exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+    """`cumsum(x, axis) - x`."""
+    return cumsum(x, axis) - x
+
+
+def histogram(index: jax.Array, size: int) -> jax.Array:
+    """`[size]` int32 counts of each value `0..size-1` in `index` (other values are
+    not counted)."""
+    bins = jnp.arange(size, dtype=jnp.int32)
+    return jnp.sum(index.reshape(-1)[:, None] == bins[None, :], axis=0, dtype=jnp.int32)
+
+
+def count_at_or_below(boundaries: jax.Array, values: jax.Array) -> jax.Array:
+    """For each value, how many `boundaries` are `<=` it: `searchsorted(boundaries,
+    values, side="right")` for sorted `boundaries`."""
+    return jnp.sum(boundaries[None, :] <= values[:, None], axis=1, dtype=jnp.int32)
+
+
+def all_to_all(x: jax.Array, axis_name, *, materialise: bool = True) -> jax.Array:
+    """`lax.all_to_all` of `[R, ...]` blocks (block `d` to shard `d`).
+
+    XLA cuts the operand into `R` slices and fuses `x`'s producer into each of them,
+    compiling (not running) that producer `R` times. With `materialise`, `x` is first
+    written by a scatter, which XLA does not fuse into its consumers (XLA:CPU drops
+    `lax.optimization_barrier`s before fusion); pass `False` when `x` already comes
+    from one."""
+    if materialise:
+        rows = jnp.arange(x.shape[0], dtype=jnp.int32)
+        x = (
+            jnp.zeros_like(x)
+            .at[rows]
+            .set(x, unique_indices=True, indices_are_sorted=True)
+        )
+    return lax.all_to_all(x, axis_name, 0, 0, tiled=False)
+
+
 def acc_dtype(dtype) -> jnp.dtype:
     """Accumulation dtype of the grouped matmuls and weight gradients: float32, except
     that float64 inputs (x64 mode) keep float64."""

@@ -7,23 +7,28 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._config import MoEConfig
-from ._dispatch import WireRows
+from ._dispatch import send_counts
 from ._exchange import AbstractExchange, exchange_name, is_dense, is_ragged
 from ._experts import SharedExperts
-from ._fallback import capped_or_fallback, fallback_chunking
-from ._gmm import AbstractGMMBackend, auto_backend_name
+from ._fallback import chunked_dropless, fallback_chunking
+from ._gmm import AbstractGMMBackend, resolve_backend
 from ._overflow import (
     BufferSizes,
     buffer_sizes,
     overflow_predicate,
     required_buffer_factor,
 )
+from ._placement import physical_routing
 from ._planner import assign_destinations, default_max_exports, plan_duplication
-from ._rebalance import physical_routing
 from ._router import Router, Routing, load_balance_loss
 from ._rules import local_experts
 from ._slots import gather_slot_weights
-from ._trip import TripInputs, TripSpec, TripStats, trip_rows, trip_wire_rows
+from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
+
+
+class LostPairsError(RuntimeError):
+    """Pairs were routed but neither computed nor counted as dropped: a bug in the
+    layer, reported by [`moe_eqx.MoEStats.check`][]."""
 
 
 class MoEStats(eqx.Module):
@@ -35,7 +40,7 @@ class MoEStats(eqx.Module):
     - `fallback_used`: the chunked dropless path ran (all shards take it together).
     - `dropped_pairs`: pairs dropped in total (0 unless `on_overflow="drop"`).
     - `lost_pairs`: pairs routed minus pairs computed minus pairs dropped, over all
-        shards. Always 0: anything else is a bug, reported rather than hidden.
+        shards. Always 0: anything else is a bug, raised by [`MoEStats.check`][].
     - `recv_pairs`: `[R]` pairs each shard's grouped matmul computed (after
         duplication), counted from the rows it really received.
     - `wire_rows`: `[R]` wire rows each shard really received.
@@ -44,9 +49,9 @@ class MoEStats(eqx.Module):
     - `load_balance_loss`, `router_z_loss`: global router losses.
     - `required_buffer_factor`: the smallest `buffer_factor` that would not overflow.
     - `dedup_ratio`: wire rows / pairs (1.0 without dedup).
-    - `num_chunks`: the fallback's base chunk count, [`moe_eqx.fallback_chunking`][]'s
+    - `num_chunks`: the fallback's chunk count, [`moe_eqx.internal.fallback_chunking`][]'s
         (fixed per configuration; 1 when it cannot be needed), whether or not it ran
-        this call. Its forward and backward each run twice as many half-size chunks.
+        this call.
     - `block_rows`: rows per destination block of the dense exchange (its buffers hold
         `R * block_rows` rows; 0 for the ragged exchange or one device).
     - `expert_counts`: `[E]` pairs routed to each expert, over all shards.
@@ -68,6 +73,41 @@ class MoEStats(eqx.Module):
     block_rows: Int[Array, ""]
     expert_counts: Int[Array, " experts"]
 
+    def check(self) -> "MoEStats":
+        """Raises [`moe_eqx.LostPairsError`][] if any pair was lost; returns `self`.
+
+        Call it on concrete stats, on the host (after `jax.jit` returns them): inside
+        `jit` the values are not known yet. A test of the error as a value inside a
+        jitted program (`eqx.error_if`) would abort a multi-device program on CPU;
+        this raises where the caller can handle it. Stats with leading dimensions
+        (one per layer, from `jax.vmap` or a scan) are checked as a whole.
+
+        **Returns:**
+
+        `self`, so that `stats = layer(x)[1].check()` reads naturally.
+        """
+        lost = self.lost_pairs
+        if isinstance(lost, jax.core.Tracer):
+            raise TypeError(
+                "`MoEStats.check` needs concrete stats: call it on the host, on the "
+                "stats a jitted function returned, not inside `jax.jit`."
+            )
+        lost = jnp.asarray(lost)
+        if bool(jnp.any(lost != 0)):
+            raise LostPairsError(
+                f"The MoE layer lost pairs (lost_pairs={lost.tolist()}): routed pairs "
+                "were neither computed nor counted as dropped."
+            )
+        return self
+
+    def to_dict(self) -> dict:
+        """The stats as a plain dict of Python numbers and lists (concrete stats
+        only), for logging."""
+        return {
+            name: jnp.asarray(getattr(self, name)).tolist()
+            for name in self.__dataclass_fields__
+        }
+
 
 def _max_over_mean(load: Int[Array, " shards"]) -> Float[Array, ""]:
     load = load.astype(jnp.float32)
@@ -88,7 +128,7 @@ def expert_parallel_shard_body(
     cfg: MoEConfig,
     num_shards: int,
     platform: str,
-    other_axes: tuple[str, ...],
+    data_axes: tuple[str, ...],
     router: Router,
     w_gate_up: Float[Array, "local_experts d_model two_d_ff"],
     w_down: Float[Array, "local_experts d_ff d_model"],
@@ -98,17 +138,18 @@ def expert_parallel_shard_body(
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
     """One shard's part of the expert-parallel layer (inside `shard_map`).
 
-    `other_axes`: the mesh axes besides `cfg.axis_name` (data parallelism); each group
-    along them is its own EP group. The overflow decision and the stats are combined
-    over them, so that every device takes the same branch and returns the same stats.
+    `data_axes`: the mesh axes besides `cfg.axis_name` that the tokens are sharded
+    over (data parallelism); each group along them is its own EP group. The overflow
+    decision and the stats are combined over them, so that every device takes the
+    same path and returns the same stats.
     """
-    setup = _ShardSetup.of(cfg, num_shards, platform, other_axes, tokens=x.shape[0])
+    setup = _ShardSetup.of(cfg, num_shards, platform, data_axes, tokens=x.shape[0])
     routed = _route(setup, router, expert_ids, x)
     inputs = _destinations(setup, routed, x, w_gate_up, w_down)
     sent = _send(setup, inputs)
-    y, trip, fallback_used, num_chunks = _capped_or_fallback(setup, inputs, sent)
+    y, trip = _capped_or_fallback(setup, inputs, sent)
     y = add_shared(cfg, y, shared, x)
-    return y, _stats(setup, routed, sent, trip, fallback_used, num_chunks)
+    return y, _stats(setup, routed, sent, trip)
 
 
 class _ShardSetup(eqx.Module):
@@ -116,42 +157,52 @@ class _ShardSetup(eqx.Module):
 
     cfg: MoEConfig = eqx.field(static=True)
     num_shards: int = eqx.field(static=True)
-    other_axes: tuple[str, ...] = eqx.field(static=True)
+    data_axes: tuple[str, ...] = eqx.field(static=True)
     tokens: int = eqx.field(static=True)
     num_local: int = eqx.field(static=True)  # `L`, home experts per shard
     num_slots: int = eqx.field(static=True)  # `S`, duplication slots per shard
     exchange: str | AbstractExchange = eqx.field(static=True)
-    gmm_backend: str | AbstractGMMBackend = eqx.field(static=True)
+    gmm_backend: AbstractGMMBackend = eqx.field(static=True)
+    buffers: BufferSizes = eqx.field(static=True)
+    num_chunks: int = eqx.field(static=True)  # 1: the capped trip alone
 
     @classmethod
-    def of(cls, cfg, num_shards, platform, other_axes, *, tokens) -> "_ShardSetup":
-        backend = cfg.gmm_backend
-        if isinstance(backend, str) and backend == "auto":
-            backend = auto_backend_name(platform)
+    def of(cls, cfg, num_shards, platform, data_axes, *, tokens) -> "_ShardSetup":
+        num_local = local_experts(
+            cfg.num_experts, num_shards, shards=f"mesh axis {cfg.axis_name!r}"
+        )
+        # Duplication needs somewhere else to put a copy.
+        num_slots = cfg.num_slots if num_shards > 1 else 0
+        sizes = dict(
+            tokens=tokens,
+            top_k=cfg.top_k,
+            num_shards=num_shards,
+            local_groups=num_local + num_slots,
+            dedup=cfg.dedup,
+        )
+        buffers = buffer_sizes(**sizes, buffer_factor=cfg.buffer_factor)
+        num_chunks = 1
+        if cfg.on_overflow == "fallback" and not buffers.worst_case:
+            num_chunks, buffers = fallback_chunking(**sizes, capped=buffers)
         return cls(
             cfg=cfg,
             num_shards=num_shards,
-            other_axes=other_axes,
+            data_axes=tuple(data_axes),
             tokens=tokens,
-            num_local=local_experts(
-                cfg.num_experts, num_shards, shards=f"mesh axis {cfg.axis_name!r}"
-            ),
-            # Duplication needs somewhere else to put a copy.
-            num_slots=cfg.num_slots if num_shards > 1 else 0,
+            num_local=num_local,
+            num_slots=num_slots,
             exchange=exchange_name(cfg.exchange, platform),
-            gmm_backend=backend,
+            gmm_backend=resolve_backend(cfg.gmm_backend, platform),
+            buffers=buffers,
+            num_chunks=num_chunks,
         )
 
     @property
-    def local_groups(self) -> int:
-        """`G = L + S`, the groups of this shard's grouped matmul."""
-        return self.num_local + self.num_slots
-
-    def spec(self, buffers: BufferSizes) -> TripSpec:
+    def spec(self) -> TripSpec:
         return TripSpec(
             num_shards=self.num_shards,
-            local_groups=self.local_groups,
-            buffers=buffers,
+            local_groups=self.num_local + self.num_slots,
+            buffers=self.buffers,
             dedup=self.cfg.dedup,
             exchange=self.exchange,
             gmm_backend=self.gmm_backend,
@@ -181,9 +232,9 @@ def _destinations(
     """Step 3: every pair's (shard, local group), with the duplication plan applied (a
     pair the plan gives no destination is marked -1 and not sent), and the local
     weights of all groups (home experts, then the slot copies the plan fetched)."""
-    cfg, num_local, num_slots = setup.cfg, setup.num_local, setup.num_slots
+    cfg, num_local = setup.cfg, setup.num_local
     experts = routed.routing.experts
-    if num_slots == 0:
+    if setup.num_slots == 0:
         dest_shard, dest_group = experts // num_local, experts % num_local
     else:
         shard = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
@@ -192,16 +243,28 @@ def _destinations(
         max_exports = cfg.max_slot_exports
         if max_exports is None:
             max_exports = max(
-                1, default_max_exports(setup.num_shards, num_local, num_slots)
+                1, default_max_exports(setup.num_shards, num_local, setup.num_slots)
             )
         plan = plan_duplication(
-            routed.counts, num_slots=num_slots, max_exports=max_exports
+            routed.counts,
+            num_slots=setup.num_slots,
+            max_exports=max_exports,
+            max_pairs=setup.num_shards * experts.size,
         )
         dest_shard, dest_group = assign_destinations(
             plan, routed.counts, experts, shard, num_local_experts=num_local
         )
         w_gate_up, w_down = (
-            _with_slots(setup, w, plan.slot_expert, max_exports)
+            gather_slot_weights(
+                w,
+                plan.slot_expert,
+                num_local,
+                cfg.axis_name,
+                max_exports=max_exports,
+                backward=cfg.slot_backward,
+                exchange="ragged" if is_ragged(setup.exchange) else "dense",
+                with_home=True,
+            )
             for w in (w_gate_up, w_down)
         )
     return TripInputs(
@@ -215,160 +278,81 @@ def _destinations(
     )
 
 
-def _with_slots(setup: _ShardSetup, w, slot_expert, max_exports: int):
-    """`w`'s home experts, then the slot copies of `slot_expert` fetched from their
-    home shards (by the ragged collective only with a ragged token exchange)."""
-    slots = gather_slot_weights(
-        w,
-        slot_expert,
-        setup.num_local,
-        setup.cfg.axis_name,
-        max_exports=max_exports,
-        backward=setup.cfg.slot_backward,
-        exchange="ragged" if is_ragged(setup.exchange) else "dense",
-    )
-    return jnp.concatenate([w, slots])
-
-
 class _Sent(eqx.Module):
-    wire: WireRows
     wire_counts: Int[Array, "shards shards"]  # [source, destination]
     pair_counts: Int[Array, "shards shards"]  # [source, destination]
-    buffers: BufferSizes
     overflow: Bool[Array, ""]
 
 
 def _send(setup: _ShardSetup, inputs: TripInputs) -> _Sent:
-    """Steps 4-5: the wire rows (built once, for the predicate and the capped path),
-    the rows and pairs really dispatched to each shard, and the exact overflow
-    predicate on them."""
-    spec_buffers = buffer_sizes(
-        tokens=setup.tokens,
-        top_k=setup.cfg.top_k,
-        num_shards=setup.num_shards,
-        local_groups=setup.local_groups,
-        dedup=setup.cfg.dedup,
-        buffer_factor=setup.cfg.buffer_factor,
+    """Steps 4-5: the rows and pairs each shard will dispatch to each other, and the
+    exact overflow predicate on them (combined over the data axes)."""
+    num_shards = setup.num_shards
+    rows = send_counts(
+        inputs.dest_shard, inputs.valid, num_shards=num_shards, dedup=setup.cfg.dedup
     )
-    wire = trip_rows(inputs, setup.spec(spec_buffers))
-    sent = jax.lax.all_gather(
-        jnp.stack([wire.send_counts, wire.send_pairs]), setup.cfg.axis_name
+    pairs = send_counts(
+        inputs.dest_shard, inputs.valid, num_shards=num_shards, dedup=False
     )
+    sent = jax.lax.all_gather(jnp.stack([rows, pairs]), setup.cfg.axis_name)
     wire_counts, pair_counts = sent[:, 0], sent[:, 1]
-    overflow = _over_groups(
-        overflow_predicate(wire_counts, pair_counts.T, spec_buffers),
-        setup.other_axes,
-        "any",
-    )
-    return _Sent(
-        wire=wire,
-        wire_counts=wire_counts,
-        pair_counts=pair_counts,
-        buffers=spec_buffers,
-        overflow=overflow,
-    )
+    overflow = overflow_predicate(wire_counts, pair_counts.T, setup.buffers)
+    if setup.data_axes:
+        overflow = jax.lax.pmax(overflow.astype(jnp.int32), setup.data_axes) > 0
+    return _Sent(wire_counts=wire_counts, pair_counts=pair_counts, overflow=overflow)
 
 
 def _capped_or_fallback(setup: _ShardSetup, inputs: TripInputs, sent: _Sent):
-    """Steps 6-8: the capped path, or the chunked dropless fallback on all shards
-    together when the capped one would drop.
-
-    **Returns:**
-
-    `(y, trip_stats, fallback_used, num_chunks)`.
-    """
-    cfg = setup.cfg
-
-    def capped():
-        return trip_wire_rows(
-            inputs, sent.wire, sent.wire_counts, setup.spec(sent.buffers)
-        )
-
-    if cfg.on_overflow == "drop" or sent.buffers.worst_case:
-        y, trip = capped()
-        return y, trip, jnp.array(False), 1
-    num_chunks, chunk_buffers = fallback_chunking(
-        tokens=setup.tokens,
-        top_k=cfg.top_k,
-        num_shards=setup.num_shards,
-        local_groups=setup.local_groups,
-        dedup=cfg.dedup,
-        capped=sent.buffers,
+    """Steps 6-8: the capped trip, or on overflow the chunked dropless fallback on all
+    shards together (the same trip over chunks of the tokens)."""
+    if setup.num_chunks == 1:  # "drop", or buffers that cannot overflow
+        return expert_parallel_trip(inputs, setup.spec)
+    return chunked_dropless(
+        inputs, setup.spec, overflow=sent.overflow, num_chunks=setup.num_chunks
     )
 
-    y, trip = capped_or_fallback(
-        sent.overflow,
-        inputs,
-        sent.wire,
-        sent.wire_counts,
-        capped=setup.spec(sent.buffers),
-        fallback=setup.spec(chunk_buffers),
-        num_chunks=num_chunks,
-    )
-    return y, trip, sent.overflow, num_chunks
 
-
-def _stats(
-    setup: _ShardSetup,
-    routed: _Routed,
-    sent: _Sent,
-    trip: TripStats,
-    fallback_used,
-    num_chunks: int,
-) -> MoEStats:
+def _stats(setup: _ShardSetup, routed: _Routed, sent: _Sent, trip: TripStats):
     """Step 9: the stats, identical on all shards, counted from what the trips really
-    did (summed over the EP groups of the other mesh axes)."""
-    ax, other_axes = setup.cfg.axis_name, setup.other_axes
-    global_counts = jnp.sum(routed.counts, axis=0).astype(jnp.int32)
-    global_counts, recv_pairs, recv_rows, dropped = _over_groups(
-        (
-            global_counts,
-            jax.lax.all_gather(trip.computed_pairs, ax),
-            jax.lax.all_gather(trip.recv_rows, ax),
-            jax.lax.psum(trip.dropped_pairs, ax),
-        ),
-        other_axes,
-        "sum",
+    did (summed over the EP groups of the data axes). Three collectives: one
+    all-gather of the trip's counts, one mean of the router's float statistics, and
+    (with data axes) one sum of the integer counts."""
+    cfg, data_axes = setup.cfg, setup.data_axes
+    ax = cfg.axis_name
+    per_shard = jax.lax.all_gather(
+        jnp.stack([trip.computed_pairs, trip.recv_rows, trip.dropped_pairs]), ax
+    )  # [R, 3]
+    global_counts = jnp.sum(routed.counts, axis=0).astype(jnp.int32)  # [E] physical
+    router_floats = jnp.concatenate(
+        [routed.routing.mean_probs, routed.routing.router_z_loss[None]]
     )
+    router_floats = jax.lax.pmean(router_floats, (ax, *data_axes))
     required = required_buffer_factor(
-        sent.wire_counts,
-        sent.pair_counts.T,
-        tokens=setup.tokens,
-        top_k=setup.cfg.top_k,
+        sent.wire_counts, sent.pair_counts.T, tokens=setup.tokens, top_k=cfg.top_k
     )
-    mean_probs, router_z_loss = _over_groups(
-        (
-            jax.lax.pmean(routed.routing.mean_probs, ax),
-            jax.lax.pmean(routed.routing.router_z_loss, ax),
-        ),
-        other_axes,
-        "mean",
-    )
+    if data_axes:
+        ints = jnp.concatenate([per_shard.ravel(), global_counts])
+        ints = jax.lax.psum(ints, data_axes)
+        per_shard, global_counts = (
+            ints[: per_shard.size].reshape(-1, 3),
+            ints[per_shard.size :],
+        )
+        required = jax.lax.pmax(required, data_axes)
     return routed_stats(
         routed=jnp.sum(global_counts),
-        recv_pairs=recv_pairs,
-        wire_rows=recv_rows,
-        dropped=dropped,
+        recv_pairs=per_shard[:, 0],
+        wire_rows=per_shard[:, 1],
+        dropped=jnp.sum(per_shard[:, 2]),
         home_load=global_counts.reshape(setup.num_shards, setup.num_local).sum(axis=1),
         expert_counts=global_counts[routed.position],  # logical order
         overflow=sent.overflow,
-        fallback_used=fallback_used,
-        required=_over_groups(required, other_axes, "max"),
-        num_chunks=num_chunks,
-        block_rows=sent.buffers.block_rows if is_dense(setup.exchange) else 0,
-        mean_probs=mean_probs,
-        router_z_loss=router_z_loss,
+        fallback_used=sent.overflow if setup.num_chunks > 1 else False,
+        required=required,
+        num_chunks=setup.num_chunks,
+        block_rows=setup.buffers.block_rows if is_dense(setup.exchange) else 0,
+        mean_probs=router_floats[:-1],
+        router_z_loss=router_floats[-1],
     )
-
-
-def _over_groups(tree, axes: tuple[str, ...], how: str):
-    """Combines per-EP-group values over the other mesh axes (identity without any)."""
-    if not axes:
-        return tree
-    if how == "any":
-        return jax.lax.pmax(tree.astype(jnp.int32), axes) > 0
-    op = {"sum": jax.lax.psum, "mean": jax.lax.pmean, "max": jax.lax.pmax}[how]
-    return jax.tree.map(lambda a: op(a, axes), tree)
 
 
 def routed_stats(
@@ -408,12 +392,18 @@ def routed_stats(
     )
 
 
+def _manual_axes() -> tuple[str, ...]:
+    """The mesh axes the current `shard_map` is manual over (empty outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(getattr(mesh, "manual_axes", ()) or ())
+
+
 def expert_parallel_shard(
     layer,
     x: Float[Array, "tokens d_model"],
     *,
-    num_shards: int,
-    data_axes: tuple[str, ...] = (),
+    num_shards: int | None = None,
+    data_axes: tuple[str, ...] | None = None,
     platform: str | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
     """The MoE layer for one shard's tokens, inside the caller's own `shard_map`.
@@ -429,7 +419,7 @@ def expert_parallel_shard(
                 in_specs=(me.shard_specs(layer), P("expert")),
                 out_specs=(P("expert"), P()))
     def block(layer, x):
-        y, stats = me.expert_parallel_shard(layer, x, num_shards=mesh.shape["expert"])
+        y, stats = me.expert_parallel_shard(layer, x)
         return x + y, stats
     ```
 
@@ -437,11 +427,12 @@ def expert_parallel_shard(
 
     - `layer`: a [`moe_eqx.MoELayer`][] whose `experts` hold this shard's `E / R`
         experts (in-spec `P(axis_name)` on the expert arrays, `P()` elsewhere).
-    - `x`: `[T, d_model]`, this shard's tokens.
-    - `num_shards`: `R`, the size of the `layer.config.axis_name` mesh axis.
-    - `data_axes`: other mesh axes the tokens are also sharded over (each group along
-        them is its own EP group); the overflow decision and the stats are combined
-        over them.
+    - `x`: `[T, d_model]`, this shard's tokens, floating point.
+    - `num_shards`: `R`, the size of the `layer.config.axis_name` mesh axis; checked
+        against it (default: that size).
+    - `data_axes`: the other mesh axes the tokens are sharded over (each group along
+        them is its own EP group; the overflow decision and the stats are combined
+        over them). Default: every other manual axis of the enclosing `shard_map`.
     - `platform`: the devices' platform, for the `"auto"` exchange and GMM backend
         (default: the default backend).
 
@@ -450,9 +441,42 @@ def expert_parallel_shard(
     `(y, stats)`: `[T, d_model]` and [`moe_eqx.MoEStats`][], identical on every shard.
     """
     cfg = layer.config
-    if x.shape[-1] != cfg.d_model or x.ndim != 2:
+    if x.ndim != 2 or x.shape[-1] != cfg.d_model:
         raise ValueError(f"`x` must be [tokens, {cfg.d_model}], got {x.shape}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"`x` must be a floating-point array, got dtype {x.dtype} "
+            "(cast it first, e.g. x.astype(jnp.float32))."
+        )
+    manual = _manual_axes()
+    if manual and cfg.axis_name not in manual:
+        raise ValueError(
+            f"`layer.config.axis_name` {cfg.axis_name!r} is not a manual axis of the "
+            f"enclosing shard_map (its axes: {manual})."
+        )
+    try:
+        axis_size = jax.lax.axis_size(cfg.axis_name)
+    except NameError:
+        raise ValueError(
+            f"`expert_parallel_shard` runs inside a `shard_map` over the mesh axis "
+            f"{cfg.axis_name!r} (`layer.config.axis_name`); it is not bound here."
+        ) from None
+    if num_shards is None:
+        num_shards = axis_size
+    elif num_shards != axis_size:
+        raise ValueError(
+            f"`num_shards` ({num_shards}) is not the size of the mesh axis "
+            f"{cfg.axis_name!r} ({axis_size})."
+        )
+    if data_axes is None:
+        data_axes = tuple(a for a in manual if a != cfg.axis_name)
+    elif cfg.axis_name in data_axes:
+        raise ValueError(
+            f"`data_axes` {tuple(data_axes)} must not contain the expert axis "
+            f"{cfg.axis_name!r}."
+        )
     platform = jax.default_backend() if platform is None else platform
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
     return expert_parallel_shard_body(
         cfg,
         num_shards,

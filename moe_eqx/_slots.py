@@ -1,4 +1,5 @@
-"""Slot weights of duplicated experts, as an explicit `custom_vjp`.
+"""Slot weights of duplicated experts, a linear map with its own transpose
+(`moe_eqx._autodiff.custom_linear`).
 
 Forward: each home shard exports the copies of its experts that the plan put in other
 shards' slots, at most `C` of them (`max_exports`, the plan's out-degree bound); one
@@ -27,7 +28,7 @@ collective runs. The offsets of both ragged trips come from `slot_routes`, a pur
 function of the slot table that the tests check against `emulate_ragged_all_to_all`.
 """
 
-import functools as ft
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -35,7 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from ._autodiff import custom_linear
 from ._planner import most_exports
+from ._rules import all_to_all, exclusive_cumsum
 
 SLOT_BACKWARDS = ("auto", "all_gather", "home")
 SLOT_EXCHANGES = ("dense", "ragged")
@@ -82,16 +85,12 @@ class SlotRoutes(eqx.Module):
     @property
     def send_offsets(self) -> Int[Array, "shards shards"]:
         """`[h, d]` where `d`'s copies start in `h`'s export buffer."""
-        return _exclusive_cumsum(self.sizes, axis=1)
+        return exclusive_cumsum(self.sizes, axis=1)
 
     @property
     def recv_offsets(self) -> Int[Array, "shards shards"]:
         """`[h, d]` where `h`'s copies start in `d`'s receive buffer."""
-        return _exclusive_cumsum(self.sizes, axis=0)
-
-
-def _exclusive_cumsum(x, axis):
-    return jnp.cumsum(x, axis=axis) - x
+        return exclusive_cumsum(self.sizes, axis=0)
 
 
 def slot_routes(
@@ -119,16 +118,16 @@ def slot_routes(
     )  # [d, s, h]
     flat = onehot.reshape(num_shards * num_slots, num_shards)
     rank = jnp.take_along_axis(
-        _exclusive_cumsum(flat, axis=0), jnp.maximum(owner, 0).reshape(-1, 1), axis=1
+        exclusive_cumsum(flat, axis=0), jnp.maximum(owner, 0).reshape(-1, 1), axis=1
     ).reshape(num_shards, num_slots)
     pos = jnp.take_along_axis(
-        _exclusive_cumsum(onehot, axis=1), jnp.maximum(owner, 0)[..., None], axis=2
+        exclusive_cumsum(onehot, axis=1), jnp.maximum(owner, 0)[..., None], axis=2
     )[..., 0]
     delivered = filled & (rank < max_exports)
     # Copies past the bound are the last ones of their owner, in (destination, slot)
     # order: cutting them off keeps every delivered block contiguous.
     sizes = jnp.sum(jnp.where(delivered[..., None], onehot, 0), axis=1).T  # [h, d]
-    recv_start = _exclusive_cumsum(sizes, axis=0)  # [h, d]
+    recv_start = exclusive_cumsum(sizes, axis=0)  # [h, d]
     recv_pos = recv_start[jnp.maximum(owner, 0), jnp.arange(num_shards)[:, None]] + pos
     return SlotRoutes(
         owner=owner,
@@ -222,7 +221,7 @@ def _forward(w_home, routes, shard, num_local, axis_name, max_exports, exchange)
         which = _block_slots(routes, shard, block)  # [d, j] -> slot of d
         local = jnp.take_along_axis(routes.local, jnp.maximum(which, 0), axis=1)
         send = _take(w_home, jnp.where(which >= 0, local, -1))  # [R, block, ...]
-        recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)
+        recv = all_to_all(send, axis_name)
         flat = recv.reshape(num_shards * block, *recv.shape[2:])
         idx = routes.owner[shard] * block + routes.block_pos[shard]
         slots = _take(flat, jnp.where(routes.delivered[shard], idx, -1))
@@ -250,42 +249,83 @@ def _backward_home(g_slots, routes, shard, num_local, axis_name, max_exports, ex
         .at[rows, routes.block_pos[shard]]
         .set(jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
     )
-    recv = jax.lax.all_to_all(_take(g_slots, which), axis_name, 0, 0, tiled=False)
+    recv = all_to_all(_take(g_slots, which), axis_name)
     mine = _block_slots(routes, shard, block)  # [d, j] -> slot of d holding our copy
     local = jnp.take_along_axis(routes.local, jnp.maximum(mine, 0), axis=1)
     return recv, jnp.where(mine >= 0, local, -1)
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _gather(w_home, slot_expert, num_local, axis_name, max_exports, backward, exchange):
-    routes = slot_routes(slot_expert, num_local, max_exports)
-    shard = jax.lax.axis_index(axis_name)
-    return _forward(w_home, routes, shard, num_local, axis_name, max_exports, exchange)
+class _SlotRes(NamedTuple):
+    routes: SlotRoutes
+    shard: Array
+    num_local: int
+    axis_name: str
+    max_exports: int
+    backward: str
+    exchange: str
+    with_home: bool  # the result is `[L + S, ...]`: the home weights, then the slots
 
 
-def _gather_fwd(w_home, slot_expert, num_local, axis_name, max_exports, backward, ex):
-    out = _gather(w_home, slot_expert, num_local, axis_name, max_exports, backward, ex)
-    # `w_home` is a parameter that is alive anyway; it only provides shape and dtype.
-    return out, (slot_expert, w_home)
+def _slots_of(res: _SlotRes, w_home):
+    slots = _forward(
+        w_home,
+        res.routes,
+        res.shard,
+        res.num_local,
+        res.axis_name,
+        res.max_exports,
+        res.exchange,
+    )
+    return jnp.concatenate([w_home, slots]) if res.with_home else slots
 
 
-def _gather_bwd(num_local, axis_name, max_exports, backward, exchange, res, g_slots):
-    slot_expert, w_home = res
-    routes = slot_routes(slot_expert, num_local, max_exports)
-    shard = jax.lax.axis_index(axis_name)
-    if backward == "all_gather":
-        g_all = jax.lax.all_gather(g_slots, axis_name)  # [R, S, ...]
+def _slots_of_t(res: _SlotRes, ct):
+    """The home gradient: each home shard sums the slot gradients of its experts
+    (and, `with_home`, its own), in float32."""
+    g_slots = ct[res.num_local :] if res.with_home else ct
+    routes, shard = res.routes, res.shard
+    if res.backward == "all_gather":
+        g_all = jax.lax.all_gather(g_slots, res.axis_name)  # [R, S, ...]
         keep = (routes.owner == shard) & routes.delivered
         idx = jnp.where(keep, routes.local, -1)
     else:
         g_all, idx = _backward_home(
-            g_slots, routes, shard, num_local, axis_name, max_exports, exchange
+            g_slots,
+            routes,
+            shard,
+            res.num_local,
+            res.axis_name,
+            res.max_exports,
+            res.exchange,
         )
-    g_home = _scatter_home(num_local, idx, g_all, w_home.shape, w_home.dtype)
-    return g_home, None
+    shape = (res.num_local, *ct.shape[1:])
+    g_home = _scatter_home(res.num_local, idx, g_all, shape, jnp.float32)
+    if res.with_home:
+        g_home = g_home + ct[: res.num_local].astype(jnp.float32)
+    return g_home.astype(ct.dtype)
 
 
-_gather.defvjp(_gather_fwd, _gather_bwd)
+def _slot_weights(
+    w_home,
+    slot_expert,
+    num_local,
+    axis_name,
+    max_exports,
+    backward,
+    exchange,
+    with_home,
+):
+    res = _SlotRes(
+        routes=slot_routes(slot_expert, num_local, max_exports),
+        shard=jax.lax.axis_index(axis_name).astype(jnp.int32),
+        num_local=num_local,
+        axis_name=axis_name,
+        max_exports=max_exports,
+        backward=backward,
+        exchange=exchange,
+        with_home=with_home,
+    )
+    return custom_linear(_slots_of, _slots_of_t, res, w_home)
 
 
 def slot_backward_copies(
@@ -303,9 +343,9 @@ def slot_backward_copies(
     dense exchange: compiled on CPU, `R S` at `S = 1` and `2 R S` from `S = 2`, where
     XLA keeps a second copy of the gathered block). `"home"`:
     `S + C` with the ragged exchange (`[S]` grouped send, `[C]` receive),
-    `2 R min(S, C)` with the dense one (two `[R, min(S, C)]` block arrays, measured).
-    Both add the `[S]` cotangent and the `[L]` home gradient, which any backward has.
-    Measured with compiled memory analysis on CPU in `benchmarks/slots.py`.
+    `2 R min(S, C)` with the dense one (two `[R, min(S, C)]` block arrays). Both add
+    the `[S]` cotangent and the `[L]` home gradient, which any backward has. The
+    counts are checked against compiled memory analysis in `benchmarks/slots.py`.
     """
     if backward == "all_gather":
         return num_shards * num_slots * (2 if exchange == "dense" else 1)
@@ -382,7 +422,8 @@ def gather_slot_weights(
     max_exports: int | None = None,
     backward: str = "auto",
     exchange: str = "dense",
-) -> Float[Array, "slots ..."]:
+    with_home: bool = False,
+) -> Float[Array, "groups ..."]:
     """Fetches the weights of this shard's slot experts from their home shards.
 
     Called inside `shard_map` over `axis_name`. Memory and wire bytes per device are
@@ -402,10 +443,14 @@ def gather_slot_weights(
     - `backward`: `"all_gather"`, `"home"` or `"auto"` (see the module docstring).
     - `exchange`: `"ragged"` (GPU/TPU: `lax.ragged_all_to_all`) or `"dense"` (every
         platform: `lax.all_to_all` of `[R, min(S, C), ...]` blocks).
+    - `with_home`: return `w_home` followed by the slots, `[L + S, ...]` (the local
+        groups of the shard's grouped matmul): the backward then sums the home and
+        the slot gradients of each expert in float32, rounding once.
 
     **Returns:**
 
-    `[S, ...]` the weights of `slot_expert[shard]` (zeros for empty slots).
+    `[S, ...]` the weights of `slot_expert[shard]` (zeros for empty slots), or
+    `[L + S, ...]` with `with_home`.
     """
     _check_args(slot_expert, num_local, max_exports, backward, exchange)
     num_shards, num_slots = slot_expert.shape
@@ -416,7 +461,8 @@ def gather_slot_weights(
     if num_shards == 1:
         # One shard: the weights are all here, no collective (a plan never puts a
         # home expert in a slot, so a table from the planner is all empty).
-        return _take(w_home, jnp.where(slot_expert[0] >= 0, slot_expert[0], -1))
+        slots = _take(w_home, jnp.where(slot_expert[0] >= 0, slot_expert[0], -1))
+        return jnp.concatenate([w_home, slots]) if with_home else slots
     mode = choose_slot_backward(
         backward,
         num_shards=num_shards,
@@ -425,6 +471,13 @@ def gather_slot_weights(
         exchange=exchange,
     )
     with jax.named_scope("moe_eqx.slot_weights"):
-        return _gather(
-            w_home, slot_expert, num_local, axis_name, max_exports, mode, exchange
+        return _slot_weights(
+            w_home,
+            slot_expert,
+            num_local,
+            axis_name,
+            max_exports,
+            mode,
+            exchange,
+            with_home,
         )

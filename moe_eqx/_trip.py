@@ -3,25 +3,28 @@ works"): dedup dispatch -> exchange -> expand to pairs -> expert GMM -> combine 
 row -> exchange back -> sum per token. Runs inside `shard_map`.
 """
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from ._autodiff import custom_linear, symbolic_zeros_to_none
 from ._combine import combine
 from ._dispatch import WireRows, dedup_rows, expand_rows
 from ._exchange import (
     AbstractExchange,
     ExchangePlan,
-    combine_rows,
-    dispatch_rows,
+    make_exchange,
     make_exchange_plan,
-    resolve_exchange,
 )
 from ._experts import expert_ffn
-from ._gmm import AbstractGMMBackend
+from ._gmm import AbstractGMMBackend, GradAcc
 from ._overflow import BufferSizes
-from ._permute import permute_rows, unpermute_sum
+from ._permute import sum_rows
+from ._rules import count_at_or_below
 
 
 class TripSpec(eqx.Module):
@@ -33,10 +36,10 @@ class TripSpec(eqx.Module):
     - `local_groups`: `G = L + S`, the groups of this shard's grouped matmul (its `L`
         home experts, then its `S` slots). Not [`moe_eqx.MoEConfig`][]`.num_groups`
         (routing groups).
-    - `buffers`: the [`moe_eqx.BufferSizes`][] of the trip.
+    - `buffers`: the [`moe_eqx.internal.BufferSizes`][] of the trip.
     - `dedup`: one wire row per (token, shard) or one per pair.
-    - `exchange`: `"auto"`, `"dense"`, `"ragged"` or an exchange instance, as in
-        [`moe_eqx.MoEConfig`][]; `"auto"` resolves on the default backend.
+    - `exchange`: `"dense"`, `"ragged"` or an exchange instance (resolved: see
+        `moe_eqx.internal.exchange_name` for the config's `"auto"`).
     - `gmm_backend`: a GMM backend name or instance, as in [`moe_eqx.MoEConfig`][].
     - `axis_name`: the expert-parallel mesh axis.
     """
@@ -92,36 +95,26 @@ class TripInputs(eqx.Module):
     w_down: Float[Array, "groups d_ff d_model"]
 
 
-GradAcc = tuple[
-    Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
-]
-
-
 def expert_parallel_trip(
     inputs: TripInputs, spec: TripSpec, grad_acc: GradAcc | None = None
-) -> tuple[Float[Array, "tokens d_model"], TripStats]:
+):
     """Sends each token to the shards holding its experts and brings the results back.
 
     **Arguments:**
 
-    - `inputs`: this shard's [`moe_eqx.TripInputs`][].
-    - `spec`: static [`moe_eqx.TripSpec`][].
-    - `grad_acc`: optional weight-gradient accumulators, see
-        [`moe_eqx.expert_ffn`][].
+    - `inputs`: this shard's [`moe_eqx.internal.TripInputs`][].
+    - `spec`: static [`moe_eqx.internal.TripSpec`][].
+    - `grad_acc`: optional weight-gradient accumulators, passed through (see
+        `moe_eqx.AbstractGMMBackend.ffn`).
 
     **Returns:**
 
-    `(y, stats)`: `[T, d_model]` and this shard's [`moe_eqx.TripStats`][]. Pairs that do
-    not fit the buffers contribute zero and are counted in `stats.dropped_pairs`.
+    `(y, stats)`: `[T, d_model]` and this shard's [`moe_eqx.internal.TripStats`][]; with
+    `grad_acc`, `(y, stats, grad_acc)`. Pairs that do not fit the buffers contribute
+    zero and are counted in `stats.dropped_pairs`.
     """
-    wire = trip_rows(inputs, spec)
-    counts = jax.lax.all_gather(wire.send_counts, spec.axis_name)  # [R, R]
-    return trip_wire_rows(inputs, wire, counts, spec, grad_acc)
-
-
-def trip_rows(inputs: TripInputs, spec: TripSpec) -> WireRows:
-    """The wire rows of `inputs`' pairs (one per (token, shard) with `spec.dedup`)."""
-    return dedup_rows(
+    bufs = spec.buffers
+    wire = dedup_rows(
         inputs.dest_shard,
         inputs.dest_group,
         inputs.weights,
@@ -129,23 +122,10 @@ def trip_rows(inputs: TripInputs, spec: TripSpec) -> WireRows:
         num_shards=spec.num_shards,
         dedup=spec.dedup,
     )
-
-
-def trip_wire_rows(
-    inputs: TripInputs,
-    wire: WireRows,
-    wire_counts: Int[Array, "shards shards"],
-    spec: TripSpec,
-    grad_acc: GradAcc | None = None,
-) -> tuple[Float[Array, "tokens d_model"], TripStats]:
-    """[`moe_eqx.expert_parallel_trip`][] from `inputs`' wire rows already built
-    (`trip_rows`), and their all-gathered `[R, R]` counts (the layer builds them
-    once, for the overflow predicate too).
-    """
-    bufs = spec.buffers
+    counts = jax.lax.all_gather(wire.send_counts, spec.axis_name)  # [R, R]
     shard = jax.lax.axis_index(spec.axis_name).astype(jnp.int32)
-    plan = make_exchange_plan(wire_counts, bufs.rows, shard)
-    exchange = resolve_exchange(
+    plan = make_exchange_plan(counts, bufs.rows, shard)
+    exchange = make_exchange(
         spec.exchange, axis_name=spec.axis_name, block_rows=bufs.block_rows
     )
     recv_x, recv_groups, recv_weights = send_rows(inputs.x, wire, plan, exchange, bufs)
@@ -165,10 +145,10 @@ def trip_wire_rows(
         backend=spec.gmm_backend,
         grad_acc=grad_acc,
     )
+    if grad_acc is not None:
+        expert_out, grad_acc = expert_out
     y_rows = combine(expert_out, pairs, recv_rows)
-    with jax.named_scope("moe_eqx.exchange"):
-        back = combine_rows(exchange, y_rows, plan, bufs.send_rows, bufs.rows)
-    y = sum_to_tokens(back, wire, inputs.x.shape[0])
+    y = return_rows(y_rows, wire, plan, exchange, bufs)
     stats = TripStats(
         computed_pairs=jnp.sum(pairs.group_sizes).astype(jnp.int32),
         recv_rows=jnp.sum(jnp.any(recv_groups >= 0, axis=1)).astype(jnp.int32),
@@ -176,7 +156,147 @@ def trip_wire_rows(
             _unsent_pairs(wire, plan, bufs.send_rows) + dropped_at_receiver
         ).astype(jnp.int32),
     )
-    return y, stats
+    return (y, stats) if grad_acc is None else (y, stats, grad_acc)
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _as_units(a: Array, size: int) -> Array:
+    """`[N, c]` of any dtype as `[N, c']` unsigned integers of `size` bytes (the same
+    bits; `c * itemsize` must be a multiple of `size`, or `size` of `itemsize`)."""
+    unit = _UINT[size]
+    itemsize = a.dtype.itemsize
+    if itemsize == size:
+        return jax.lax.bitcast_convert_type(a, unit)
+    if itemsize > size:  # [N, c] -> [N, c, itemsize / size] -> [N, c * ...]
+        return jax.lax.bitcast_convert_type(a, unit).reshape(a.shape[0], -1)
+    ratio = size // itemsize
+    return jax.lax.bitcast_convert_type(a.reshape(a.shape[0], -1, ratio), unit)
+
+
+def _from_units(u: Array, dtype, columns: int) -> Array:
+    """Inverse of `_as_units`: `[N, columns]` of `dtype`."""
+    size, itemsize = u.dtype.itemsize, jnp.dtype(dtype).itemsize
+    if itemsize == size:
+        return jax.lax.bitcast_convert_type(u, dtype)
+    if itemsize > size:
+        return jax.lax.bitcast_convert_type(u.reshape(u.shape[0], columns, -1), dtype)
+    return jax.lax.bitcast_convert_type(u, dtype).reshape(u.shape[0], columns)
+
+
+def _pack(rows: Array, extras: tuple[Array, ...]) -> Array:
+    """`rows [N, d]` and the `extras` (`[N, c]` each, any dtype) as one `[N, d + e]`
+    array of unsigned integers as wide as `rows.dtype`: the same bits (moving
+    integers never changes them, where floats could be canonicalised), in one
+    collective. The extras are padded to whole units."""
+    size = rows.dtype.itemsize
+    parts = [_as_units(rows, size)]
+    for e in extras:
+        if (e.shape[1] * e.dtype.itemsize) % size:
+            pad = -(e.shape[1] * e.dtype.itemsize) % size
+            e = _as_units(e, 1)
+            e = jnp.pad(e, ((0, 0), (0, pad)))
+            parts.append(_as_units(e, size) if size > 1 else e)
+        else:
+            parts.append(_as_units(e, size))
+    return jnp.concatenate(parts, axis=1)
+
+
+def _unpack(packed: Array, d: int, like: tuple, dtype) -> tuple:
+    """Inverse of `_pack`: `(rows, *extras)`, the `d` rows' columns of `dtype` and
+    the extras shaped `[N, c]` like `like`."""
+    size = packed.dtype.itemsize
+    out, offset = [_from_units(packed[:, :d], dtype, d)], d
+    for s in like:
+        nbytes = s.shape[1] * jnp.dtype(s.dtype).itemsize
+        units = -(-nbytes // size)
+        part = packed[:, offset : offset + units]
+        if nbytes % size:
+            part = _as_units(part, 1)[:, :nbytes]
+        out.append(_from_units(part, s.dtype, s.shape[1]))
+        offset += units
+    return tuple(out)
+
+
+class _Route(eqx.Module):
+    """What both trips of one exchange need besides the rows: the backend, its plan,
+    the sender's rows (`token`, `order`, `inverse`) and the buffer sizes; for the
+    dispatch trip's tangent, which of `(x, weights)` it carries and the shapes of
+    what it receives."""
+
+    exchange: AbstractExchange = eqx.field(static=True)
+    plan: ExchangePlan
+    wire: WireRows
+    bufs: BufferSizes = eqx.field(static=True)
+    want: tuple[bool, bool] = eqx.field(static=True, default=(True, True))
+    received: tuple = eqx.field(static=True, default=())
+
+    def move(self, rows, extras: tuple, dispatch: bool):
+        """`rows` (`[N, d]`, or `None`) and `extras` (`[N, c]` each) through one
+        collective: the dispatch trip, or the return trip. Returns `(rows, *extras)`
+        on the other side (`rows` `None` if it was)."""
+        base, rest = (rows, extras) if rows is not None else (extras[0], extras[1:])
+        packed = _pack(base, rest) if rest else base
+        if dispatch:
+            moved = self.exchange.dispatch_unpacked(packed, self.plan, self.bufs.rows)
+        else:
+            moved = self.exchange.combine_unpacked(
+                packed, self.plan, self.bufs.send_rows
+            )
+        if not rest:
+            parts = (moved,)
+        else:
+            parts = _unpack(moved, base.shape[1], rest, base.dtype)
+        return parts if rows is not None else (None, *parts)
+
+
+def _send(route: _Route, lin):
+    """The dispatch trip of `(x, weights)`, linear in both (`None`: zero): each wire
+    row's token activation and routing weights, in the exchange's unpacked receive
+    layout."""
+    x, weights = lin
+    rows = None if x is None else x[route.wire.token]  # rows past the real ones stay
+    recv_x, *recv_w = route.move(rows, () if weights is None else (weights,), True)
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in route.received]
+    return zeros[0] if recv_x is None else recv_x, recv_w[0] if recv_w else zeros[1]
+
+
+def _send_t(route: _Route, ct):
+    """Its transpose: the rows go back (the return trip), each token summing its
+    rows (gathers by `wire.inverse`, not a scatter-add)."""
+    ct_x, ct_weights = ct
+    want_x, want_weights = route.want
+    rows, *d_weights = route.move(
+        ct_x if want_x else None, (ct_weights,) if want_weights else (), False
+    )
+    d_x = None
+    if want_x:
+        wire = route.wire
+        d_x = sum_rows(rows, wire.order, wire.inverse, wire.num_tokens)
+        d_x = d_x.astype(ct_x.dtype)
+    return d_x, d_weights[0] if want_weights else None
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _send_rows(exchange, bufs, plan, wire, x, weights, groups):
+    packed = _pack(x[wire.token], (weights, groups))
+    recv = exchange.dispatch_unpacked(packed, plan, bufs.rows)
+    return _unpack(recv, x.shape[1], (weights, groups), x.dtype)
+
+
+def _send_rows_jvp(exchange, bufs, primals, tangents):
+    plan, wire, x, weights, groups = primals
+    *_, t_x, t_weights, _ = symbolic_zeros_to_none(tangents)
+    out = _send_rows(exchange, bufs, plan, wire, x, weights, groups)
+    want = (t_x is not None, t_weights is not None)
+    received = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in out[:2])
+    route = _Route(exchange, plan, wire, bufs, want, received)
+    t_x, t_w = custom_linear(_send, _send_t, route, (t_x, t_weights), out[:2])
+    return out, (t_x, t_w, np.zeros(out[2].shape, jax.dtypes.float0))
+
+
+_send_rows.defjvp(_send_rows_jvp, symbolic_zeros=True)
 
 
 def send_rows(
@@ -192,35 +312,45 @@ def send_rows(
 ]:
     """The dispatch trip: each wire row's token activation and its `(group, weight)`
     entries, in the exchange's unpacked receive layout (`[B, ...]` or more rows: the
-    trip needs each row's content, not its position). Returns `(x, groups,
-    weights)`; rows that did not arrive have group -1 and weight 0."""
-    width = wire.groups.shape[1]
+    trip needs each row's content, not its position), all in one collective. Returns
+    `(x, groups, weights)`; rows that did not arrive have group -1 and weight 0: what
+    is computed is counted from what really arrived, not from the plan. Its transpose
+    is the return trip."""
     with jax.named_scope("moe_eqx.exchange"):
-        recv_x = dispatch_rows(
-            exchange, permute_rows(x, wire.order, wire.inverse), plan, bufs.rows
+        # Groups go shifted by one, so a row that never arrived (zeros) has none.
+        recv_x, recv_w, recv_g = _send_rows(
+            exchange, bufs, plan, wire, x, wire.weights, wire.groups + 1
         )
-        # Weights and groups travel together: one collective, not two. Groups go as
-        # float32 values (exact below 2**24) shifted by one, so that a row that never
-        # arrived (zeros in the receive buffer) reads as "no pair": what is computed
-        # is counted from what really arrived, not from the plan.
-        groups = jax.lax.stop_gradient((wire.groups + 1).astype(jnp.float32))
-        meta = jnp.concatenate([wire.weights.astype(jnp.float32), groups], axis=1)
-        recv_meta = dispatch_rows(exchange, meta, plan, bufs.rows)
-    recv_groups = jax.lax.stop_gradient(recv_meta[:, width:]).astype(jnp.int32) - 1
-    recv_weights = recv_meta[:, :width].astype(wire.weights.dtype)
-    return recv_x, recv_groups, recv_weights
+    return recv_x, recv_g - 1, recv_w
 
 
-def sum_to_tokens(
-    back: Float[Array, "send_rows d_model"], wire: WireRows, num_tokens: int
+def _return(route: _Route, y_rows):
+    """The return trip of the receiver's rows, each token summing its rows."""
+    back = route.exchange.combine_unpacked(y_rows, route.plan, route.bufs.send_rows)
+    wire = route.wire
+    return sum_rows(back, wire.order, wire.inverse, wire.num_tokens).astype(
+        y_rows.dtype
+    )
+
+
+def _return_t(route: _Route, ct_y):
+    rows = ct_y[route.wire.token]
+    return route.exchange.dispatch_unpacked(rows, route.plan, route.bufs.rows)
+
+
+def return_rows(
+    y_rows: Float[Array, "recv_rows d_model"],
+    wire: WireRows,
+    plan: ExchangePlan,
+    exchange: AbstractExchange,
+    bufs: BufferSizes,
 ) -> Float[Array, "tokens d_model"]:
-    """Sums the returned wire rows into their source tokens (rows never sent are zero),
-    as [`moe_eqx.scatter_to_tokens`][] does, but as a gather in both directions
-    (`moe_eqx._permute.unpermute_sum` by `wire.inverse`; its plain form is a serial
-    scatter-add on XLA:CPU)."""
-    with jax.named_scope("moe_eqx.to_tokens"):
-        ones = jnp.ones((back.shape[0],), jnp.float32)
-        return unpermute_sum(back, ones, wire.order, wire.inverse, num_tokens)
+    """The return trip: each received row goes back to its sender, which sums a
+    token's rows (rows never sent are zero). Its transpose is the dispatch trip."""
+    with jax.named_scope("moe_eqx.exchange"):
+        route = _Route(exchange, plan, wire, bufs)
+        out = jax.ShapeDtypeStruct((wire.num_tokens, y_rows.shape[1]), y_rows.dtype)
+        return custom_linear(_return, _return_t, route, y_rows, out)
 
 
 def _unsent_pairs(wire: WireRows, plan: ExchangePlan, send_rows: int) -> Int[Array, ""]:
@@ -230,9 +360,7 @@ def _unsent_pairs(wire: WireRows, plan: ExchangePlan, send_rows: int) -> Int[Arr
     num_shards = plan.sizes.shape[0]
     row = jnp.arange(send_rows, dtype=jnp.int32)
     starts = plan.send_offsets[plan.shard]
-    row_dest = jnp.clip(
-        jnp.searchsorted(starts, row, side="right") - 1, 0, num_shards - 1
-    )
+    row_dest = jnp.clip(count_at_or_below(starts, row) - 1, 0, num_shards - 1)
     is_real = row < jnp.sum(wire.send_counts)
     unsent = is_real & (row - starts[row_dest] >= plan.sizes[plan.shard, row_dest])
     return jnp.sum(jnp.where(unsent, wire.num_pairs, 0))

@@ -33,10 +33,47 @@ def _cpu_unless_gpu_test(request):
         yield
 
 
+@pytest.fixture(autouse=True)
+def lost_pairs_seen(monkeypatch, request):
+    """`lost_pairs` enforced in every test: each `MoEStats` the layer builds reports
+    its `lost_pairs` to the host (a `jax.debug.callback`, which never stops the
+    program: a check raised inside an 8-device program would abort it), and a test
+    during which any was not 0 fails with `moe_eqx.LostPairsError`. A test that
+    loses pairs on purpose asserts on this list (the non-zero counts seen) and
+    clears it. Tests marked `lowering_only` run nothing (they lower for platforms
+    that have no host callbacks) and are left alone."""
+    if request.node.get_closest_marker("lowering_only"):
+        yield []
+        return
+    import moe_eqx._layer as layer
+    import moe_eqx._shard as shard
+
+    lost = []
+    original = shard.routed_stats
+
+    def record(value):
+        value = int(value)
+        if value:
+            lost.append(value)
+
+    def routed_stats(**kwargs):
+        stats = original(**kwargs)
+        jax.debug.callback(record, stats.lost_pairs)
+        return stats
+
+    monkeypatch.setattr(shard, "routed_stats", routed_stats)
+    monkeypatch.setattr(layer, "routed_stats", routed_stats)
+    yield lost
+    if lost:
+        import moe_eqx as me
+
+        raise me.LostPairsError(f"lost_pairs was {lost} during this test")
+
+
 @pytest.fixture
 def getkey():
     """Returns a function that hands out fresh, deterministic PRNG keys."""
-    key = jr.PRNGKey(0)
+    key = jr.key(0)
 
     def _getkey():
         nonlocal key
@@ -48,7 +85,7 @@ def getkey():
 
 @pytest.fixture
 def key():
-    return jr.PRNGKey(1234)
+    return jr.key(1234)
 
 
 @pytest.fixture(scope="module")

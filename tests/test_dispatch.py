@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import moe_eqx as me
+import moe_eqx.internal as mi
 from moe_eqx._dispatch import _stable_order
 from moe_eqx._permute import permute_rows
 
@@ -56,7 +57,7 @@ def test_dedup_rows_matches_reference(getkey, dedup):
     w = np.asarray(jr.uniform(getkey(), (tokens, k)))
     valid = np.ones((tokens, k), bool)
     valid[3] = False  # a padding token sends nothing
-    wire = me.dedup_rows(
+    wire = mi.dedup_rows(
         jnp.asarray(shard, jnp.int32),
         jnp.asarray(group, jnp.int32),
         jnp.asarray(w),
@@ -87,7 +88,7 @@ def test_dedup_rows_matches_reference(getkey, dedup):
         wire.send_counts, np.bincount([d for d, _, _ in rows], minlength=r)
     )
     np.testing.assert_array_equal(
-        me.send_counts(
+        mi.send_counts(
             jnp.asarray(shard, jnp.int32), jnp.asarray(valid), num_shards=r, dedup=dedup
         ),
         wire.send_counts,
@@ -110,7 +111,7 @@ def test_dedup_rows_matches_reference(getkey, dedup):
 def test_dedup_row_count_is_distinct_token_shard_pairs(getkey):
     tokens, k, r, local = 64, 8, 8, 4
     shard, group = _random_dest(getkey(), tokens, k, r, local)
-    counts = me.send_counts(
+    counts = mi.send_counts(
         jnp.asarray(shard, jnp.int32),
         jnp.ones((tokens, k), bool),
         num_shards=r,
@@ -122,7 +123,7 @@ def test_dedup_row_count_is_distinct_token_shard_pairs(getkey):
 def test_expand_rows_groups_pairs_and_counts_drops():
     groups = jnp.array([[0, 2], [1, -1], [2, 0], [0, 1]], jnp.int32)
     weights = jnp.array([[0.1, 0.2], [0.3, 0.0], [0.4, 0.5], [9.0, 9.0]], jnp.float32)
-    pairs, dropped = me.expand_rows(
+    pairs, dropped = mi.expand_rows(
         groups, weights, jnp.int32(3), local_groups=3, capacity=8
     )
     np.testing.assert_array_equal(pairs.group_sizes, [2, 1, 2])
@@ -130,7 +131,7 @@ def test_expand_rows_groups_pairs_and_counts_drops():
     np.testing.assert_array_equal(pairs.row[:5], [0, 2, 1, 0, 2])
     np.testing.assert_allclose(pairs.weight, [0.1, 0.5, 0.3, 0.2, 0.4, 0, 0, 0])
     # Capacity 3: the last pairs in group order are dropped and counted.
-    pairs, dropped = me.expand_rows(
+    pairs, dropped = mi.expand_rows(
         groups, weights, jnp.int32(3), local_groups=3, capacity=3
     )
     np.testing.assert_array_equal(pairs.group_sizes, [2, 1, 0])
@@ -151,7 +152,7 @@ def test_combine_gather_path_matches_scatter_path(getkey):
         if gather_path:
             xs = permute_rows(x, pairs.order, pairs.inverse)
         else:
-            pairs = me.SortedPairs(pairs.row, pairs.weight, pairs.group_sizes)
+            pairs = mi.SortedPairs(pairs.row, pairs.weight, pairs.group_sizes)
             xs = x[pairs.row]
         return me.combine(jnp.tanh(xs) * 1.5, pairs, tokens)
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
 import moe_eqx as me
+import moe_eqx.internal as mi
 from moe_eqx._exchange.emulator import emulate_ragged_all_to_all
 from moe_eqx._exchange.ragged import combine_args, dispatch_args
 
@@ -52,7 +53,7 @@ def _random_case(seed, r, max_rows, capacity):
 def test_ragged_offsets_match_emulator(seed, r, capacity):
     counts, sends = _random_case(seed, r, 16, capacity)
     plans = [
-        me.make_exchange_plan(jnp.asarray(counts), capacity, jnp.int32(i))
+        mi.make_exchange_plan(jnp.asarray(counts), capacity, jnp.int32(i))
         for i in range(r)
     ]
     args = [[np.asarray(a) for a in dispatch_args(p)] for p in plans]
@@ -87,7 +88,7 @@ def test_dense_exchange_layout(r, capacity):
 
     def body(send, c):
         shard = jax.lax.axis_index("expert").astype(jnp.int32)
-        plan = me.make_exchange_plan(c, capacity, shard)
+        plan = mi.make_exchange_plan(c, capacity, shard)
         ex = me.DenseExchange(axis_name="expert", block_rows=block)
         recv = ex.dispatch(send[0], plan, capacity)
         back = ex.combine(recv, plan, send.shape[1])
@@ -105,7 +106,7 @@ def test_dense_exchange_layout(r, capacity):
     recv, back = f(jnp.asarray(np.stack(sends)), jnp.asarray(counts))
     for d, want in enumerate(_expected_recv(sends, counts, capacity)):
         np.testing.assert_array_equal(recv[d], want)
-    plan = me.make_exchange_plan(jnp.asarray(counts), capacity, jnp.int32(0))
+    plan = mi.make_exchange_plan(jnp.asarray(counts), capacity, jnp.int32(0))
     sizes = np.asarray(plan.sizes)
     for s in range(r):
         want = np.zeros_like(sends[s])

@@ -50,7 +50,7 @@ def test_training_steps_share_one_trace(getkey):
     import moe_eqx as me
 
     m = mesh(4)
-    layer = me.shard_layer(make_layer(getkey(), mesh_size=4), m)
+    layer = me.shard_model(make_layer(getkey(), mesh_size=4), m)
     opt = optax.sgd(0.1)  # optax.adam mixes int and float under strict promotion
     state = opt.init(eqx.filter(layer, eqx.is_array))
     traces = 0

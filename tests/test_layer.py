@@ -1,10 +1,12 @@
 """Single-device layer against the dense oracle; bad input."""
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, make_layer, tokens
+from helpers import assert_matches_oracle, make_layer, mesh, tokens
 
 import moe_eqx as me
 
@@ -84,3 +86,53 @@ def test_leading_dimensions(getkey, shape):
     np.testing.assert_allclose(y, me.reference_moe(layer, x), rtol=2e-5, atol=2e-5)
     assert int(stats.lost_pairs) == 0
     assert int(jnp.sum(stats.recv_pairs)) == x.size // 16 * 2
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(on_overflow="drop", buffer_factor=None),
+        dict(buffer_factor=0.5),  # the fallback runs
+        dict(buffer_factor=0.5, num_slots=1),  # and slot copies of the hot experts
+    ],
+    ids=["drop", "fallback", "fallback+slots"],
+)
+def test_bfloat16_weights_expert_parallel(getkey, overrides):
+    """bfloat16 expert weights through the exchange, the fallback and the slot
+    copies: outputs and every gradient (float32 sums, rounded once) within bfloat16
+    precision of the float32 oracle of the same weights, nothing lost."""
+    from helpers import routing_bias, with_bias
+
+    config = me.MoEConfig(
+        d_model=16, d_ff=24, num_experts=8, top_k=2, use_router_bias=True, **overrides
+    )
+    layer = me.MoELayer(config, key=getkey(), dtype=jnp.bfloat16)
+    layer = with_bias(layer, routing_bias("zipf", 8, 2, 4, seed=3))
+    assert layer.experts.w_gate_up.dtype == jnp.bfloat16
+    x = tokens(getkey(), 64)
+    m = mesh(4)
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def loss(forward):
+        def f(params, x):
+            y = forward(eqx.combine(params, static), x).astype(jnp.float32)
+            return jnp.sum(jnp.sin(y)), y
+
+        return f
+
+    grad = jax.value_and_grad(loss(lambda l, x: l(x, mesh=m)[0]), (0, 1), has_aux=True)
+    (_, y), (g_params, g_x) = jax.jit(grad)(params, x)
+    ref = jax.value_and_grad(loss(me.reference_moe), (0, 1), has_aux=True)
+    (_, y_ref), (r_params, r_x) = ref(params, x)
+    stats = jax.jit(lambda l, x: l(x, mesh=m)[1])(layer, x)
+    if "buffer_factor" in overrides and overrides["buffer_factor"]:
+        assert bool(stats.fallback_used)
+    np.testing.assert_allclose(y, y_ref, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(g_x, r_x, atol=2e-2, rtol=2e-2)
+    for got, want in zip(jax.tree.leaves(g_params), jax.tree.leaves(r_params)):
+        assert got.dtype == want.dtype
+        scale = float(jnp.max(jnp.abs(want.astype(jnp.float32)))) + 1e-6
+        err = float(
+            jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))
+        )
+        assert err <= 2e-2 * scale, (err, scale)

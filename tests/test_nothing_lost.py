@@ -127,7 +127,7 @@ def _broken_plan(plan_duplication):
     return plan
 
 
-def test_broken_plan_shows_as_lost_pairs(getkey, monkeypatch):
+def test_broken_plan_shows_as_lost_pairs(getkey, monkeypatch, lost_pairs_seen):
     monkeypatch.setattr(
         shard_module, "plan_duplication", _broken_plan(shard_module.plan_duplication)
     )
@@ -143,9 +143,14 @@ def test_broken_plan_shows_as_lost_pairs(getkey, monkeypatch):
     assert int(jnp.sum(stats.recv_pairs)) == 64 * 2 - 1
     with pytest.raises(AssertionError, match="1 pairs lost"):
         assert_nothing_lost(stats, 64, 2)
+    # The offered check raises on the host, and the suite's enforcement saw it.
+    with pytest.raises(me.LostPairsError, match="lost_pairs=1"):
+        stats.check()
+    assert set(lost_pairs_seen) == {1}
+    lost_pairs_seen.clear()
 
 
-def test_broken_exchange_shows_as_lost_pairs(getkey, monkeypatch):
+def test_broken_exchange_shows_as_lost_pairs(getkey, monkeypatch, lost_pairs_seen):
     """A row that never arrives is not computed and not counted as dropped: the
     stats count what arrived, so the loss shows (a plan-derived count would not)."""
     dense = me.DenseExchange
@@ -162,6 +167,21 @@ def test_broken_exchange_shows_as_lost_pairs(getkey, monkeypatch):
     assert int(stats.dropped_pairs) == 0
     # Each of the 4 receivers lost its first row, which carries 1 or 2 pairs.
     assert 4 <= int(stats.lost_pairs) <= 8
+    with pytest.raises(me.LostPairsError):
+        stats.check()
+    assert lost_pairs_seen and set(lost_pairs_seen) == {int(stats.lost_pairs)}
+    lost_pairs_seen.clear()
+
+
+def test_check_passes_concrete_stats_and_refuses_tracers(getkey):
+    layer = make_layer(getkey(), mesh_size=4)
+    x = tokens(getkey(), 64)
+    stats = jax.jit(lambda l, x: l(x, mesh=mesh(4))[1])(layer, x)
+    assert stats.check() is stats
+    assert stats.to_dict()["lost_pairs"] == 0
+    assert stats.to_dict()["recv_pairs"] == np.asarray(stats.recv_pairs).tolist()
+    with pytest.raises(TypeError, match="concrete"):
+        jax.jit(lambda l, x: l(x, mesh=mesh(4))[1].check())(layer, x)
 
 
 @pytest.mark.parametrize("num_shards", [None, 4])
@@ -221,4 +241,4 @@ except TypeError as e:
 def test_shard_layer_checks_divisibility(getkey):
     layer = make_layer(getkey(), num_experts=6)
     with pytest.raises(ValueError, match="num_experts"):
-        me.shard_layer(layer, mesh(4))
+        me.shard_model(layer, mesh(4))

@@ -8,6 +8,7 @@ from helpers import assert_nothing_lost, make_layer, mesh, tokens, with_bias
 from hypothesis import given, settings, strategies as st
 
 import moe_eqx as me
+import moe_eqx.internal as mi
 
 R, T, K, E = 4, 64, 2, 8
 FACTOR = 1.0
@@ -90,7 +91,7 @@ def test_predicate_is_exact(dedup, hot, strength, seed):
 
 
 def test_predicate_function_directly():
-    bufs = me.buffer_sizes(
+    bufs = mi.buffer_sizes(
         tokens=4, top_k=2, num_shards=2, local_groups=2, dedup=True, buffer_factor=1.0
     )
     assert bufs.rows == 8 and bufs.pairs == 8
@@ -104,7 +105,7 @@ def test_predicate_function_directly():
 
 
 def test_buffer_sizes_clamp_to_worst_case():
-    b = me.buffer_sizes(
+    b = mi.buffer_sizes(
         tokens=10,
         top_k=4,
         num_shards=2,
@@ -113,11 +114,11 @@ def test_buffer_sizes_clamp_to_worst_case():
         buffer_factor=100.0,
     )
     assert (b.rows, b.pairs, b.worst_case) == (20, 40, True)
-    b = me.buffer_sizes(
+    b = mi.buffer_sizes(
         tokens=10, top_k=4, num_shards=2, local_groups=2, dedup=True, buffer_factor=None
     )
     assert b.worst_case and b.block_rows == 10
-    b = me.buffer_sizes(
+    b = mi.buffer_sizes(
         tokens=10, top_k=4, num_shards=2, local_groups=2, dedup=False, buffer_factor=1.0
     )
     assert (b.rows, b.pairs, b.worst_case) == (40, 40, True)

@@ -148,7 +148,7 @@ def test_outputs_live_on_the_callers_mesh(getkey):
     x = jax.device_put(jr.normal(getkey(), (64, 16)), NamedSharding(m, P("expert")))
     y = x + layer(x, mesh=m)[0]
     assert y.sharding.mesh == m
-    placed = me.shard_layer(layer, m)
+    placed = me.shard_model(layer, m)
     assert placed.experts.w_down.sharding.mesh == m
     y2 = jax.jit(lambda l, x: x + l(x, mesh=m)[0])(placed, x)
     np.testing.assert_allclose(y2, y, rtol=1e-6, atol=1e-6)
@@ -242,7 +242,7 @@ def test_per_shard_function_in_a_users_shard_map(getkey):
         return x + y, stats
 
     # On an Explicit mesh the inputs must already be placed as the in-specs say.
-    placed = me.shard_layer(layer, m)
+    placed = me.shard_model(layer, m)
     out, stats = block(placed, jax.device_put(x, NamedSharding(m, P("expert"))))
     y, _ = layer(x, mesh=m)
     np.testing.assert_allclose(out, x + y, rtol=1e-6, atol=1e-6)

@@ -19,6 +19,7 @@ from helpers import (
 from jax.sharding import PartitionSpec as P
 
 import moe_eqx as me
+import moe_eqx.internal as mi
 import moe_eqx.workloads as wl
 from moe_eqx.train import load_checkpoint, save_checkpoint
 
@@ -168,7 +169,7 @@ def test_sharded_permutation_moves_only_what_changes_shard(getkey, num_shards):
     layer = make_layer(getkey(), num_experts=NUM_EXPERTS)
     placed = me.shard_model(layer, m)
     perm = np.random.default_rng(num_shards).permutation(NUM_EXPERTS)
-    got = me.permute_experts(placed, perm)  # by cyclic shifts between shards
+    got = mi.permute_experts(placed, perm)  # by cyclic shifts between shards
     for name in ("w_gate_up", "w_down"):
         before = getattr(layer.experts, name)
         after = getattr(got.experts, name)
@@ -218,7 +219,7 @@ def test_stacked_layers(getkey):
         after = jax.tree.map(lambda a, i=i: a[i] if eqx.is_array(a) else a, new)
         np.testing.assert_array_equal(
             after.expert_ids,
-            me.plan_placement(load[i] * 1000, num_shards=4),
+            mi.plan_placement(load[i] * 1000, num_shards=4),
         )
         y0, s0 = before(x)
         y1, s1 = after(x)
@@ -229,7 +230,7 @@ def test_stacked_layers(getkey):
 def test_permute_experts_under_jit(getkey):
     layer = make_layer(getkey(), num_experts=NUM_EXPERTS)
     perm = jnp.asarray(np.random.default_rng(0).permutation(NUM_EXPERTS), jnp.int32)
-    got = jax.jit(me.permute_experts)(layer, perm)
+    got = jax.jit(mi.permute_experts)(layer, perm)
     np.testing.assert_array_equal(got.expert_ids, perm)
     np.testing.assert_array_equal(got.experts.w_down, layer.experts.w_down[perm])
     x = tokens(getkey(), 32)
@@ -244,7 +245,7 @@ def test_placement_balances():
     load = rng.zipf(1.5, 64).astype(float)
     load = np.minimum(load, load.sum() / 8 / 2)
     before = _home_max_over_mean(load, np.arange(64), 8)
-    ids = me.plan_placement(load, num_shards=8)
+    ids = mi.plan_placement(load, num_shards=8)
     assert ids.dtype == np.int32
     np.testing.assert_array_equal(np.sort(ids), np.arange(64))
     after = _home_max_over_mean(load, ids, 8)
@@ -254,21 +255,21 @@ def test_placement_balances():
         "zipf", num_shards=8, tokens=512, num_experts=256, top_k=8, hot="contiguous"
     )
     counts = wl.counts_from_choices(choices, 256).sum(axis=0)
-    ids = me.plan_placement(jnp.asarray(counts), num_shards=8)  # a jax array works
+    ids = mi.plan_placement(jnp.asarray(counts), num_shards=8)  # a jax array works
     assert _home_max_over_mean(counts, np.arange(256), 8) > 3
     assert _home_max_over_mean(counts, ids, 8) < 1.06
     # Deterministic; re-planning from the new placement moves nothing.
-    np.testing.assert_array_equal(ids, me.plan_placement(counts, num_shards=8))
-    again = me.plan_placement(counts, num_shards=8, current=ids)
+    np.testing.assert_array_equal(ids, mi.plan_placement(counts, num_shards=8))
+    again = mi.plan_placement(counts, num_shards=8, current=ids)
     np.testing.assert_array_equal(again, ids)
     # Noise well inside the tolerance (1% of a shard's mean load) moves nothing.
     noisy = counts * (1 + 0.001 * np.random.default_rng(1).standard_normal(256))
     np.testing.assert_array_equal(
-        me.plan_placement(noisy, num_shards=8, current=ids), ids
+        mi.plan_placement(noisy, num_shards=8, current=ids), ids
     )
     # A balanced load keeps the current placement.
     np.testing.assert_array_equal(
-        me.plan_placement(np.ones(256), num_shards=8), np.arange(256)
+        mi.plan_placement(np.ones(256), num_shards=8), np.arange(256)
     )
 
 
@@ -292,7 +293,7 @@ def test_placement_leaves_room_for_slots(num_shards):
         )
         for seed in (0, 1)
     ]
-    ids = me.plan_placement(draws[0].sum(axis=0), num_shards=num_shards, num_slots=1)
+    ids = mi.plan_placement(draws[0].sum(axis=0), num_shards=num_shards, num_slots=1)
 
     def planned(counts):
         load = np.asarray(
@@ -308,12 +309,12 @@ def test_layer_slots_are_planned_for(getkey):
     layer = make_layer(getkey(), num_experts=NUM_EXPERTS, num_slots=1)
     load = wl.zipf_probs(NUM_EXPERTS, 1.5, hot="contiguous") * 1000
     new = me.rebalance_experts(layer, load, num_shards=4)
-    want = me.plan_placement(load, num_shards=4, num_slots=1)
+    want = mi.plan_placement(load, num_shards=4, num_slots=1)
     np.testing.assert_array_equal(new.expert_ids, want)
-    assert np.any(want != me.plan_placement(load, num_shards=4))
+    assert np.any(want != mi.plan_placement(load, num_shards=4))
     zero = me.rebalance_experts(layer, load, num_shards=4, num_slots=0)
     np.testing.assert_array_equal(
-        zero.expert_ids, me.plan_placement(load, num_shards=4)
+        zero.expert_ids, mi.plan_placement(load, num_shards=4)
     )
 
 
@@ -329,18 +330,18 @@ def test_bad_input(getkey):
     with pytest.raises(ValueError, match="divisible"):
         me.rebalance_experts(layer, good, num_shards=3)
     with pytest.raises(ValueError, match="num_slots"):
-        me.plan_placement(good, num_shards=4, num_slots=-1)
+        mi.plan_placement(good, num_shards=4, num_slots=-1)
     with pytest.raises(ValueError, match="tolerance"):
-        me.plan_placement(good, num_shards=4, tolerance=1.5)
+        mi.plan_placement(good, num_shards=4, tolerance=1.5)
     with pytest.raises(ValueError, match="one array per"):
         me.rebalance_experts(layer, [good, good], num_shards=4)
     with pytest.raises(ValueError, match="no `MoELayer`"):
         me.rebalance_experts({"w": jnp.ones(3)}, good, num_shards=4)
     with pytest.raises(ValueError, match="permutation"):
-        me.plan_placement(good, num_shards=4, current=np.zeros(16, int))
+        mi.plan_placement(good, num_shards=4, current=np.zeros(16, int))
     with pytest.raises(ValueError, match="traced"):
-        jax.jit(lambda l: me.plan_placement(l, num_shards=4))(jnp.ones(16))
+        jax.jit(lambda l: mi.plan_placement(l, num_shards=4))(jnp.ones(16))
     with pytest.raises(ValueError, match="permutation"):
-        me.permute_experts(layer, np.zeros(16, int))
+        mi.permute_experts(layer, np.zeros(16, int))
     with pytest.raises(ValueError, match="does not start with"):
-        me.permute_experts(layer, np.arange(8))
+        mi.permute_experts(layer, np.arange(8))

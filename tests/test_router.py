@@ -94,3 +94,32 @@ def test_update_router_bias():
     bias = jnp.zeros(4)
     new = me.update_router_bias(bias, jnp.array([10, 0, 5, 5], jnp.int32), rate=0.1)
     np.testing.assert_allclose(new, [-0.1, 0.1, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_aux_loss_gradients_expert_parallel(getkey, num_shards):
+    """`stats.load_balance_loss` and `stats.router_z_loss` are differentiable with
+    respect to the router under expert parallelism (combined over the shards), with
+    the gradients of the same losses computed from the router on all the tokens."""
+    import equinox as eqx
+    from helpers import make_layer, mesh, tokens
+
+    layer = make_layer(getkey(), mesh_size=num_shards)
+    x = tokens(getkey(), 64)
+    m = None if num_shards == 1 else mesh(num_shards)
+
+    def losses(router):
+        stats = eqx.tree_at(lambda l: l.router, layer, router)(x, mesh=m)[1]
+        return stats.load_balance_loss + 0.1 * stats.router_z_loss
+
+    def direct(router):
+        r = router(x)
+        return r.load_balance_loss + 0.1 * r.router_z_loss
+
+    got = jax.jit(jax.grad(losses))(layer.router)
+    want = jax.grad(direct)(layer.router)
+    assert float(jnp.max(jnp.abs(want.weight))) > 0
+    np.testing.assert_allclose(got.weight, want.weight, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        jax.jit(losses)(layer.router), direct(layer.router), rtol=1e-5
+    )

@@ -12,6 +12,7 @@ from helpers import (
     received_token_by_token,
     tokens,
 )
+from jax.sharding import PartitionSpec as P
 
 import moe_eqx as me
 
@@ -82,6 +83,27 @@ def test_bad_mesh_inputs(getkey):
         layer(tokens(getkey(), 16), mesh=bad_axis)
 
 
+def _in_shard_map(num_devices, fn, *args, axes=("expert",), shape=None, split=False):
+    """`fn(*args)` inside a `shard_map` over `num_devices` CPU devices: the last
+    argument split over every axis, the others replicated (`split`: the first is a
+    layer whose experts are split over its axis)."""
+    devices = jax.devices("cpu")[:num_devices]
+    m = jax.make_mesh(
+        shape or (num_devices,),
+        axes,
+        devices=devices,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+    )
+    *rest, x = args
+    specs = [jax.tree.map(lambda _: P(), a) for a in rest]
+    if split:
+        specs[0] = me.shard_specs(rest[0])
+    specs = (*specs, P(axes))
+    return jax.shard_map(
+        fn, mesh=m, in_specs=specs, out_specs=(P(axes), P()), check_vma=False
+    )(*rest, x)
+
+
 def test_shard_body_checks_divisibility(getkey):
     """Called directly (inside a user's own `shard_map`), the shard body names what is
     wrong when the experts do not split evenly over the axis."""
@@ -89,4 +111,47 @@ def test_shard_body_checks_divisibility(getkey):
     with pytest.raises(
         ValueError, match=r"`num_experts` \(8\).*mesh axis 'expert' \(3\)"
     ):
-        me.expert_parallel_shard(layer, tokens(getkey(), 4), num_shards=3)
+        _in_shard_map(3, me.expert_parallel_shard, layer, tokens(getkey(), 6))
+
+
+def test_shard_body_checks_its_arguments(getkey):
+    """The per-shard entry point checks what `MoELayer.__call__` checks: the axis it
+    runs over and its size, the tokens' dtype and shape."""
+    layer = make_layer(getkey())
+    x = tokens(getkey(), 16)
+    with pytest.raises(ValueError, match=r"`num_shards` \(4\).*'expert' \(8\)"):
+        _in_shard_map(
+            8, lambda l, x: me.expert_parallel_shard(l, x, num_shards=4), layer, x
+        )
+    # The runtime type check (on in this suite) or, without it, the body's own.
+    with pytest.raises(TypeError, match="floating-point|Float"):
+        _in_shard_map(8, me.expert_parallel_shard, layer, x.astype(jnp.int32))
+    with pytest.raises((ValueError, TypeError), match="tokens"):
+        _in_shard_map(8, me.expert_parallel_shard, layer, x.reshape(16, 4, 4))
+    with pytest.raises(ValueError, match="not bound here"):
+        me.expert_parallel_shard(layer, x)
+    with pytest.raises(ValueError, match="not a manual axis"):
+        _in_shard_map(8, me.expert_parallel_shard, layer, x, axes=("data",))
+
+
+def test_shard_body_combines_stats_over_the_other_axes(getkey):
+    """Inside a `shard_map` over `("data", "expert")`, the stats cover every data
+    group by default (the manual axes besides the expert axis), as the layer's do,
+    not just the group of the device that returns them."""
+    layer = make_layer(getkey(), mesh_size=4)
+    x = tokens(getkey(), 64)
+    _, stats = _in_shard_map(
+        8,
+        me.expert_parallel_shard,
+        layer,
+        x,
+        axes=("data", "expert"),
+        shape=(2, 4),
+        split=True,
+    )
+    _, ref = jax.jit(lambda l, x: l(x, mesh=jax.make_mesh((2, 4), ("data", "expert"))))(
+        layer, x
+    )
+    assert int(jnp.sum(stats.recv_pairs)) == 64 * 2
+    np.testing.assert_array_equal(stats.recv_pairs, ref.recv_pairs)
+    np.testing.assert_array_equal(stats.expert_counts, ref.expert_counts)

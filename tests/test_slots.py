@@ -14,6 +14,7 @@ from helpers import assert_matches_oracle, auto_mesh, make_layer, mesh, tokens
 from jax.sharding import PartitionSpec as P
 
 import moe_eqx as me
+import moe_eqx.internal as mi
 from moe_eqx import _slots
 from moe_eqx._exchange.emulator import emulate_ragged_all_to_all
 from moe_eqx._slots import (
@@ -121,7 +122,7 @@ def _slot_fn(num_shards, num_local, **kwargs):
     m = auto_mesh(num_shards)
 
     def body(w_home, slot_expert):
-        return me.gather_slot_weights(
+        return mi.gather_slot_weights(
             w_home, slot_expert, num_local, "expert", **kwargs
         )[None]
 
@@ -299,7 +300,7 @@ def test_bound_violation_raises_on_a_concrete_table(getkey):
     w = jr.normal(getkey(), (2, 3))
     table = jnp.array([[1], [0], [0], [0]], jnp.int32)  # shard 0 exports 3 copies
     with pytest.raises(ValueError, match="home shard 0 export 3 copies"):
-        me.gather_slot_weights(w, table, 1, "expert", max_exports=2)
+        mi.gather_slot_weights(w, table, 1, "expert", max_exports=2)
 
 
 @pytest.mark.parametrize("exchange", ["dense", "ragged"])
@@ -360,7 +361,7 @@ def test_ragged_buffers_are_exports_and_slots(backward):
     sized travels, unless the all-gather backward was asked for."""
     r, local, s, c = 8, 2, 2, 3
     f = jax.shard_map(
-        lambda w, t: me.gather_slot_weights(
+        lambda w, t: mi.gather_slot_weights(
             w, t, local, "expert", max_exports=c, backward=backward, exchange="ragged"
         )[None],
         mesh=auto_mesh(r),
@@ -414,10 +415,10 @@ def test_bad_arguments(getkey):
         (dict(max_exports=0), "`max_exports`"),
     ]:
         with pytest.raises(ValueError, match=match):
-            me.gather_slot_weights(w, table, 2, "expert", **kwargs)
+            mi.gather_slot_weights(w, table, 2, "expert", **kwargs)
     # A runtime type-check error under the test suite's jaxtyping hook.
     with pytest.raises((ValueError, TypeError), match="slot_expert"):
-        me.gather_slot_weights(w, table[0], 2, "expert")
+        mi.gather_slot_weights(w, table[0], 2, "expert")
     base = dict(d_model=8, d_ff=8, num_experts=4, top_k=1)
     with pytest.raises(ValueError, match="`slot_backward`"):
         me.MoEConfig(**base, slot_backward="psum")

@@ -1,7 +1,9 @@
-"""The round trip's gathers: wire rows <-> tokens, received rows <-> pairs, and the
-exchange's backward (the opposite trip), each against its plain formulation (gather,
-scatter-add, autodiff of the backend) in values and gradients."""
+"""The round trip's pieces: wire rows <-> tokens, received rows <-> pairs, and the two
+exchange trips (rows and their metadata packed into one collective, each the other's
+transpose), each against its plain formulation (gather, scatter-add, the backend's
+own trips differentiated by JAX) in values, VJPs and JVPs."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -11,9 +13,8 @@ from helpers import auto_mesh
 from jax.sharding import PartitionSpec as P
 
 import moe_eqx as me
-from moe_eqx._exchange import combine_rows, dispatch_rows
-from moe_eqx._permute import permute_rows
-from moe_eqx._trip import sum_to_tokens
+import moe_eqx.internal as mi
+from moe_eqx._trip import _pack, _unpack, return_rows, send_rows
 
 
 def _wire(key, tokens, k, r, local, dedup):
@@ -22,7 +23,7 @@ def _wire(key, tokens, k, r, local, dedup):
     )
     valid = np.ones((tokens, k), bool)
     valid[2] = False  # a padding token sends nothing
-    return me.dedup_rows(
+    return mi.dedup_rows(
         jnp.asarray(experts // local, jnp.int32),
         jnp.asarray(experts % local, jnp.int32),
         jr.uniform(jr.fold_in(key, 1), (tokens, k)),
@@ -49,18 +50,19 @@ def test_tokens_to_wire_rows_and_back(getkey, dedup, k, r):
     tokens, local = 12, 3
     wire = _wire(getkey(), tokens, k, r, local, dedup)
     assert wire.order.shape == wire.token.shape
+    assert wire.num_tokens == tokens
     np.testing.assert_array_equal(wire.token, np.asarray(wire.order) // k)
     x = jr.normal(getkey(), (tokens, 5))
     _assert_same_vjp(
-        lambda x: permute_rows(x, wire.order, wire.inverse),
+        lambda x: mi.permute_rows(x, wire.order, wire.inverse),
         lambda x: x[wire.token],
         (x,),
         getkey(),
     )
     back = jr.normal(getkey(), (wire.token.shape[0], 5))
     _assert_same_vjp(
-        lambda b: sum_to_tokens(b, wire, tokens),
-        lambda b: me.scatter_to_tokens(b, wire.token, tokens),
+        lambda b: mi.sum_rows(b, wire.order, wire.inverse, tokens),
+        lambda b: mi.scatter_to_tokens(b, wire.token, tokens),
         (back,),
         getkey(),
     )
@@ -79,9 +81,9 @@ def test_wire_weights_gradient_is_the_plain_gather(getkey):
     ct = jr.normal(getkey(), (tokens * min(k, r), k))
 
     def weights(w):
-        return me.dedup_rows(shard, group, w, valid, num_shards=r, dedup=True).weights
+        return mi.dedup_rows(shard, group, w, valid, num_shards=r, dedup=True).weights
 
-    wire = me.dedup_rows(shard, group, w, valid, num_shards=r, dedup=True)
+    wire = mi.dedup_rows(shard, group, w, valid, num_shards=r, dedup=True)
     # Reference: entry (row, j) is token `wire.token[row]`'s j-th weight where carried.
     carried = np.asarray(wire.groups) >= 0
     want = np.zeros((tokens, k), np.float32)
@@ -97,7 +99,7 @@ def test_received_rows_to_pairs(getkey, capacity):
         jnp.int32,
     )
     weights = jr.uniform(getkey(), groups.shape)
-    pairs, dropped = me.expand_rows(
+    pairs, dropped = mi.expand_rows(
         groups, weights, jnp.int32(4), local_groups=3, capacity=capacity
     )
     assert int(dropped) == max(0, 8 - capacity)  # 8 valid pairs in rows 0-3
@@ -115,7 +117,7 @@ def test_received_rows_to_pairs(getkey, capacity):
     ct = jr.normal(getkey(), (capacity,))
 
     def pair_weights(w):
-        return me.expand_rows(
+        return mi.expand_rows(
             groups, w, jnp.int32(4), local_groups=3, capacity=capacity
         )[0].weight
 
@@ -128,69 +130,116 @@ def test_received_rows_to_pairs(getkey, capacity):
     np.testing.assert_allclose(grad, want.reshape(6, 3), rtol=1e-6)
 
 
-@pytest.mark.parametrize("r,capacity", [(4, 64), (4, 9), (8, 20)])
-def test_exchange_backward_is_the_opposite_trip(getkey, r, capacity):
-    """`dispatch_rows`/`combine_rows` have the values and gradients of autodiff through
-    the dense backend's unpacked trips, also where the receive buffer cuts rows off;
-    the unpacked layout holds the rows of the packed one, and both round trips
-    return the same rows."""
-    rng = np.random.default_rng(r * 31 + capacity)
-    counts = jnp.asarray(rng.integers(0, 16 // r + 1, size=(r, r)), jnp.int32)
-    send = jr.normal(getkey(), (r, 16, 3))
-    ct_recv = jr.normal(getkey(), (r, r * 16, 3))  # the unpacked layout's rows
-    ct_back = jr.normal(getkey(), (r, 16, 3))
-    ex = me.DenseExchange(axis_name="expert", block_rows=16)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("jit", [False, True])
+def test_pack_keeps_every_bit(getkey, dtype, jit):
+    """Rows and their metadata share one array of the rows' dtype, bit for bit:
+    weights with special values, groups of any int32, any row width."""
+    rows = jr.normal(getkey(), (7, 5)).astype(dtype)
+    weights = jnp.array(
+        [[0.5, -0.0, jnp.inf], [-jnp.inf, jnp.nan, 1e-45], *[[1.0, 2.0, 3.0]] * 5],
+        jnp.float32,
+    )
+    groups = jnp.array(
+        [[0, -1, 2**31 - 1], [-(2**31), 7, 1], *[[3, 4, 5]] * 5], jnp.int32
+    )
+    pack = jax.jit(_pack) if jit else _pack
+    packed = pack(rows, (weights, groups))
+    assert jnp.issubdtype(packed.dtype, jnp.unsignedinteger)
+    assert packed.dtype.itemsize == jnp.dtype(dtype).itemsize
+    assert packed.shape[0] == 7
+    unpack = jax.jit(_unpack, static_argnums=(1, 3)) if jit else _unpack
+    like = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (weights, groups))
+    out = unpack(packed, 5, like, dtype)
+    for got, want in zip(out, (rows, weights, groups), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(
+            jax.lax.bitcast_convert_type(got, jnp.uint8),
+            jax.lax.bitcast_convert_type(want, jnp.uint8),
+        )
 
-    def grads(send, custom):
-        def body(send, ct_recv, ct_back):
-            plan = me.make_exchange_plan(
-                counts, capacity, jax.lax.axis_index("expert").astype(jnp.int32)
-            )
-            there = (
-                (lambda s: dispatch_rows(ex, s, plan, capacity))
-                if custom
-                else (lambda s: ex.dispatch_unpacked(s, plan, capacity))
-            )
-            back = (
-                (lambda v: combine_rows(ex, v, plan, 16, capacity))
-                if custom
-                else (lambda v: ex.combine_unpacked(v, plan, 16))
-            )
-            recv, vjp_there = jax.vjp(there, send[0])
-            returned, vjp_back = jax.vjp(back, recv)
-            (d_recv,) = vjp_back(ct_back[0])
-            (d_send,) = vjp_there(d_recv + ct_recv[0])
-            packed = ex.dispatch(send[0], plan, capacity)
-            packed_back = ex.combine(packed, plan, 16)
-            return (
-                recv[None],
-                returned[None],
-                d_send[None],
-                packed[None],
-                packed_back[None],
-            )
 
+def _round_trip(r, capacity, key, dedup=True):
+    """Sender-side inputs of `r` shards (tokens, wire rows, a plan) for the trips."""
+    tokens, k, local = 8, 3, 2
+    wires = [_wire(jr.fold_in(key, s), tokens, k, r, local, dedup) for s in range(r)]
+    stack = lambda *a: jnp.stack(a)  # noqa: E731
+    wire = jax.tree.map(stack, *wires)
+    counts = jnp.stack([w.send_counts for w in wires])  # [R, R]
+    send_rows_ = wires[0].token.shape[0]
+    block = min(capacity, tokens * min(k, r) if dedup else tokens * k)
+    bufs = mi.BufferSizes(
+        rows=capacity,
+        pairs=capacity * k,
+        block_rows=block,
+        send_rows=send_rows_,
+        worst_case=False,
+    )
+    x = jr.normal(jr.fold_in(key, 99), (r, tokens, 4))
+    return wire, counts, bufs, x
+
+
+@pytest.mark.parametrize("r,capacity", [(4, 64), (4, 7), (2, 30)])
+def test_trips_match_the_backend_differentiated_by_jax(getkey, r, capacity):
+    """`send_rows` and `return_rows` (one collective each, with their own
+    transposes and tangents) give the values, VJPs and JVPs of the plain
+    formulation: the backend's `dispatch_unpacked`/`combine_unpacked` of the gathered
+    rows and of the weights and groups separately, differentiated by JAX; also where
+    the receive buffer cuts rows off."""
+    wire, counts, bufs, x = _round_trip(r, capacity, getkey())
+    ex = me.DenseExchange(axis_name="expert", block_rows=bufs.block_rows)
+    t_x = jr.normal(getkey(), x.shape)
+    t_w = jr.normal(getkey(), wire.weights.shape)
+
+    def body(x, wire, t_x, t_w, custom):
+        x, t_x, t_w = x[0], t_x[0], t_w[0]
+        wire = jax.tree.map(lambda a: a[0], wire)
+        plan = mi.make_exchange_plan(
+            counts, bufs.rows, jax.lax.axis_index("expert").astype(jnp.int32)
+        )
+
+        def trips(x, weights):
+            w = eqx_replace_weights(wire, weights)
+            if custom:
+                recv_x, groups, recv_w = send_rows(x, w, plan, ex, bufs)
+                y = return_rows(recv_x * 2.0 + recv_w[:, :1], w, plan, ex, bufs)
+            else:
+                recv_x = ex.dispatch_unpacked(x[w.token], plan, bufs.rows)
+                recv_w = ex.dispatch_unpacked(w.weights, plan, bufs.rows)
+                groups = ex.dispatch_unpacked(w.groups + 1, plan, bufs.rows) - 1
+                back = ex.combine_unpacked(
+                    recv_x * 2.0 + recv_w[:, :1], plan, bufs.send_rows
+                )
+                y = mi.scatter_to_tokens(back, w.token, x.shape[0])
+            return (recv_x, recv_w, y), groups
+
+        out, vjp, groups = jax.vjp(trips, x, wire.weights, has_aux=True)
+        ct = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size).reshape(a.shape)), out)
+        grads = vjp(ct)
+        tangent = jax.jvp(lambda *a: trips(*a)[0], (x, wire.weights), (t_x, t_w))[1]
+        return jax.tree.map(lambda a: a[None], (out, groups, grads, tangent))
+
+    def run(custom):
         return jax.jit(
             jax.shard_map(
-                body,
+                lambda *a: body(*a, custom),
                 mesh=auto_mesh(r),
-                in_specs=(P("expert"),) * 3,
-                out_specs=(P("expert"),) * 5,
+                in_specs=(P("expert"),) * 4,
+                out_specs=P("expert"),
                 check_vma=False,
             )
-        )(send, ct_recv, ct_back)
+        )(x, wire, t_x, t_w)
 
-    got, want = grads(send, True), grads(send, False)
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_array_equal(a, b)
-    unpacked, returned, _, packed, packed_back = got
-    np.testing.assert_array_equal(returned, packed_back)
-    for d in range(r):  # the same rows, source by source, and zeros elsewhere
-        rows = np.asarray(unpacked[d]).reshape(r, 16, 3)
-        start = 0
-        for s in range(r):
-            n = int(np.sum(np.asarray(rows[s]).any(axis=1)))
-            np.testing.assert_array_equal(rows[s][:n], packed[d][start : start + n])
-            assert not np.asarray(rows[s][n:]).any()
-            start += n
-        assert not np.asarray(packed[d][start:]).any()
+    got, want = run(True), run(False)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # What arrived is what the plan let through: every row up to each receiver's
+    # buffer (some cut off with the small buffers).
+    arrived = int(np.sum(np.any(np.asarray(got[1]) >= 0, axis=-1)))
+    expected = int(np.sum(np.minimum(np.asarray(counts).sum(axis=0), capacity)))
+    assert arrived == expected > 0
+    assert (expected < int(np.asarray(counts).sum())) == (capacity < 16)
+
+
+def eqx_replace_weights(wire, weights):
+    return eqx.tree_at(lambda w: w.weights, wire, weights)

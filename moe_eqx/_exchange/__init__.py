@@ -62,7 +62,16 @@ def resolve_exchange(
     """The exchange backend for `name` (see [`exchange_name`][] for `"auto"`). A
     `DenseExchange` instance is rebuilt with this trip's `axis_name` and `block_rows`;
     any other instance is used as given."""
-    name = exchange_name(name, platform)
+    return make_exchange(
+        exchange_name(name, platform), axis_name=axis_name, block_rows=block_rows
+    )
+
+
+def make_exchange(
+    name: "str | AbstractExchange", *, axis_name: str, block_rows: int
+) -> AbstractExchange:
+    """The exchange instance for an already resolved `name` (`"dense"`, `"ragged"` or
+    an instance, see [`exchange_name`][]), with no platform check."""
     if is_dense(name):
         return DenseExchange(axis_name=axis_name, block_rows=block_rows)
     if isinstance(name, AbstractExchange):

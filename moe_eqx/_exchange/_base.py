@@ -8,16 +8,13 @@ buffer holds the rows of source 0, then source 1, ... and its first
 """
 
 import abc
-import functools as ft
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, Shaped
 
-
-def exclusive_cumsum(x: Int[Array, "..."], axis: int) -> Int[Array, "..."]:
-    return jnp.cumsum(x, axis=axis) - x
+from .._autodiff import custom_linear
+from .._rules import exclusive_cumsum
 
 
 class ExchangePlan(eqx.Module):
@@ -149,16 +146,24 @@ class AbstractExchange(eqx.Module):
 # `dispatch`: the backward runs the opposite trip's collective and gathers. Left to
 # autodiff, the dense exchange's gathers transpose to scatter-adds, which XLA:CPU runs
 # serially.
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _dispatch(res, send):
+    exchange, plan, capacity, _ = res
+    return exchange.dispatch_unpacked(send, plan, capacity)
+
+
+def _dispatch_t(res, ct):
+    exchange, plan, _, send_rows = res
+    return exchange.combine_unpacked(ct, plan, send_rows)
+
+
 def dispatch_rows(
     exchange: AbstractExchange,
     send: Shaped[Array, "send_rows ..."],
     plan: ExchangePlan,
     capacity: int,
 ) -> Shaped[Array, "recv_rows ..."]:
-    """`exchange.dispatch_unpacked(send, plan, capacity)`, whose backward is
-    `exchange.combine_unpacked` of the cotangent (the return trip) instead of the
-    transpose of the backend's own operations.
+    """`exchange.dispatch_unpacked(send, plan, capacity)`, whose transpose (the
+    backward) is `exchange.combine_unpacked` of the cotangent, the return trip.
 
     **Arguments:**
 
@@ -171,22 +176,10 @@ def dispatch_rows(
 
     The backend's unpacked receive layout, as `exchange.dispatch_unpacked`.
     """
-    return exchange.dispatch_unpacked(send, plan, capacity)
+    res = (exchange, plan, capacity, send.shape[0])
+    return custom_linear(_dispatch, _dispatch_t, res, send)
 
 
-def _dispatch_fwd(exchange, send, plan, capacity):
-    return dispatch_rows(exchange, send, plan, capacity), (plan, send.shape[0])
-
-
-def _dispatch_bwd(exchange, capacity, res, g):
-    plan, send_rows = res
-    return exchange.combine_unpacked(g, plan, send_rows), None
-
-
-dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-@ft.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
 def combine_rows(
     exchange: AbstractExchange,
     recv: Shaped[Array, "recv_rows ..."],
@@ -195,7 +188,7 @@ def combine_rows(
     capacity: int,
 ) -> Shaped[Array, "send_rows ..."]:
     """`exchange.combine_unpacked(recv, plan, send_rows)` (the return trip), whose
-    backward is `exchange.dispatch_unpacked` of the cotangent.
+    transpose is `exchange.dispatch_unpacked` of the cotangent.
 
     **Arguments:**
 
@@ -209,15 +202,5 @@ def combine_rows(
 
     `[send_rows, ...]`, as `exchange.combine_unpacked`.
     """
-    return exchange.combine_unpacked(recv, plan, send_rows)
-
-
-def _combine_fwd(exchange, recv, plan, send_rows, capacity):
-    return combine_rows(exchange, recv, plan, send_rows, capacity), plan
-
-
-def _combine_bwd(exchange, send_rows, capacity, plan, g):
-    return exchange.dispatch_unpacked(g, plan, capacity), None
-
-
-combine_rows.defvjp(_combine_fwd, _combine_bwd)
+    res = (exchange, plan, capacity, send_rows)
+    return custom_linear(_dispatch_t, _dispatch, res, recv)

@@ -6,10 +6,10 @@ compacted into the common `[B, ...]` receive layout afterwards.
 """
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
+from .._rules import all_to_all, count_at_or_below
 from ._base import AbstractExchange, ExchangePlan
 
 
@@ -20,7 +20,7 @@ class DenseExchange(AbstractExchange):
 
     - `axis_name`: the expert-parallel mesh axis the exchange runs over.
     - `block_rows`: rows of one per-destination block, at least what one sender may
-        send one receiver ([`moe_eqx.BufferSizes`][]`.block_rows`); each trip moves
+        send one receiver ([`moe_eqx.internal.BufferSizes`][]`.block_rows`); each trip moves
         `R * block_rows` rows.
     """
 
@@ -37,9 +37,7 @@ class DenseExchange(AbstractExchange):
         row = jnp.arange(capacity, dtype=jnp.int32)
         starts = plan.recv_offsets[:, shard]
         sizes = plan.sizes[:, shard]
-        s = jnp.clip(
-            jnp.searchsorted(starts + sizes, row, side="right"), 0, num_shards - 1
-        ).astype(jnp.int32)
+        s = jnp.clip(count_at_or_below(starts + sizes, row), 0, num_shards - 1)
         within = row - starts[s]
         ok = (within < sizes[s]) & (within >= 0)
         flat = blocks.reshape(num_shards * self.block_rows, *blocks.shape[2:])
@@ -59,8 +57,7 @@ class DenseExchange(AbstractExchange):
 
     # The unpacked layout is the `[R * block_rows, ...]` blocks themselves: without
     # the packing gather on the receiver and its inverse on the return trip, a round
-    # trip moves each row through 2 gathers, not 4 (at the EP8 shape of
-    # benchmarks/layer.py, 8 MiB each per shard and direction).
+    # trip moves each row through 2 gathers, not 4.
     def dispatch_unpacked(
         self, send: Shaped[Array, "send_rows ..."], plan: ExchangePlan, capacity: int
     ) -> Shaped[Array, "unpacked_rows ..."]:
@@ -85,31 +82,45 @@ class DenseExchange(AbstractExchange):
         """`[R, block_rows, ...]` blocks to each destination, exchanged: block `s` of
         the result holds what source `s` sent here."""
         shard = plan.shard
-        i = jnp.arange(self.block_rows, dtype=jnp.int32)
-        # Blocks to each destination d: rows [send_offsets[shard, d], + sizes[shard, d]).
-        src = plan.send_offsets[shard][:, None] + i[None, :]
-        ok = i[None, :] < plan.sizes[shard][:, None]
-        src = jnp.clip(src, 0, send.shape[0] - 1)
-        blocks = _masked_take(send, src, ok)
-        return jax.lax.all_to_all(blocks, self.axis_name, 0, 0, tiled=False)
+        num_shards = plan.sizes.shape[0]
+        # Send row j goes to destination d, the one whose rows
+        # [send_offsets[shard, d], + sizes[shard, d]) hold it, at row j - offset of
+        # block d; rows past the last destination's are not sent.
+        j = jnp.arange(send.shape[0], dtype=jnp.int32)
+        starts = plan.send_offsets[shard]
+        d = jnp.clip(count_at_or_below(starts, j) - 1, 0, num_shards - 1)
+        within = j - starts[d]
+        rows = num_shards * self.block_rows
+        idx = jnp.where(
+            within < plan.sizes[shard, d], d * self.block_rows + within, rows
+        )
+        blocks = _scatter_rows(send, idx, rows)
+        blocks = blocks.reshape(num_shards, self.block_rows, *send.shape[1:])
+        return all_to_all(blocks, self.axis_name, materialise=False)
 
     def _return_blocks(self, blocks, plan: ExchangePlan, send_rows: int):
         """Exchanges `[R, block_rows, ...]` blocks back (block `s` to source `s`) and
         puts each row at the position it was sent from (zero where none was)."""
         num_shards = plan.sizes.shape[0]
         shard = plan.shard
-        blocks = jax.lax.all_to_all(blocks, self.axis_name, 0, 0, tiled=False)
+        blocks = all_to_all(blocks, self.axis_name)
         # blocks[d] holds my rows returned by destination d, in send order.
         row = jnp.arange(send_rows, dtype=jnp.int32)
         starts = plan.send_offsets[shard]
-        d = jnp.clip(
-            jnp.searchsorted(starts, row, side="right") - 1, 0, num_shards - 1
-        ).astype(jnp.int32)
+        d = jnp.clip(count_at_or_below(starts, row) - 1, 0, num_shards - 1)
         within = row - starts[d]
         ok = within < plan.sizes[shard, d]
         flat = blocks.reshape(num_shards * self.block_rows, *blocks.shape[2:])
         idx = jnp.clip(d * self.block_rows + within, 0, flat.shape[0] - 1)
         return _masked_take(flat, idx, ok)
+
+
+def _scatter_rows(x: Array, idx: Array, num_rows: int) -> Array:
+    """`[num_rows, ...]` zeros with row `idx[j]` set to `x[j]` (an index of
+    `num_rows` or more drops the row). A scatter, not a gather: it materialises the
+    blocks for `all_to_all` itself (see `moe_eqx._rules.all_to_all`)."""
+    out = jnp.zeros((num_rows, *x.shape[1:]), x.dtype)
+    return out.at[idx].set(x, mode="drop", unique_indices=True)
 
 
 def _masked_take(x: Array, idx: Array, ok: Array) -> Array:

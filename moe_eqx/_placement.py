@@ -1,0 +1,41 @@
+"""Physical placement of experts: the logical expert held at each physical position
+(`MoELayer.expert_ids`), and the routing mapped onto it. Below the layer and the
+shard's stages; re-placement itself (`moe_eqx.rebalance`) sits above the layer."""
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from ._router import Routing
+
+
+def physical_routing(
+    routing: Routing, expert_ids: Int[Array, " experts"]
+) -> tuple[Routing, Int[Array, " experts"]]:
+    """Maps a [`moe_eqx.Routing`][] from logical expert ids to physical positions.
+
+    **Arguments:**
+
+    - `routing`: the router's output (logical expert ids).
+    - `expert_ids`: `[E]` the logical expert held at each physical position
+        (`layer.expert_ids`).
+
+    **Returns:**
+
+    `(routing, position)`: the routing with `experts` and `counts` in physical order
+    (`counts_phys[p] = counts[expert_ids[p]]`), and `position: [E]`, the physical
+    position of each logical expert (`position[expert_ids[p]] = p`).
+    """
+    expert_ids = expert_ids.astype(jnp.int32)
+    num_experts = expert_ids.shape[0]
+    position = (
+        jnp.zeros((num_experts,), jnp.int32)
+        .at[expert_ids]
+        .set(jnp.arange(num_experts, dtype=jnp.int32), unique_indices=True)
+    )
+    routing = eqx.tree_at(
+        lambda r: (r.experts, r.counts),
+        routing,
+        (position[routing.experts], routing.counts[expert_ids]),
+    )
+    return routing, position
