@@ -5,8 +5,9 @@
    next `## ` heading, without the heading itself); `<!-- readme: intro -->` is the
    text between the README's title and its first `## ` heading. A title the README
    does not have fails the build, naming it.
-2. Every public name has an API page. The public names are those `moe_eqx/__init__.py`
-   and `moe_eqx/train/__init__.py` re-export (`from ._x import name as name`) and the
+2. Every public name has an API page. The public names are those `moe_eqx/__init__.py`,
+   `moe_eqx/internal.py` and `moe_eqx/train/__init__.py` re-export
+   (`from ._x import name as name`) and the
    `__all__` of the public modules among them (`moe_eqx.workloads`); each needs a
    `::: moe_eqx.name` line under `docs/api/`; a missing one is a warning, so
    `mkdocs build --strict` fails on it. (A line for a name that no longer exists fails
@@ -20,7 +21,7 @@ from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
 _README = _ROOT / "README.md"
-_PACKAGES = ("moe_eqx", "moe_eqx.train")  # packages whose re-exports are public
+_PACKAGES = ("moe_eqx", "moe_eqx.internal", "moe_eqx.train")  # re-exports documented
 _DIRECTIVE = re.compile(r"^<!-- readme: (.+?) -->[ \t]*$", re.MULTILINE)
 _FENCE = re.compile(r"^(```|~~~)")
 _ENTRY = re.compile(r"^::: (moe_eqx[\w.]*)[ \t]*$", re.MULTILINE)
