@@ -386,3 +386,65 @@ def test_readme_commands_parse():
         demo_args = [a for a in parsed.demo_args if a != "--"]
         parser = cli.build_parser()
         cli.check_args(parser, parser.parse_args([*demo_args, "--distributed"]))
+
+
+def test_first_step_with_lost_pairs_raises_and_is_not_checkpointed():
+    """The training loop stops on the first step whose layers lost pairs, before that
+    step's state exists: the checkpoints written are those of the steps before it,
+    and the lost count is logged per interval."""
+    import jax.numpy as jnp
+    import jax.random as jr
+
+    import moe_eqx as me
+    from moe_eqx.train.data import Feed
+    from moe_eqx.train.log import Reporter
+    from moe_eqx.train.loop import train
+    from moe_eqx.train.resume import TrainState
+
+    class FakeFeed(Feed):
+        def __init__(self):
+            pass
+
+        def batch(self, step):
+            return jnp.int32(step)
+
+        def router_bias(self, step):
+            return jnp.zeros(())
+
+        def in_skew(self, step):
+            return False
+
+    def fake_step(params, opt_state, key, batch, bias):
+        metrics = {
+            name: jnp.float32(0.0)
+            for name in (
+                "loss", "ce", "lb_loss", "z_loss", "max_over_mean_before",
+                "max_over_mean", "required_buffer_factor", "dedup_ratio",
+                "expert_max_over_mean", "num_chunks", "dropped_pairs",
+            )
+        }  # fmt: skip
+        metrics.update(
+            overflow=jnp.bool_(False),
+            fallback=jnp.bool_(False),
+            lost_pairs=jnp.where(batch == 3, 5, 0),
+            expert_counts=jnp.zeros((1, 4), jnp.int32),
+        )
+        return params + 1, opt_state, key, metrics
+
+    saved = []
+    reporter = Reporter(lead=False, ep=8, buffer_factor=2.0, json_path=None, args={})
+    state = TrainState(0, jnp.float32(0.0), jnp.float32(0.0), jr.key(0))
+    with pytest.raises(me.LostPairsError, match="step 3: .* lost 5 pairs"):
+        train(
+            state,
+            steps=10,
+            train_step=fake_step,
+            feed=FakeFeed(),
+            reporter=reporter,
+            log_every=2,
+            checkpoint=lambda s: saved.append(s.step),
+            checkpoint_every=1,
+            stop_on_ctrl_c=False,
+        )
+    assert saved == [1, 2, 3]  # states after steps 0, 1, 2: none after step 3
+    assert [e["lost_pairs"] for e in reporter.history] == [0]

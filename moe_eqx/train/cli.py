@@ -21,6 +21,7 @@ import os
 import sys
 
 from .._config import GMM_BACKENDS, MoEConfig
+from .._shard import LostPairsError
 from .loop import Interrupted, run
 from .resume import resume_command
 from .runtime import ENV_LAUNCHER_PID, exit_with_launcher, set_cpu_devices
@@ -47,8 +48,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--d-ff", type=int, default=32, help="hidden width of each expert")
     g.add_argument("--heads", type=int, default=4, help="attention heads")
     # 32 fine-grained experts, 4 per token: with --ep 8 each shard holds 4 experts, so
-    # a token often picks two on one shard and deduplication sends it once (measured
-    # dedup ratio ~0.85 on the default run).
+    # a token often picks two on one shard and deduplication sends it once.
     g.add_argument("--experts", type=int, default=32, help="routed experts per layer")
     g.add_argument("--top-k", type=int, default=4, help="experts per token")
     g.add_argument("--layers", type=int, default=2, help="transformer blocks")
@@ -308,7 +308,9 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> MoEConfig:
 def main(argv: list[str] | None = None) -> dict:
     """Runs the demo. Returns the summary dict (also written to `--json`).
 
-    Exits with code 130 on Ctrl-C (after checkpointing, with `--ckpt-dir`).
+    Exits with code 130 on Ctrl-C (after checkpointing, with `--ckpt-dir`), and with
+    code 3 on the first step whose MoE layers lost pairs (a bug; nothing of that step
+    is checkpointed).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -323,6 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
     except Interrupted as e:
         print(e, file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+    except LostPairsError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(3) from None
     except KeyboardInterrupt:
         if args.ckpt_dir:
             hint = (

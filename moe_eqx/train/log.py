@@ -42,6 +42,7 @@ def summarise(interval: list[dict], done: int) -> dict:
         "overflow_steps": count("overflow"),
         "fallback_steps": count("fallback"),
         "dropped_pairs": int(sum(int(m["dropped_pairs"]) for m in interval)),
+        "lost_pairs": int(sum(int(m.get("lost_pairs", 0)) for m in interval)),
         "skew_steps": count("skew"),
         "losses": [m["loss"] for m in interval],
     }
@@ -59,7 +60,8 @@ def format_entry(e: dict, ep: int) -> str:
             f"  rank max/mean {e['max_over_mean_before']:.2f} -> "
             f"{e['max_over_mean']:.2f}  need bf {e['required_buffer_factor']:.2f}  "
             f"overflow {e['overflow_steps']}  fallback {e['fallback_steps']}  "
-            f"dropped {e['dropped_pairs']}  dedup {e['dedup_ratio']:.2f}"
+            f"dropped {e['dropped_pairs']}  lost {e['lost_pairs']}  "
+            f"dedup {e['dedup_ratio']:.2f}"
         )
     if e["skew_steps"]:
         line += f"  [skew {e['skew_steps']}]"

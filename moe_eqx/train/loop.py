@@ -24,6 +24,7 @@ import jax.random as jr
 import numpy as np
 
 from .._config import MoEConfig
+from .._shard import LostPairsError
 from .data import Feed, ZipfMarkovData
 from .log import Reporter, entropy
 from .model import MoELM
@@ -98,6 +99,8 @@ def die_at_step(args: argparse.Namespace, runtime: Runtime) -> Hook:
 
 
 def _one_step(state: TrainState, train_step: Callable, feed: Feed):
+    """One step, its metrics as Python numbers and its `[layers, E]` expert counts;
+    raises [`moe_eqx.LostPairsError`][] if a layer lost pairs."""
     params, opt_state, key, metrics = train_step(
         state.params,
         state.opt_state,
@@ -108,6 +111,13 @@ def _one_step(state: TrainState, train_step: Callable, feed: Feed):
     metrics = jax.device_get(metrics)
     counts = np.asarray(metrics.pop("expert_counts"))
     metrics = {k: v.item() for k, v in metrics.items()}
+    if metrics["lost_pairs"]:
+        # Before the step's state exists: nothing of this step is checkpointed.
+        raise LostPairsError(
+            f"step {state.step}: the MoE layers lost {metrics['lost_pairs']} pairs "
+            "(routed, but neither computed nor counted as dropped); the last "
+            "checkpoint is from before this step."
+        )
     if not math.isfinite(metrics["loss"]):
         raise SystemExit(f"loss is not finite at step {state.step}: {metrics}")
     metrics["step"] = state.step
@@ -175,7 +185,7 @@ def train(
 
 
 def _init_state(args, config: MoEConfig, runtime: Runtime, schedule: int):
-    init_key, train_key = jr.split(jr.PRNGKey(args.seed))
+    init_key, train_key = jr.split(jr.key(args.seed))
     model = MoELM(
         config,
         vocab=args.vocab,

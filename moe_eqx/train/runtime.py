@@ -85,9 +85,9 @@ def init_distributed() -> None:
     # it too early, so it is set unconditionally.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
-        # Measured on jax 0.10.2: with a persistent compilation cache written by an
-        # earlier multi-process CPU run, the next run loads the cached executable and
-        # hangs in its first collective. Compiling afresh always works.
+        # With a persistent compilation cache written by an earlier multi-process CPU
+        # run, the next run loads the cached executable and hangs in its first
+        # collective (jax 0.10). Compiling afresh always works.
         jax.config.update("jax_enable_compilation_cache", False)
     address = os.environ.get(ENV_COORDINATOR)
     if address is None:
@@ -171,6 +171,10 @@ def gather_to_host(tree: Any) -> Any:
     def get(a):
         if not isinstance(a, jax.Array):
             return a
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            # A typed PRNG key has no NumPy form: its key data, wrapped again.
+            data = get(jax.random.key_data(a))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(a))
         if a.is_fully_addressable or a.is_fully_replicated:
             return np.asarray(a)
         return np.asarray(multihost_utils.process_allgather(a, tiled=True))

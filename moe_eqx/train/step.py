@@ -112,13 +112,17 @@ class Placement:
 
     def put(self, host: Any, sharding: NamedSharding | None = None) -> jax.Array:
         """One host array onto `sharding` (default: replicated; without a mesh, the
-        default device)."""
+        default device). A typed PRNG key travels as its key data."""
+        if isinstance(host, jax.Array) and jax.dtypes.issubdtype(
+            host.dtype, jax.dtypes.prng_key
+        ):
+            data = self.put(jax.random.key_data(host), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(host))
         host = np.asarray(host)
         sharding = sharding or self.replicated
         if sharding is None:
             # Committed, like the step's outputs and a restored checkpoint: a step
-            # whose inputs switch from uncommitted to committed compiles again
-            # (measured: a resumed one-device run compiled its step twice).
+            # whose inputs switch from uncommitted to committed compiles again.
             return jax.device_put(host, jax.devices()[0])
         return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
@@ -202,6 +206,8 @@ def step_metrics(
         "overflow": jnp.any(stats.overflow),
         "fallback": jnp.any(stats.fallback_used),
         "dropped_pairs": jnp.sum(stats.dropped_pairs),
+        # Always 0: `train.loop` stops on any other value (see `MoEStats.check`).
+        "lost_pairs": jnp.sum(stats.lost_pairs),
         "max_over_mean_before": jnp.max(stats.max_over_mean_before),
         "max_over_mean": jnp.max(stats.max_over_mean),
         "required_buffer_factor": jnp.max(stats.required_buffer_factor),
