@@ -21,6 +21,7 @@ import jax.random as jr  # noqa: E402
 import numpy as np  # noqa: E402
 
 import moe_eqx as me  # noqa: E402
+import moe_eqx.internal as mi  # noqa: E402
 import moe_eqx.workloads as wl  # noqa: E402
 
 
@@ -37,7 +38,7 @@ def wire_counts(choices: np.ndarray, num_experts: int, dedup: bool) -> int:
     dest = jnp.asarray(choices // local, jnp.int32)
     valid = jnp.ones(dest.shape[1:], bool)
     counts = jax.jit(
-        jax.vmap(lambda d: me.send_counts(d, valid, num_shards=r, dedup=dedup))
+        jax.vmap(lambda d: mi.send_counts(d, valid, num_shards=r, dedup=dedup))
     )(dest)
     return int(jnp.sum(counts))
 
@@ -121,7 +122,7 @@ def main():
             buffer_factor=bf,
             on_overflow="drop",
         )
-        layer = me.MoELayer(cfg, key=jr.PRNGKey(0))
+        layer = me.MoELayer(cfg, key=jr.key(0))
         # Floating-point parameters: `expert_ids` is an integer array.
         params, static = eqx.partition(layer, eqx.is_inexact_array)
         x = jnp.zeros((t_total, 128), jnp.float32)

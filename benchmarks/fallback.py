@@ -52,7 +52,7 @@ def make(bf, on_overflow, bias=None):
         on_overflow=on_overflow,
         use_router_bias=True,
     )
-    layer = me.MoELayer(cfg, key=jr.PRNGKey(0))
+    layer = me.MoELayer(cfg, key=jr.key(0))
     if bias is not None:
         layer = eqx.tree_at(lambda l: l.router.bias, layer, bias)
     return eqx.partition(layer, eqx.is_inexact_array)
@@ -157,7 +157,7 @@ def main():
 def step_times(t, passes, exes, repeats):
     """The price of the fallback when it does not run (uniform routing), and its cost
     when it runs (every token prefers shard 0's experts, so the 2x buffer overflows)."""
-    x = jr.normal(jr.PRNGKey(1), (t, D), jnp.float32)
+    x = jr.normal(jr.key(1), (t, D), jnp.float32)
     hot = jnp.zeros((E,), jnp.float32).at[: E // 8].set(5.0)
     timing = []
     for routing, bias in (("no overflow", jnp.zeros((E,))), ("overflow", hot)):

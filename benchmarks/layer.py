@@ -109,18 +109,11 @@ def layer_fns(layer, x, mesh):
     return (jax.jit(fwd), (params, x)), (jax.jit(step), (params, x))
 
 
-# `--quick` (a smoke run of tiny shapes that must take seconds): one window size in the
-# tiled GMM. Its default ladder is one loop per window size to compile, which took
-# most of the one-device compile time at these shapes.
-QUICK_GMM = me.TiledGMM(tile_rows=64, min_tile_rows=64)
-
-
 def make_layer(shape, dtype, quick=False, **overrides):
+    del quick  # the same layer: the tiled GMM compiles one window size anyway
     t, d, f, e, k = shape
-    if quick:
-        overrides = dict(gmm_backend=QUICK_GMM, **overrides)
     cfg = me.MoEConfig(d_model=d, d_ff=f, num_experts=e, top_k=k, **overrides)
-    return me.MoELayer(cfg, key=jr.PRNGKey(0), dtype=dtype)
+    return me.MoELayer(cfg, key=jr.key(0), dtype=dtype)
 
 
 def variants(shape, dtype, num_devices, quick):
@@ -260,24 +253,33 @@ STAGE_FUNCTIONS = {
         "fallback_chunking",
     },
     "sort by expert": {"sort_by_expert"},
-    "dedup/wire rows": {"dedup_rows", "trip_rows", "send_counts", "wire_inverse"},
+    "dedup/wire rows": {"dedup_rows", "send_counts"},
     "exchange copies": {
+        "DenseExchange.dispatch_unpacked",
+        "DenseExchange.combine_unpacked",
         "DenseExchange.dispatch",
         "DenseExchange.combine",
         "RaggedExchange.dispatch",
         "RaggedExchange.combine",
+        "_Route.move",
     },
     "expand_rows": {"expand_rows"},
-    "row gathers": {"send_rows"},
-    "GMM": {"expert_ffn", "Experts.__call__"},
+    "row gathers": {"send_rows", "_send", "_send_rows"},
+    "GMM": {"expert_ffn", "Experts.__call__", "tiled_ffn"},
     "combine": {"combine"},
-    "scatter back to tokens": {"scatter_to_tokens", "sum_to_tokens"},
+    "scatter back to tokens": {"scatter_to_tokens", "return_rows", "_return"},
     "stats": {"_stats", "routed_stats"},
-    "fallback (chunked)": {"chunked_dropless"},
+    # The fallback's own work (piece masks, its loops, summing the pieces); the trips
+    # it runs are counted in their stages above.
+    "fallback (loop)": {"_loop", "_piece", "_piece_pullback", "chunked_dropless"},
 }
 # Gathers that several stages call (functions, then named scopes): theirs where a
 # stage above calls them.
-HELPERS = {"permute_rows": "row gathers", "unpermute_sum": "combine"}
+HELPERS = {
+    "permute_rows": "row gathers",
+    "unpermute_sum": "combine",
+    "sum_rows": "scatter back to tokens",
+}
 HELPER_SCOPES = {"moe_eqx.permute": "row gathers", "moe_eqx.unpermute": "combine"}
 # Where a custom_vjp or a nested jit cut the recorded call stack short: the innermost
 # `moe_eqx.*` named scope of the instruction's name.
@@ -292,10 +294,11 @@ STAGE_SCOPES = {
     "moe_eqx.combine": "combine",
     "moe_eqx.to_tokens": "scatter back to tokens",
     "moe_eqx.overflow": "planning",
+    "moe_eqx.fallback": "fallback (loop)",
 }
 # Leftovers: the glue of the trip (row gathers written inline) and of the layer.
 GLUE = {
-    "trip_wire_rows": "row gathers",
+    "expert_parallel_trip": "row gathers",
     "_single_device_call": "row gathers",
 }
 
@@ -411,8 +414,8 @@ def main(argv=None):
     repeats = args.repeats or repeats
     t, d, f, e, k = shape
     num_devices = 0 if args.no_ep else len(jax.devices())
-    dense = dense_fns(dtype, t * k, d, f, jr.PRNGKey(1))
-    x = jr.normal(jr.PRNGKey(2), (t, d), jnp.float32).astype(dtype)
+    dense = dense_fns(dtype, t * k, d, f, jr.key(1))
+    x = jr.normal(jr.key(2), (t, d), jnp.float32).astype(dtype)
     if args.breakdown:
         return main_breakdown(shape, dtype, x, repeats, args.quick)
 

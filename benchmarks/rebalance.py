@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from _common import jitted_plan, max_over_mean, print_table, write_json
 
-import moe_eqx as me
+import moe_eqx.internal as mi
 import moe_eqx.workloads as wl
 from moe_eqx._rebalance import _fill, _refine, _replicas
 
@@ -112,13 +112,13 @@ def replay(num_shards: int, hot: str, drift: float, args) -> dict:
         counts_e = counts.sum(axis=0)
         if step % window == 0 and history is not None:
             start = time.perf_counter()
-            new = me.plan_placement(
+            new = mi.plan_placement(
                 history, num_shards=num_shards, num_slots=NUM_SLOTS, current=ids
             )
             plan_ms.append((time.perf_counter() - start) * 1e3)
             moved.append(int(np.sum(new != ids)))
             ids = new
-            ids0 = me.plan_placement(history, num_shards=num_shards, current=ids0)
+            ids0 = mi.plan_placement(history, num_shards=num_shards, current=ids0)
             eplb = eplb_placement(history, num_shards, NUM_SLOTS)
         history = counts_e if step % window == 0 else history + counts_e
         if eplb is None:

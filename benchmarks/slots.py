@@ -48,7 +48,7 @@ def _worker(num_shards: int, num_slots: int, max_exports: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    import moe_eqx as me
+    import moe_eqx.internal as mi
 
     num_local = NUM_EXPERTS // num_shards
     mesh = jax.make_mesh(
@@ -58,7 +58,7 @@ def _worker(num_shards: int, num_slots: int, max_exports: int) -> dict:
     table = jax.ShapeDtypeStruct((num_shards, num_slots), jnp.int32)
 
     def slots(w, t, backward):
-        return me.gather_slot_weights(
+        return mi.gather_slot_weights(
             w, t, num_local, "expert", max_exports=max_exports, backward=backward
         )
 
