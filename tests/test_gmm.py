@@ -56,16 +56,6 @@ _RAGGED_DOT_NO_VMAP = pytest.mark.xfail(
 )
 
 
-# XLA:CPU in jaxlib 0.10 fails to compile the jitted Hessian of the tiled FFN with
-# respect to all of its arguments ("Failed to translate module to LLVM IR" in a fused
-# dynamic slice); jaxlib 0.12 compiles it.
-_XLA_CPU_010_HESSIAN = pytest.mark.xfail(
-    tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 11),
-    raises=jax.errors.JaxRuntimeError,
-    reason="XLA:CPU before jaxlib 0.11 cannot compile this Hessian",
-)
-
-
 def _data(case, dtype=jnp.float32, seed=0):
     sizes = CASES[case]
     rng = np.random.default_rng(seed)
@@ -438,13 +428,12 @@ def test_forward_mode(op, backend):
         ("gmm", "tiled_small"),
         ("gmm", "dense"),
         pytest.param("gmm", "ragged_dot", marks=_RAGGED_DOT_NO_VMAP),
-        pytest.param("ffn", "tiled_small", marks=_XLA_CPU_010_HESSIAN),
+        ("ffn", "tiled_small"),
     ],
 )
 def test_jacobians_and_hessian(op, backend):
     """`jax.jacfwd` and `jax.hessian` (forward over reverse, both `vmap`ped) through
     `me.gmm` and `backend.ffn`, against the reference's."""
-    # The FFN's Hessian is compiled on its own: the program of `_XLA_CPU_010_HESSIAN`.
     groups = [("jacfwd", "hessian")] if op == "gmm" else [("jacfwd",), ("hessian",)]
     _check_transforms(op, backend, groups)
 

@@ -5,15 +5,17 @@ boundary (a group's last window is clamped into the array and masked), so every
 window is one dense `[W, K] @ [K, N]` product with its group's matrix, and the work
 follows the traced `group_sizes`: one compiled program serves every routing.
 
-One window size, one loop: XLA compiles each loop body and each fused kernel
-separately, so a ladder of window sizes (one loop each) multiplies the compile time,
-while windows of 16-128 rows already run near the speed of one large matmul on a CPU.
-The expert FFN (`TiledGMM.ffn`) runs both products and the activation in one loop.
+One window size: XLA compiles each loop body and each fused kernel separately, so a
+ladder of window sizes (one loop each) multiplies the compile time, while windows of
+16-128 rows already run near the speed of one large matmul on a CPU. A loop over the
+groups holds each group's weights (and, backward, its summed weight gradient) while an
+inner loop runs its windows. The expert FFN (`TiledGMM.ffn`) runs both products and
+the activation in those loops.
 
 Derivatives: `jax.custom_jvp`, whose tangent is a `custom_linear`
-(`moe_eqx._autodiff`) transposing to one backward loop over the same windows: it
-computes the rows' gradient and adds each window's weight gradient into its group's
-float32 block, in place in the loop carry. So forward mode (`jax.jvp`, `jax.jacfwd`),
+(`moe_eqx._autodiff`) transposing to one backward pass over the same windows: it
+computes the rows' gradient and sums each group's weight gradient over its windows in
+float32, storing it once per group. So forward mode (`jax.jvp`, `jax.jacfwd`),
 reverse mode and their compositions all work, and a gradient nobody asked for (the
 weights', or the rows') is not computed.
 """
@@ -51,26 +53,35 @@ def _index(a, i):
     return lax.dynamic_index_in_dim(a, i, keepdims=False)
 
 
-def _for_windows(group_sizes, window: int, num_rows: int, body, carry):
-    """Folds `body(carry, g, start, keep)` over every window of every group, in one
-    loop: `g` is the window's group, `start` where its `W` rows are read (clamped
-    into the array), `keep [W, 1]` marks the rows it owns."""
+def _for_windows(
+    group_sizes, window: int, num_rows: int, body, carry, enter=None, leave=None
+):
+    """Folds `body(carry, ctx, start, keep)` over every window of every group: a loop
+    over the groups around a loop over the group's windows. `start` is where the
+    window's `W` rows are read (clamped into the array), `keep [W, 1]` marks the rows
+    it owns. Per group, `enter(carry, g) -> (carry, ctx)` runs before its windows
+    (slicing its weights once, not once per window) and `leave(carry, g, ctx)` after
+    them (storing a weight gradient summed in a `ctx` scratch once per group)."""
     sizes = group_sizes.astype(jnp.int32)
     ends = cumsum(sizes)
-    counts = (sizes + window - 1) // window  # windows per group
-    window_ends = cumsum(counts)
 
-    def one(i, carry):
-        # The window's group: the number of groups whose windows end at or before it.
-        g = jnp.sum(window_ends <= i, dtype=jnp.int32)
-        end = _index(ends, g)
-        first = end - _index(sizes, g) + (i - _index(window_ends - counts, g)) * window
-        start = jnp.minimum(first, num_rows - window)
-        rows = start + jnp.arange(window, dtype=jnp.int32)
-        keep = ((rows >= first) & (rows < end))[:, None]
-        return body(carry, g, start, keep)
+    def group(g, carry):
+        size = _index(sizes, g)
+        begin = _index(ends, g) - size
+        carry, ctx = (carry, g) if enter is None else enter(carry, g)
 
-    return lax.fori_loop(0, window_ends[-1], one, carry)
+        def one(i, state):
+            carry, ctx = state
+            first = begin + i * window
+            start = jnp.minimum(first, num_rows - window)
+            rows = start + jnp.arange(window, dtype=jnp.int32)
+            keep = ((rows >= first) & (rows < begin + size))[:, None]
+            return body(carry, ctx, start, keep)
+
+        carry, ctx = lax.fori_loop(0, (size + window - 1) // window, one, (carry, ctx))
+        return carry if leave is None else leave(carry, g, ctx)
+
+    return lax.fori_loop(0, sizes.shape[0], group, carry)
 
 
 def _take(a, start, window: int):
@@ -83,9 +94,11 @@ def _put(a, rows, start, keep):
     return lax.dynamic_update_slice_in_dim(a, rows, start, 0)
 
 
-def _add_block(blocks, g, block):
-    """`blocks[g] += block`, in place in a loop carry."""
-    return lax.dynamic_update_index_in_dim(blocks, _index(blocks, g) + block, g, 0)
+def _leave(carry, g, ctx):
+    """Stores the group's summed weight gradient `ctx[1]` (if any) as `carry[1][g]`."""
+    if ctx[1] is None:
+        return carry
+    return carry[0], lax.dynamic_update_index_in_dim(carry[1], ctx[1], g, 0)
 
 
 def _dot(a, b, dtype):
@@ -107,11 +120,14 @@ def _gmm_forward(lhs, rhs, group_sizes, window):
     if num_rows == 0:
         return out
 
-    def body(out, g, start, keep):
-        y = _dot(_take(lhs, start, window), _index(rhs, g).astype(lhs.dtype), lhs.dtype)
-        return _put(out, y, start, keep)
+    def enter(out, g):
+        return out, _index(rhs, g).astype(lhs.dtype)
 
-    return _for_windows(group_sizes, window, num_rows, body, out)
+    def body(out, w, start, keep):
+        y = _dot(_take(lhs, start, window), w, lhs.dtype)
+        return _put(out, y, start, keep), w
+
+    return _for_windows(group_sizes, window, num_rows, body, out, enter)
 
 
 class _GMMRes(NamedTuple):
@@ -142,19 +158,22 @@ def _gmm_backward(res: _GMMRes, d_out, want_lhs: bool, want_rhs: bool):
     d_lhs = _zeros(lhs.shape, lhs.dtype, *like) if want_lhs else None
     d_rhs = _zeros(rhs.shape, acc, *like) if want_rhs else None
 
-    def body(carry, g, start, keep):
-        d_lhs, d_rhs = carry
+    def enter(carry, g):
+        w = _index(rhs, g).astype(lhs.dtype) if want_lhs else None
+        return carry, (w, None if d_rhs is None else _index(carry[1], g))
+
+    def body(carry, ctx, start, keep):
+        (d_lhs, d_rhs), (w, block) = carry, ctx
         dy = jnp.where(keep, _take(d_out, start, window), 0)
         if want_lhs:
-            w = _index(rhs, g).astype(lhs.dtype)
             d_lhs = _put(d_lhs, _dot(dy, w.T, lhs.dtype), start, keep)
         if want_rhs:
-            d_rhs = _add_block(d_rhs, g, _dot(_take(lhs, start, window).T, dy, acc))
-        return d_lhs, d_rhs
+            block = block + _dot(_take(lhs, start, window).T, dy, acc)
+        return (d_lhs, d_rhs), (w, block)
 
     if num_rows > 0:
         d_lhs, d_rhs = _for_windows(
-            res.group_sizes, window, num_rows, body, (d_lhs, d_rhs)
+            res.group_sizes, window, num_rows, body, (d_lhs, d_rhs), enter, _leave
         )
     return d_lhs, None if d_rhs is None else d_rhs.astype(rhs.dtype)
 
@@ -195,17 +214,21 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, keep_gate_up: bool):
     if num_rows == 0:
         return out, gate_up
 
-    def body(carry, g, start, keep):
-        out, gate_up = carry
-        w_gu = _index(w_gate_up, g).astype(x.dtype)
+    def enter(carry, g):
+        return carry, (
+            _index(w_gate_up, g).astype(x.dtype),
+            _index(w_down, g).astype(x.dtype),
+        )
+
+    def body(carry, ctx, start, keep):
+        (out, gate_up), (w_gu, w_dn) = carry, ctx
         gu = _dot(_take(x, start, window), w_gu, x.dtype)
-        w_dn = _index(w_down, g).astype(x.dtype)
         y = _dot(swiglu(gu).astype(x.dtype), w_dn, x.dtype)
         if gate_up is not None:
             gate_up = _put(gate_up, gu, start, keep)
-        return _put(out, y, start, keep), gate_up
+        return (_put(out, y, start, keep), gate_up), ctx
 
-    return _for_windows(group_sizes, window, num_rows, body, (out, gate_up))
+    return _for_windows(group_sizes, window, num_rows, body, (out, gate_up), enter)
 
 
 class _FFNRes(NamedTuple):
@@ -225,25 +248,28 @@ def _ffn_tangent(res: _FFNRes, lin):
     num_rows = x.shape[0]
     out = _zeros(x.shape, x.dtype, x, res.w_gate_up)
 
-    def body(out, g, start, keep):
+    def enter(out, g):
+        ws = (res.w_gate_up if t_x is not None else None, t_gu, res.w_down, t_dn)
+        return out, tuple(
+            None if w is None else _index(w, g).astype(x.dtype) for w in ws
+        )
+
+    def body(out, ws, start, keep):
+        w_gu, t_w_gu, w_dn, t_w_dn = ws
         gu = _take(res.gate_up, start, window)
         t_gate_up = jnp.zeros(gu.shape, jnp.float32)
         if t_x is not None:
-            w_gu = _index(res.w_gate_up, g).astype(x.dtype)
             t_gate_up += _dot(_take(t_x, start, window), w_gu, jnp.float32)
         if t_gu is not None:
-            t_w = _index(t_gu, g).astype(x.dtype)
-            t_gate_up += _dot(_take(x, start, window), t_w, jnp.float32)
+            t_gate_up += _dot(_take(x, start, window), t_w_gu, jnp.float32)
         act, t_act = swiglu_jvp(gu, t_gate_up.astype(x.dtype))
-        w_dn = _index(res.w_down, g).astype(x.dtype)
         t_y = _dot(t_act.astype(x.dtype), w_dn, jnp.float32)
         if t_dn is not None:
-            t_w = _index(t_dn, g).astype(x.dtype)
-            t_y += _dot(act.astype(x.dtype), t_w, jnp.float32)
-        return _put(out, t_y, start, keep)
+            t_y += _dot(act.astype(x.dtype), t_w_dn, jnp.float32)
+        return _put(out, t_y, start, keep), ws
 
     if num_rows > 0:
-        out = _for_windows(res.group_sizes, window, num_rows, body, out)
+        out = _for_windows(res.group_sizes, window, num_rows, body, out, enter)
     return (out, t_acc[0]) if t_acc else out
 
 
@@ -265,26 +291,41 @@ def _ffn_backward(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
         d_gu = _zeros(res.w_gate_up.shape, acc, *like)
         d_dn = _zeros(res.w_down.shape, acc, *like)
 
-    def body(carry, g, start, keep):
+    def enter(carry, g):
+        _, d_gu, d_dn = carry
+        w_gu = _index(res.w_gate_up, g).astype(x.dtype) if want_x else None
+        w_dn = _index(res.w_down, g).astype(x.dtype)
+        blocks = (_index(d_gu, g), _index(d_dn, g)) if want_w else None
+        return carry, (w_gu, w_dn, blocks)
+
+    def body(carry, ctx, start, keep):
         d_x, d_gu, d_dn = carry
+        w_gu, w_dn, blocks = ctx
         dy = jnp.where(keep, _take(d_out, start, window), 0)
         gu = _take(res.gate_up, start, window)
-        w_dn = _index(res.w_down, g).astype(x.dtype)
         d_act = _dot(dy, w_dn.T, x.dtype)
         d_gate_up = swiglu_vjp(gu, d_act).astype(x.dtype)
         if want_x:
-            w_gu = _index(res.w_gate_up, g).astype(x.dtype)
             d_x = _put(d_x, _dot(d_gate_up, w_gu.T, x.dtype), start, keep)
         if want_w:
             act = swiglu(gu).astype(x.dtype)
-            d_dn = _add_block(d_dn, g, _dot(act.T, dy, acc))
             x_w = _take(x, start, window)
-            d_gu = _add_block(d_gu, g, _dot(x_w.T, d_gate_up, acc))
+            blocks = (
+                blocks[0] + _dot(x_w.T, d_gate_up, acc),
+                blocks[1] + _dot(act.T, dy, acc),
+            )
+        return (d_x, d_gu, d_dn), (w_gu, w_dn, blocks)
+
+    def leave(carry, g, ctx):
+        d_x, d_gu, d_dn = carry
+        if want_w:
+            d_gu = lax.dynamic_update_index_in_dim(d_gu, ctx[2][0], g, 0)
+            d_dn = lax.dynamic_update_index_in_dim(d_dn, ctx[2][1], g, 0)
         return d_x, d_gu, d_dn
 
     if num_rows > 0:
         d_x, d_gu, d_dn = _for_windows(
-            res.group_sizes, window, num_rows, body, (d_x, d_gu, d_dn)
+            res.group_sizes, window, num_rows, body, (d_x, d_gu, d_dn), enter, leave
         )
     return d_x, d_gu, d_dn
 
