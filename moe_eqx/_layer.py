@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._combine import combine
@@ -86,10 +86,13 @@ class MoELayer(eqx.Module):
 
         - `x`: `[..., d_model]`, floating point, any leading dimensions (e.g.
             `[batch, seq, d_model]`); they are flattened into tokens. With a mesh,
-            the tokens are sharded over `config.axis_name` (their number must be
-            divisible by its size). Zero tokens give an empty output and zero counts.
-        - `mesh`: `None` for one device; else a mesh with axis `config.axis_name` over
-            which experts and tokens are sharded (expert parallelism).
+            the tokens are sharded over all of its axes jointly (their number must
+            be divisible by its number of devices). Zero tokens give an empty output
+            and zero counts.
+        - `mesh`: a mesh with axis `config.axis_name`, over which experts are sharded
+            (expert parallelism). `None`: the mesh of `with jax.set_mesh(mesh):` if
+            it has that axis, else the mesh the layer's experts are placed on
+            ([`moe_eqx.shard_model`][]), else one device.
         - `platform`: what the `"auto"` exchange and GMM backend resolve for:
             `"cpu"`, `"gpu"` (or `"cuda"`, `"rocm"`) or `"tpu"`. `None`: the platform
             of the mesh's devices, else `jax.default_backend()`. Set it to lower for
@@ -98,10 +101,12 @@ class MoELayer(eqx.Module):
 
         **Returns:**
 
-        `(y, stats)`: `y` of the shape and dtype of `x`, and a [`moe_eqx.MoEStats`][].
+        `(y, stats)`: `y` of the shape, dtype and sharding of `x` (so `x + y` works),
+        and a [`moe_eqx.MoEStats`][].
         """
         cfg = self.config
         _check_input(x, cfg)
+        mesh = _resolve_mesh(mesh, cfg, self.experts.w_gate_up)
         num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
         platform = _resolve_platform(platform, mesh)
         num_devices = 1 if mesh is None else mesh.size
@@ -126,17 +131,23 @@ class MoELayer(eqx.Module):
                 x.reshape(-1, cfg.d_model),
             )
             return y.reshape(*batch_shape, cfg.d_model), stats
-        return _expert_parallel_call(
-            cfg,
-            mesh,
-            platform,
-            self.router,
-            self.experts.w_gate_up,
-            self.experts.w_down,
-            self.shared_experts,
-            self.expert_ids,
-            x,
-        )
+        # A concrete `x` on other devices (e.g. committed to one) joins the mesh, and
+        # `y` goes back to where `x` was.
+        home = _concrete_sharding(x)
+        if home is not None and home.device_set != set(mesh.devices.flat):
+            x = jax.device_put(x, NamedSharding(mesh, P()))
+        args = (self.router, self.experts.w_gate_up, self.experts.w_down)
+        args += (self.shared_experts, self.expert_ids, x)
+        ambient = _ambient_mesh()
+        if ambient is not None and ambient != mesh:
+            # An explicit `mesh=` wins over the ambient one: run under it.
+            with jax.set_mesh(mesh):
+                y, stats = _expert_parallel_call(cfg, mesh, platform, *args)
+        else:
+            y, stats = _expert_parallel_call(cfg, mesh, platform, *args)
+        if home is not None and not y.sharding.is_equivalent_to(home, y.ndim):
+            y = jax.device_put(y, home)
+        return y, stats
 
 
 def _check_input(x, cfg: MoEConfig) -> None:
@@ -157,6 +168,53 @@ def _check_input(x, cfg: MoEConfig) -> None:
         raise ValueError(
             f"`x` has d_model {x.shape[-1]}, but `config.d_model` is {cfg.d_model}."
         )
+
+
+def _concrete_sharding(a):
+    """The sharding of a concrete array (`None` for a tracer)."""
+    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+        return a.sharding
+    return None
+
+
+def _ambient_mesh() -> Mesh | None:
+    """The concrete mesh of `with jax.set_mesh(mesh):`, also under `jax.jit` (where
+    `jax.sharding.get_mesh` refuses; its concrete mesh is kept by jax's own mesh
+    context), or `None`."""
+    try:
+        from jax._src.mesh import get_concrete_mesh
+
+        mesh = get_concrete_mesh()
+    except (ImportError, AttributeError):
+        try:
+            mesh = jax.sharding.get_mesh()
+        except ValueError:
+            return None
+    return None if mesh is None or mesh.empty else mesh
+
+
+def _resolve_mesh(mesh: Mesh | None, cfg: MoEConfig, experts) -> Mesh | None:
+    """The mesh to run on: `mesh` if given; else the ambient one (`jax.set_mesh`) if
+    it has `config.axis_name`; else the mesh the experts are placed on (a placed
+    layer in evaluation code); else `None`, one device."""
+    if mesh is not None:
+        return mesh
+    ambient = _ambient_mesh()
+    if ambient is not None and cfg.axis_name in ambient.shape:
+        return ambient
+    placed = _concrete_sharding(experts)
+    if isinstance(placed, NamedSharding) and cfg.axis_name in placed.mesh.shape:
+        if placed.mesh.shape[cfg.axis_name] > 1:
+            return placed.mesh
+    if isinstance(experts, jax.core.Tracer):
+        spec = getattr(jax.typeof(experts).sharding, "spec", None)
+        if spec and any(d is not None for d in spec):
+            raise ValueError(
+                f"The layer's experts are sharded ({spec}) but no mesh was given: "
+                "call it with `mesh=...` or inside `with jax.set_mesh(mesh):`, or "
+                "gather the experts first for one device."
+            )
+    return None
 
 
 def _check_mesh(mesh: Mesh, cfg: MoEConfig) -> int:
@@ -261,7 +319,7 @@ def _expert_parallel_call(
     # (`jax.make_mesh`'s default) the inputs are resharded onto the caller's own mesh
     # and the outputs stay there, so they mix with the caller's arrays; a reshape of
     # an explicitly sharded array must name its output sharding.
-    shape = x.shape
+    shape, x_type = x.shape, jax.typeof(x)
     flat = (math.prod(shape[:-1]), shape[-1])
     if explicit:
         x = jax.lax.reshape(
@@ -279,13 +337,25 @@ def _expert_parallel_call(
     y, stats = per_shard(*args)
     if not explicit:
         return y.reshape(shape), stats
-    # The first leading dimension that the devices divide carries the sharding.
+    # The first leading dimension that the devices divide carries the sharding; then
+    # `y` takes `x`'s own sharding, so that `x + y` works whatever it is.
     dims = [None] * len(shape)
     split = next((i for i, n in enumerate(shape[:-1]) if n % mesh.size == 0), None)
     if split is not None:
         dims[split] = tuple(mesh.axis_names)
     out = jax.sharding.NamedSharding(mesh, P(*dims))
-    return jax.lax.reshape(y, shape, out_sharding=out), stats
+    y = jax.lax.reshape(y, shape, out_sharding=out)
+    spec = getattr(x_type.sharding, "spec", None)
+    if spec is not None and set(_spec_axes(spec)) <= set(mesh.axis_names):
+        y = jax.sharding.reshard(y, NamedSharding(mesh, spec))
+    return y, stats
+
+
+def _spec_axes(spec: P) -> list[str]:
+    axes = []
+    for d in spec:
+        axes += [] if d is None else [d] if isinstance(d, str) else list(d)
+    return axes
 
 
 def _reshard(a, mesh: Mesh, spec: P):
