@@ -448,3 +448,87 @@ def test_first_step_with_lost_pairs_raises_and_is_not_checkpointed():
         )
     assert saved == [1, 2, 3]  # states after steps 0, 1, 2: none after step 3
     assert [e["lost_pairs"] for e in reporter.history] == [0]
+
+
+def _host_metrics(step: int) -> dict:
+    metrics = dict.fromkeys(
+        (
+            "loss", "ce", "lb_loss", "z_loss", "max_over_mean_before",
+            "max_over_mean", "required_buffer_factor", "dedup_ratio",
+            "expert_max_over_mean", "num_chunks", "dropped_pairs", "lost_pairs",
+        ),
+        0.0,
+    )  # fmt: skip
+    metrics.update(step=step, skew=False, overflow=False, fallback=False)
+    return metrics
+
+
+def test_progress_bar_says_it_compiles_and_its_rate_excludes_the_first_step():
+    """The bar says the first step compiles; after it, the bar's clock restarts, so
+    its elapsed time and rate count only the steps after the compilation."""
+    import io
+    import time
+
+    from moe_eqx.train.log import Reporter
+
+    out = io.StringIO()
+    reporter = Reporter(lead=True, ep=1, buffer_factor=2.0, json_path=None, args={})
+    reporter.open_bar(10, 0, file=out)
+    assert "compiling the first step" in out.getvalue()
+    time.sleep(0.5)  # the "compilation"
+    reporter.step_done(_host_metrics(0), 0.5, log_every=100, last=10)
+    bar = reporter.bar
+    assert bar.desc.startswith("train") and "compiling" not in bar.desc
+    assert bar.n == 1 and bar.initial == 1
+    reporter.step_done(_host_metrics(1), 0.01, log_every=100, last=10)
+    assert bar.n == 2
+    # Without the restart, the elapsed time would include the 0.5 s first step.
+    assert bar.format_dict["elapsed"] < 0.4
+    reporter.close_bar()
+
+
+def test_help_explains_every_log_column(capsys):
+    """`--help` explains each column of the interval line the demo prints."""
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    for column in (
+        "loss (ce)", "lb ", "z ", "expert max/mean", "rank max/mean a -> b",
+        "need bf", "overflow, fallback", "dropped", "lost", "dedup", "[skew n]",
+    ):  # fmt: skip
+        assert column in help_text, column
+    from moe_eqx.train.log import format_entry, summarise
+
+    line = format_entry(summarise([_host_metrics(0) | {"skew": True}], 1), ep=8)
+    for column in (
+        "loss",
+        "lb",
+        "z",
+        "expert max/mean",
+        "rank max/mean",
+        "need bf",
+        "overflow",
+        "fallback",
+        "dropped",
+        "lost",
+        "dedup",
+        "[skew",
+    ):
+        assert column in line and column.split()[0] in help_text, column
+
+
+def test_header_quotes_the_skew_phase_floor(tmp_path, cache_dir):
+    """With a skew phase the data header says how low the loss can go there, so a
+    loss under the 'best possible loss' in that phase contradicts nothing."""
+    proc = run_module(
+        "moe_eqx.demo",
+        [*TINY, "--steps", "2", "--skew-from", "0", "--skew-to", "1"],
+        timeout=600,
+        cache_dir=cache_dir,
+    )
+    header = next(l for l in proc.stdout.splitlines() if l.startswith("data:"))
+    assert "best possible loss" in header
+    assert (
+        "in the skew phase (steps 0-0) tokens are drawn uniformly from 2 ids" in header
+    )
+    assert "~0.693 there" in header

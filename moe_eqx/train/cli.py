@@ -201,6 +201,36 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict-promotion", action="store_true", help=argparse.SUPPRESS)
 
 
+class _HelpFormatter(
+    argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
+):
+    """Flag defaults shown, and the epilog's lines kept as written."""
+
+
+LOG_COLUMNS = """\
+columns of the log line printed every --log-every steps:
+  loss (ce)          training loss (cross-entropy plus the auxiliary losses) and its
+                     cross-entropy part, means over the interval
+  lb                 load-balancing loss, E * sum_e f_e P_e (1.0 when balanced)
+  z                  router z-loss, mean of logsumexp(logits)**2
+  expert max/mean    the busiest expert's pairs over the mean (worst step)
+  rank max/mean a -> b
+                     the busiest expert-parallel shard's pairs over the mean, before
+                     -> after hot experts are copied into spare slots (worst step)
+  need bf            the smallest buffer_factor at which no receive buffer would have
+                     overflowed (worst step); above --buffer-factor, the step
+                     overflowed
+  overflow, fallback steps whose buffers would overflow, and steps that ran the
+                     chunked dropless fallback
+  dropped            pairs dropped (only with --on-overflow drop)
+  lost               pairs neither computed nor counted as dropped: always 0 (a
+                     step with any stops the run)
+  dedup              wire rows over routed pairs: below 1 when tokens cross the wire
+                     once for several experts on one shard
+  [skew n]           steps of the interval in the skew phase
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The demo's command-line flags."""
     p = argparse.ArgumentParser(
@@ -208,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small MoE language model on synthetic token sequences. "
         "Ctrl-C stops after the current step, checkpoints (with --ckpt-dir) and "
         "prints the command that resumes the run.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
+        epilog=LOG_COLUMNS,
     )
     _model_flags(p)
     _training_flags(p)

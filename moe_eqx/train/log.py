@@ -107,18 +107,21 @@ class Reporter:
         else:
             print(msg, flush=True)
 
-    def open_bar(self, total: int, initial: int) -> None:
-        """Shows a progress bar (lead process, a terminal or notebook only)."""
+    def open_bar(self, total: int, initial: int, file=None) -> None:
+        """Shows a progress bar (lead process, a terminal or notebook only, or into
+        `file`). It says that the first step compiles, and its rate counts the steps
+        after it."""
         if self.lead:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(
                 total=total,
                 initial=initial,
-                desc="train",
+                desc="train (compiling the first step)",
                 unit="step",
-                disable=None,
+                disable=None if file is None else False,
                 dynamic_ncols=True,
+                file=file,
             )
 
     def close_bar(self) -> None:
@@ -142,8 +145,16 @@ class Reporter:
         self.dropped_total += int(metrics["dropped_pairs"])
         self._note_fallback(metrics)
         if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+            if self._steps_after_first == 0:
+                # The first step compiled: restart the bar's clock after it.
+                total, done = self.bar.total, self.bar.n + 1
+                self.bar.reset(total=total)
+                self.bar.initial = self.bar.n = done
+                self.bar.set_description("train", refresh=False)
+                self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=True)
+            else:
+                self.bar.update(1)
+                self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         done = step + 1
         if done % log_every == 0 or done == last:
             entry = summarise(self.interval, done)

@@ -237,10 +237,18 @@ def _say_header(args, runtime: Runtime, data: ZipfMarkovData, reporter: Reporter
         f"num_slots {args.num_slots}, dedup {not args.no_dedup}, on_overflow "
         f"{args.on_overflow}" + ("; DeepSeek-V3 routing" if args.deepseek else "")
     )
+    skew = ""
+    if args.skew_from is not None:
+        ids = len(data.skew_tokens)
+        skew = (
+            f"; in the skew phase (steps {args.skew_from}-{args.skew_to - 1}) tokens "
+            f"are drawn uniformly from {ids} ids, so the loss can fall to "
+            f"~{math.log(ids):.3f} there"
+        )
     reporter.say(
         f"data: Zipf/Markov, unigram entropy {entropy(data.unigram):.3f} nats, "
         f"best possible loss ~{data.entropy_floor():.3f}, log(vocab) "
-        f"{math.log(args.vocab):.3f}"
+        f"{math.log(args.vocab):.3f}{skew}"
     )
 
 
