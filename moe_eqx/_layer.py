@@ -145,8 +145,10 @@ class MoELayer(eqx.Module):
                 y, stats = _expert_parallel_call(cfg, mesh, platform, *args)
         else:
             y, stats = _expert_parallel_call(cfg, mesh, platform, *args)
-        if home is not None and not y.sharding.is_equivalent_to(home, y.ndim):
-            y = jax.device_put(y, home)
+        back = _concrete_sharding(y)  # None when y is traced (grad outside jit)
+        if home is not None and back is not None:
+            if not back.is_equivalent_to(home, y.ndim):
+                y = jax.device_put(y, home)
         return y, stats
 
 
