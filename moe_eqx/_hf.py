@@ -1,10 +1,13 @@
-"""Import of Hugging Face MoE block weights (Mixtral, Qwen2/3-MoE, DeepSeek-V3) from a
-state dict of NumPy arrays; nothing is downloaded."""
+"""Hugging Face MoE blocks: their configs (`config_from_hf`) and their weights from a
+state dict of NumPy arrays (`layer_from_hf_state_dict`); nothing is downloaded."""
 
+import dataclasses
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -97,33 +100,41 @@ def layer_from_hf_state_dict(
     if unused:
         raise ValueError(f"keys not understood (nothing may be ignored): {unused}.")
     if dtype is None:
-        dtype = w_gate_up.dtype if np.issubdtype(w_gate_up.dtype, np.floating) else None
-    layer = MoELayer(config, key=jr.key(0), dtype=dtype or jnp.float32)
+        # `jnp.issubdtype` knows bfloat16 (NumPy's `issubdtype` does not).
+        floating = jnp.issubdtype(w_gate_up.dtype, jnp.floating)
+        dtype = w_gate_up.dtype if floating else jnp.float32
+    # The layer's structure without drawing its random weights: every array below
+    # replaces one of the skeleton's shapes.
+    layer = eqx.filter_eval_shape(MoELayer, config, key=jr.key(0), dtype=dtype)
 
     def arr(x, like):
         return jnp.asarray(x, like.dtype)
 
-    layer = eqx.tree_at(
-        lambda l: (l.router.weight, l.experts.w_gate_up, l.experts.w_down),
-        layer,
-        (
-            jnp.asarray(router_weight),
-            arr(w_gate_up, layer.experts.w_gate_up),
-            arr(w_down, layer.experts.w_down),
-        ),
-    )
+    if config.use_router_bias and bias is None:
+        bias = np.zeros((e,), np.float32)
+    new = {
+        (lambda l: l.router.weight): jnp.asarray(router_weight),
+        (lambda l: l.experts.w_gate_up): arr(w_gate_up, layer.experts.w_gate_up),
+        (lambda l: l.experts.w_down): arr(w_down, layer.experts.w_down),
+        (lambda l: l.expert_ids): jnp.arange(e, dtype=jnp.int32),
+    }
     if bias is not None:
-        layer = eqx.tree_at(lambda l: l.router.bias, layer, jnp.asarray(bias))
+        new[lambda l: l.router.bias] = jnp.asarray(bias)
     if shared is not None:
         s = layer.shared_experts
-        new = (arr(shared[0], s.w_gate_up), arr(shared[1], s.w_down))
-        layer = eqx.tree_at(
-            lambda l: (l.shared_experts.w_gate_up, l.shared_experts.w_down), layer, new
-        )
+        new[lambda l: l.shared_experts.w_gate_up] = arr(shared[0], s.w_gate_up)
+        new[lambda l: l.shared_experts.w_down] = arr(shared[1], s.w_down)
         if config.shared_gate:
-            layer = eqx.tree_at(
-                lambda l: l.shared_experts.gate, layer, arr(shared[2], s.gate)
-            )
+            new[lambda l: l.shared_experts.gate] = arr(shared[2], s.gate)
+    for where, value in new.items():
+        layer = eqx.tree_at(where, layer, value)
+    left = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(layer)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if left:  # a field this importer does not know about
+        raise RuntimeError(f"parameters left unset by the import: {left}.")
     return layer
 
 
@@ -180,3 +191,189 @@ def _shared_expert(config: MoEConfig, keys, get, h):
     down = get(f"{base}down_proj.weight", (h, fs)).T
     gate = get("shared_expert_gate.weight", (1, h))[0] if config.shared_gate else None
     return gate_up, down, gate
+
+
+# ---------------------------------------------------------------------------------
+# Configs.
+
+# The library's own settings, which no model config sets: `config_from_hf`'s overrides.
+_OWN_FIELDS = (
+    "buffer_factor",
+    "on_overflow",
+    "num_slots",
+    "slot_backward",
+    "max_slot_exports",
+    "dedup",
+    "gmm_backend",
+    "exchange",
+    "axis_name",
+)
+
+
+class _Reader:
+    """Reads a config mapping's keys, refusing values it cannot map."""
+
+    def __init__(self, hf: Mapping[str, Any]):
+        self.hf = hf
+        self.model_type = hf.get("model_type")
+
+    def get(self, *names: str, default: Any = dataclasses.MISSING):
+        for name in names:
+            if name in self.hf and self.hf[name] is not None:
+                return self.hf[name]
+        if default is dataclasses.MISSING:
+            raise ValueError(
+                f"{self.model_type} config: missing key {names[0]!r}"
+                + (f" (or {', '.join(map(repr, names[1:]))})" if names[1:] else "")
+                + "."
+            )
+        return default
+
+    def require(self, name: str, allowed, *, default: Any = None, why: str = ""):
+        """`name` must be absent (or None) or one of `allowed`."""
+        value = self.hf.get(name, default)
+        if value is None:
+            value = default
+        if value not in allowed:
+            raise ValueError(
+                f"{self.model_type} config: {name}={value!r} is not supported "
+                f"(supported: {', '.join(map(repr, allowed))}){why}."
+            )
+        return value
+
+
+def _swiglu(r: _Reader) -> None:
+    r.require("hidden_act", ("silu", "swish"), default="silu")
+
+
+def _mixtral(r: _Reader) -> dict:
+    _swiglu(r)
+    r.require(
+        "router_jitter_noise",
+        (0, 0.0),
+        default=0.0,
+        why=" (training-time noise on the router's logits)",
+    )
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="softmax",
+        norm_topk=True,
+    )
+
+
+def _olmoe(r: _Reader) -> dict:
+    _swiglu(r)
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_experts", "num_local_experts"),
+        score_func="softmax",
+        norm_topk=bool(r.get("norm_topk_prob", default=False)),
+    )
+
+
+def _qwen3_moe(r: _Reader) -> dict:
+    _swiglu(r)
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("num_experts", "num_local_experts"),
+        score_func="softmax",
+        norm_topk=bool(r.get("norm_topk_prob", default=False)),
+    )
+
+
+def _qwen2_moe(r: _Reader) -> dict:
+    out = _qwen3_moe(r)
+    shared = int(r.get("shared_expert_intermediate_size", default=0))
+    return dict(out, shared_d_ff=shared, shared_gate=shared > 0)
+
+
+def _deepseek_v3(r: _Reader) -> dict:
+    _swiglu(r)
+    r.require("scoring_func", ("sigmoid",), default="sigmoid")
+    r.require(
+        "topk_method",
+        ("noaux_tc",),
+        default="noaux_tc",
+        why=" (DeepSeek-V3 scores a group by the sum of its best two experts)",
+    )
+    n_group = int(r.get("n_group", default=1) or 1)
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("n_routed_experts"),
+        score_func="sigmoid",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        use_router_bias=True,
+        norm_topk=bool(r.get("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=int(r.get("n_shared_experts", default=0) or 0)
+        * int(r.get("moe_intermediate_size")),
+    )
+
+
+_FAMILIES = {
+    "mixtral": _mixtral,
+    "olmoe": _olmoe,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v3": _deepseek_v3,
+}
+
+
+def config_from_hf(hf_config, **overrides) -> MoEConfig:
+    """The [`moe_eqx.MoEConfig`][] of a Hugging Face MoE model's blocks, read from its
+    config.
+
+    Supported `model_type`s: `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe` and
+    `deepseek_v3` (their keys: `hidden_size`, `num_experts_per_tok`, the expert count
+    and width, `norm_topk_prob`, DeepSeek-V3's `n_group` / `topk_group` /
+    `routed_scaling_factor` / `n_shared_experts`, Qwen2-MoE's
+    `shared_expert_intermediate_size`). A config either maps exactly or is refused:
+    an unknown `model_type`, or a value the layer does not compute (a `hidden_act`
+    other than SiLU, DeepSeek's `topk_method` other than `"noaux_tc"` or
+    `scoring_func` other than `"sigmoid"`, Mixtral's `router_jitter_noise`) is a
+    `ValueError` naming the key and value. A multimodal config's `text_config` is
+    read when the top level is not itself an MoE model.
+
+    **Arguments:**
+
+    - `hf_config`: the `config.json` mapping, or a `transformers` config object
+        (anything with `to_dict()`).
+    - `overrides`: the library's own fields (`buffer_factor`, `on_overflow`,
+        `num_slots`, `slot_backward`, `max_slot_exports`, `dedup`, `gmm_backend`,
+        `exchange`, `axis_name`); a field the model's config sets is refused.
+
+    **Returns:**
+
+    The config; build the layer from the block's weights with
+    [`moe_eqx.layer_from_hf_state_dict`][].
+    """
+    hf = hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config
+    if not isinstance(hf, Mapping):
+        raise TypeError(
+            f"`hf_config` must be a config.json mapping or a transformers config, "
+            f"got {type(hf_config).__name__}."
+        )
+    if hf.get("model_type") not in _FAMILIES and isinstance(
+        hf.get("text_config"), Mapping
+    ):
+        hf = hf["text_config"]
+    model_type = hf.get("model_type")
+    if model_type not in _FAMILIES:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by `config_from_hf` "
+            f"(supported: {', '.join(sorted(_FAMILIES))})."
+        )
+    bad = sorted(set(overrides) - set(_OWN_FIELDS))
+    if bad:
+        raise ValueError(
+            f"overrides {bad} are set by the model's config, not by the caller "
+            f"(overridable: {', '.join(_OWN_FIELDS)})."
+        )
+    r = _Reader(hf)
+    fields = _FAMILIES[model_type](r)
+    fields.update(
+        d_model=int(r.get("hidden_size")), top_k=int(r.get("num_experts_per_tok"))
+    )
+    return MoEConfig(**fields, **overrides)

@@ -1,0 +1,249 @@
+"""`config_from_hf` + `layer_from_hf_state_dict` against `transformers`' own MoE blocks
+(built from tiny configs, every parameter and buffer drawn at random): outputs and
+input gradients on one device and under EP4; refused configs; dtypes kept."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mesh
+
+import moe_eqx as me
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+H = 16
+
+
+def _family(name):
+    """`(config, block class)` of a tiny model of family `name`."""
+    t = transformers
+    if name == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        cfg = t.MixtralConfig(
+            hidden_size=H,
+            intermediate_size=24,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        )
+        return cfg, MixtralSparseMoeBlock
+    if name == "olmoe":
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+        cfg = t.OlmoeConfig(
+            hidden_size=H, intermediate_size=24, num_experts=8, num_experts_per_tok=3,
+            norm_topk_prob=False,
+        )  # fmt: skip
+        return cfg, OlmoeSparseMoeBlock
+    if name == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+            Qwen3MoeSparseMoeBlock,
+        )
+
+        cfg = t.Qwen3MoeConfig(
+            hidden_size=H, moe_intermediate_size=12, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True,
+        )  # fmt: skip
+        return cfg, Qwen3MoeSparseMoeBlock
+    if name == "qwen2_moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import (
+            Qwen2MoeSparseMoeBlock,
+        )
+
+        cfg = t.Qwen2MoeConfig(
+            hidden_size=H, moe_intermediate_size=12, num_experts=8,
+            num_experts_per_tok=2, shared_expert_intermediate_size=20,
+            norm_topk_prob=False,
+        )  # fmt: skip
+        return cfg, Qwen2MoeSparseMoeBlock
+    if name == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        cfg = t.DeepseekV3Config(
+            hidden_size=H, moe_intermediate_size=12, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=2,
+            routed_scaling_factor=2.5, norm_topk_prob=True,
+        )  # fmt: skip
+        return cfg, DeepseekV3MoE
+    raise AssertionError(name)
+
+
+FAMILIES = ["mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "deepseek_v3"]
+
+
+def _block(name, seed=0):
+    cfg, cls = _family(name)
+    torch.manual_seed(seed)
+    block = cls(cfg).eval()
+    with torch.no_grad():
+        # transformers leaves expert weights uninitialised and correction biases at
+        # zero, which would hide bugs: draw every parameter and buffer.
+        for tensor in list(block.parameters()) + list(block.buffers()):
+            if tensor.is_floating_point():
+                tensor.normal_(0.0, 0.3)
+    return cfg, block
+
+
+def _state_dict(block):
+    return {k: v.detach().float().numpy() for k, v in block.state_dict().items()}
+
+
+def _torch_value_and_grad(block, x):
+    xt = torch.tensor(np.asarray(x), requires_grad=True)
+    y = block(xt[None])[0]
+    (y.double() ** 2).sum().backward()
+    return y.detach().numpy(), xt.grad.numpy()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_family_matches_its_transformers_block(getkey, name, num_shards):
+    """Through `config_from_hf(config.to_dict())` and the importer, no hand-written
+    config: outputs and input gradients within 1e-5 relative of the block's."""
+    cfg, block = _block(name)
+    config = me.config_from_hf(cfg.to_dict(), buffer_factor=None)
+    layer = me.layer_from_hf_state_dict(config, _state_dict(block))
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, g_hf = _torch_value_and_grad(block, x)
+    m = None if num_shards == 1 else mesh(num_shards)
+
+    def loss(x):
+        y, _ = layer(x, mesh=m)
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+    (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    scale = np.max(np.abs(y_hf))
+    np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * scale)
+    gscale = np.max(np.abs(g_hf))
+    np.testing.assert_allclose(np.asarray(g), g_hf, rtol=1e-5, atol=1e-5 * gscale)
+
+
+def test_a_wrong_config_would_be_caught(getkey):
+    """The comparison above fails when a setting is wrong: DeepSeek-V3's block with
+    its groups ignored differs from it by far more than the tolerance."""
+    cfg, block = _block("deepseek_v3")
+    config = me.config_from_hf(cfg.to_dict())
+    wrong = me.MoEConfig(
+        **{
+            f.name: getattr(config, f.name)
+            for f in config.__dataclass_fields__.values()
+        }
+        | dict(num_groups=1, top_groups=1)
+    )
+    layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, _ = _torch_value_and_grad(block, x)
+    assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2
+
+
+def test_config_object_and_mapping_agree():
+    cfg, _ = _block("qwen2_moe")
+    assert me.config_from_hf(cfg) == me.config_from_hf(cfg.to_dict())
+    config = me.config_from_hf(cfg, num_slots=1, on_overflow="drop", axis_name="ep")
+    assert (config.num_slots, config.on_overflow, config.axis_name) == (1, "drop", "ep")
+    assert (config.shared_d_ff, config.shared_gate, config.norm_topk) == (
+        20,
+        True,
+        False,
+    )
+
+
+def test_hub_config_json_keys():
+    """The keys as the hub's config.json files spell them (Qwen3-MoE's `num_experts`,
+    DeepSeek-V3's `scoring_func` / `topk_method`)."""
+    qwen3 = {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "hidden_act": "silu",
+    }  # fmt: skip
+    c = me.config_from_hf(qwen3)
+    assert (c.d_model, c.d_ff, c.num_experts, c.top_k, c.norm_topk) == (
+        2048, 768, 128, 8, True,
+    )  # fmt: skip
+    v3 = {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "moe_intermediate_size": 2048,
+        "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8,
+        "topk_group": 4, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "hidden_act": "silu",
+    }  # fmt: skip
+    c = me.config_from_hf(v3)
+    assert (c.score_func, c.num_groups, c.top_groups, c.use_router_bias) == (
+        "sigmoid", 8, 4, True,
+    )  # fmt: skip
+    assert (c.routed_scaling_factor, c.shared_d_ff) == (2.5, 2048)
+    # A multimodal config's text part.
+    assert me.config_from_hf({"model_type": "some_vlm", "text_config": qwen3}) == (
+        me.config_from_hf(qwen3)
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "dbrx"}, "model_type='dbrx' is not supported"),
+        ({"model_type": "deepseek_v2"}, "model_type='deepseek_v2' is not supported"),
+        ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
+        ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"n_routed_experts": None}, "missing key 'n_routed_experts'"),
+    ],
+)
+def test_configs_it_cannot_map_are_refused(change, message):
+    """A config maps exactly or is refused, naming the key and value (DeepSeek-V2's
+    group_limited_greedy scores a group by its best expert, which the layer does not
+    compute)."""
+    cfg, _ = _block("deepseek_v3")
+    hf = cfg.to_dict() | change
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        me.config_from_hf(hf)
+
+
+def test_mixtral_jitter_and_overrides_refused():
+    cfg, _ = _block("mixtral")
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
+        me.config_from_hf(cfg.to_dict() | {"router_jitter_noise": 0.1})
+    with pytest.raises(ValueError, match=r"overrides \['num_experts'\]"):
+        me.config_from_hf(cfg, num_experts=4)
+
+
+def test_bfloat16_state_dict_gives_a_bfloat16_layer():
+    """A bfloat16 state dict (NumPy's `issubdtype` does not call bfloat16 floating)
+    gives bfloat16 expert weights, equal to the dict's values; the router stays
+    float32."""
+    cfg, block = _block("qwen3_moe")
+    sd = {
+        k: v.detach().to(torch.bfloat16).float().numpy().astype(jnp.bfloat16)
+        for k, v in block.state_dict().items()
+    }
+    layer = me.layer_from_hf_state_dict(me.config_from_hf(cfg), sd)
+    assert layer.experts.w_gate_up.dtype == jnp.bfloat16
+    assert layer.experts.w_down.dtype == jnp.bfloat16
+    assert layer.router.weight.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(layer.experts.w_down, np.float32),
+        np.swapaxes(sd["experts.down_proj"].astype(np.float32), 1, 2),
+    )
+
+
+def test_import_draws_no_random_weights(monkeypatch):
+    """The layer is built from an abstract skeleton: no random expert weight is drawn
+    (the random draws of `MoELayer.__init__` would cost seconds and a full layer of
+    memory at real sizes)."""
+    import moe_eqx._experts as experts_module
+
+    drawn = []
+    real_normal = jax.random.normal
+
+    def counting_normal(key, shape, dtype=jnp.float32):
+        out = real_normal(key, shape, dtype)
+        if not isinstance(out, jax.core.Tracer):
+            drawn.append(shape)
+        return out
+
+    monkeypatch.setattr(experts_module.jr, "normal", counting_normal)
+    cfg, block = _block("deepseek_v3")
+    me.layer_from_hf_state_dict(me.config_from_hf(cfg), _state_dict(block))
+    assert drawn == []
