@@ -318,6 +318,9 @@ _FAMILIES = {
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
     "deepseek_v3": _deepseek_v3,
+    "glm4_moe": _deepseek_v3,
+    "dots1": _deepseek_v3,
+    "qwen3_next": _qwen2_moe,
 }
 
 
@@ -325,8 +328,9 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     """The [`moe_eqx.MoEConfig`][] of a Hugging Face MoE model's blocks, read from its
     config.
 
-    Supported `model_type`s: `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe` and
-    `deepseek_v3` (their keys: `hidden_size`, `num_experts_per_tok`, the expert count
+    Supported `model_type`s: `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`,
+    `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and `dots1` (read as
+    DeepSeek-V3) (their keys: `hidden_size`, `num_experts_per_tok`, the expert count
     and width, `norm_topk_prob`, DeepSeek-V3's `n_group` / `topk_group` /
     `routed_scaling_factor` / `n_shared_experts`, Qwen2-MoE's
     `shared_expert_intermediate_size`). A config either maps exactly or is refused:

@@ -67,10 +67,37 @@ def _family(name):
             routed_scaling_factor=2.5, norm_topk_prob=True,
         )  # fmt: skip
         return cfg, DeepseekV3MoE
+    if name in ("glm4_moe", "dots1"):
+        module = __import__(
+            f"transformers.models.{name}.modeling_{name}", fromlist=["x"]
+        )
+        config_class = {"glm4_moe": t.Glm4MoeConfig, "dots1": t.Dots1Config}[name]
+        cfg = config_class(
+            hidden_size=H, moe_intermediate_size=12, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+            routed_scaling_factor=1.5, norm_topk_prob=True,
+        )  # fmt: skip
+        return cfg, getattr(
+            module, {"glm4_moe": "Glm4MoeMoE", "dots1": "Dots1MoE"}[name]
+        )
+    if name == "qwen3_next":
+        from transformers.models.qwen3_next.modeling_qwen3_next import (
+            Qwen3NextSparseMoeBlock,
+        )
+
+        cfg = t.Qwen3NextConfig(
+            hidden_size=H, moe_intermediate_size=12, num_experts=8,
+            num_experts_per_tok=2, shared_expert_intermediate_size=20,
+            norm_topk_prob=True,
+        )  # fmt: skip
+        return cfg, Qwen3NextSparseMoeBlock
     raise AssertionError(name)
 
 
-FAMILIES = ["mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "deepseek_v3"]
+FAMILIES = [
+    "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3",
+    "glm4_moe", "dots1",
+]  # fmt: skip
 
 
 def _block(name, seed=0):
