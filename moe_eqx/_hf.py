@@ -15,6 +15,15 @@ import numpy as np
 from ._config import MoEConfig
 from ._layer import MoELayer
 
+# Router weight `[E, H]` and selection-bias `[E]` keys, as the families name them
+# (ERNIE-4.5's bias is `[1, E]`).
+_ROUTER_KEYS = ("gate.weight", "router.weight")
+_BIAS_KEYS = (
+    "gate.e_score_correction_bias",
+    "e_score_correction_bias",
+    "expert_bias",
+    "gate.moe_statics.e_score_correction_bias",
+)
 # Per-expert projection names: (gate, up, down) in each family's convention.
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _SHARED_PREFIXES = ("shared_experts.", "shared_expert.")
@@ -32,8 +41,10 @@ def layer_from_hf_state_dict(
     Keys (relative to `prefix`, e.g. `"model.layers.3.mlp."`), as transformers stores
     them (`torch.nn.Linear` weights are `[out, in]`):
 
-    - router: `gate.weight [E, H]`; DeepSeek-V3's selection bias
-      `gate.e_score_correction_bias [E]` (needs `config.use_router_bias`).
+    - router: `gate.weight [E, H]` (Jamba, GraniteMoE: `router.weight`); a selection
+      bias (needs `config.use_router_bias`): `gate.e_score_correction_bias [E]`
+      (DeepSeek-V3), `e_score_correction_bias [E]` (MiniMax-M2), `expert_bias [E]`
+      (LFM2-MoE) or `gate.moe_statics.e_score_correction_bias [1, E]` (ERNIE-4.5).
     - routed experts, one of:
         - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`,
           `experts.{i}.up_proj.weight [F, H]`, `experts.{i}.down_proj.weight [H, F]`
@@ -84,15 +95,20 @@ def layer_from_hf_state_dict(
         return value
 
     e, h, f = config.num_experts, config.d_model, config.d_ff
-    router_weight = get("gate.weight", (e, h)).T.astype(np.float32)
+    router_key = next((k for k in _ROUTER_KEYS if k in keys), _ROUTER_KEYS[0])
+    router_weight = get(router_key, (e, h)).T.astype(np.float32)
     bias = None
-    if "gate.e_score_correction_bias" in keys:
+    bias_key = next((k for k in _BIAS_KEYS if k in keys), None)
+    if bias_key is not None:
         if not config.use_router_bias:
             raise ValueError(
-                f"{prefix}gate.e_score_correction_bias is present: set "
-                f"`use_router_bias=True` (DeepSeek-V3's selection bias)."
+                f"{prefix}{bias_key} is present: set `use_router_bias=True` (a "
+                f"selection bias, as DeepSeek-V3's)."
             )
-        bias = get("gate.e_score_correction_bias", (e,)).astype(np.float32)
+        shape = (
+            (1, e) if bias_key == "gate.moe_statics.e_score_correction_bias" else (e,)
+        )
+        bias = get(bias_key, shape).reshape(e).astype(np.float32)
     w_gate_up, w_down = _routed_experts(keys, get, e, h, f)
     shared = _shared_expert(config, keys, get, h) if config.shared_d_ff else None
 
@@ -288,6 +304,73 @@ def _qwen2_moe(r: _Reader) -> dict:
     return dict(out, shared_d_ff=shared, shared_gate=shared > 0)
 
 
+def _jamba(r: _Reader) -> dict:
+    _swiglu(r)
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_experts", "num_local_experts"),
+        score_func="softmax",
+        norm_topk=False,
+    )
+
+
+def _granitemoe(r: _Reader) -> dict:
+    # Softmax over the chosen k logits: the renormalised top-k probabilities.
+    _swiglu(r)
+    r.require(
+        "shared_intermediate_size",
+        (0, None),
+        default=0,
+        why=" (GraniteMoE-Shared's shared expert is not read yet)",
+    )
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="softmax",
+        norm_topk=True,
+    )
+
+
+def _minimax_m2(r: _Reader) -> dict:
+    _swiglu(r)
+    r.require("router_jitter_noise", (0, 0.0), default=0.0)
+    r.require("scoring_func", ("sigmoid",), default="sigmoid")
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="sigmoid",
+        use_router_bias=r.require("use_routing_bias", (True,), default=True),
+        norm_topk=True,
+    )
+
+
+def _lfm2_moe(r: _Reader) -> dict:
+    # Its top-k normalisation adds 1e-6 to the sum (a relative 1e-6 or less).
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("num_experts"),
+        score_func="sigmoid",
+        use_router_bias=bool(r.get("use_expert_bias", default=True)),
+        norm_topk=bool(r.get("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+    )
+
+
+def _ernie4_5_moe(r: _Reader) -> dict:
+    _swiglu(r)
+    r.require("use_bias", (False,), default=False, why=" (biases on the projections)")
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("moe_num_experts"),
+        top_k=r.get("moe_k"),
+        score_func="softmax",
+        use_router_bias=True,
+        norm_topk=True,
+        shared_d_ff=int(r.get("moe_num_shared_experts", default=0) or 0) * f,
+    )
+
+
 def _deepseek_v3(r: _Reader) -> dict:
     _swiglu(r)
     r.require("scoring_func", ("sigmoid",), default="sigmoid")
@@ -321,6 +404,12 @@ _FAMILIES = {
     "glm4_moe": _deepseek_v3,
     "dots1": _deepseek_v3,
     "qwen3_next": _qwen2_moe,
+    "minimax": _mixtral,
+    "jamba": _jamba,
+    "granitemoe": _granitemoe,
+    "minimax_m2": _minimax_m2,
+    "lfm2_moe": _lfm2_moe,
+    "ernie4_5_moe": _ernie4_5_moe,
 }
 
 
@@ -328,16 +417,16 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     """The [`moe_eqx.MoEConfig`][] of a Hugging Face MoE model's blocks, read from its
     config.
 
-    Supported `model_type`s: `mixtral`, `olmoe`, `qwen2_moe`, `qwen3_moe`,
-    `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and `dots1` (read as
-    DeepSeek-V3) (their keys: `hidden_size`, `num_experts_per_tok`, the expert count
-    and width, `norm_topk_prob`, DeepSeek-V3's `n_group` / `topk_group` /
-    `routed_scaling_factor` / `n_shared_experts`, Qwen2-MoE's
-    `shared_expert_intermediate_size`). A config either maps exactly or is refused:
-    an unknown `model_type`, or a value the layer does not compute (a `hidden_act`
-    other than SiLU, DeepSeek's `topk_method` other than `"noaux_tc"` or
-    `scoring_func` other than `"sigmoid"`, Mixtral's `router_jitter_noise`) is a
-    `ValueError` naming the key and value. A multimodal config's `text_config` is
+    Supported `model_type`s: `mixtral` and `minimax`, `olmoe`, `qwen2_moe`,
+    `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and
+    `dots1` (read as DeepSeek-V3), `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and
+    `ernie4_5_moe`; the README's table of models lists the keys each reads (always
+    `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
+    either maps exactly or is refused: an unknown `model_type`, or a value the layer
+    does not compute (a `hidden_act` other than SiLU, DeepSeek's `topk_method` other
+    than `"noaux_tc"` or `scoring_func` other than `"sigmoid"`, a nonzero
+    `router_jitter_noise`, ERNIE's `use_bias`) is a `ValueError` naming the key and
+    value. A multimodal config's `text_config` is
     read when the top level is not itself an MoE model.
 
     **Arguments:**
@@ -377,7 +466,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
         )
     r = _Reader(hf)
     fields = _FAMILIES[model_type](r)
-    fields.update(
-        d_model=int(r.get("hidden_size")), top_k=int(r.get("num_experts_per_tok"))
-    )
+    if "top_k" not in fields:
+        fields["top_k"] = r.get("num_experts_per_tok")
+    fields.update(d_model=int(r.get("hidden_size")), top_k=int(fields["top_k"]))
     return MoEConfig(**fields, **overrides)

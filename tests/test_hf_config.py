@@ -91,12 +91,36 @@ def _family(name):
             norm_topk_prob=True,
         )  # fmt: skip
         return cfg, Qwen3NextSparseMoeBlock
-    raise AssertionError(name)
+    simple = {
+        # name: (config class, block class, config kwargs)
+        "minimax": ("MiniMaxConfig", "MiniMaxSparseMoeBlock", dict(num_local_experts=8)),
+        "jamba": ("JambaConfig", "JambaSparseMoeBlock", dict(num_experts=8)),
+        "granitemoe": ("GraniteMoeConfig", "GraniteMoeMoE", dict(num_local_experts=8)),
+        "minimax_m2": (
+            "MiniMaxM2Config", "MiniMaxM2SparseMoeBlock", dict(num_local_experts=8)
+        ),
+        "lfm2_moe": (
+            "Lfm2MoeConfig", "Lfm2MoeSparseMoeBlock",
+            dict(num_experts=8, moe_intermediate_size=12, routed_scaling_factor=1.7),
+        ),
+        "ernie4_5_moe": (
+            "Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock",
+            dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=12,
+                 moe_num_shared_experts=2),
+        ),
+    }  # fmt: skip
+    config_name, block_name, kwargs = simple[name]
+    module = __import__(f"transformers.models.{name}.modeling_{name}", fromlist=["x"])
+    cfg = getattr(t, config_name)(
+        hidden_size=H, intermediate_size=24, num_experts_per_tok=2, **kwargs
+    )
+    return cfg, getattr(module, block_name)
 
 
 FAMILIES = [
     "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3",
-    "glm4_moe", "dots1",
+    "glm4_moe", "dots1", "minimax", "jamba", "granitemoe", "minimax_m2", "lfm2_moe",
+    "ernie4_5_moe",
 ]  # fmt: skip
 
 
