@@ -52,6 +52,9 @@ class MoEConfig(eqx.Module):
     - `num_groups`, `top_groups`: group-limited routing (DeepSeek-V3): experts are split
         into `num_groups` contiguous groups and each token may only choose among the
         experts of its `top_groups` best groups.
+    - `group_score`: a group's score in group-limited routing: `"top2"`, the sum of
+        its best two selection scores (DeepSeek-V3), or `"max"`, its best one
+        (DeepSeek-V2's `group_limited_greedy`).
     - `use_router_bias`: add a selection-only bias (aux-loss-free balancing).
     - `routed_scaling_factor`: multiplies the routed experts' output, after the
         weights are normalised (DeepSeek-V3 uses 2.5).
@@ -111,6 +114,7 @@ class MoEConfig(eqx.Module):
     gmm_backend: str | AbstractGMMBackend = eqx.field(static=True, default="auto")
     exchange: str | AbstractExchange = eqx.field(static=True, default="auto")
     axis_name: str = eqx.field(static=True, default="expert")
+    group_score: str = eqx.field(static=True, default="top2")
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -125,6 +129,10 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`top_k` ({self.top_k}) must not exceed `num_experts` "
                 f"({self.num_experts})."
+            )
+        if self.group_score not in ("top2", "max"):
+            raise ValueError(
+                f"`group_score` must be 'top2' or 'max', got {self.group_score!r}."
             )
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(

@@ -371,6 +371,30 @@ def _ernie4_5_moe(r: _Reader) -> dict:
     )
 
 
+def _deepseek_v2(r: _Reader) -> dict:
+    # Softmax scores, never renormalised (its router ignores `norm_topk_prob`), the
+    # scaling factor on the weights; groups scored by their best expert.
+    _swiglu(r)
+    method = r.require(
+        "topk_method", ("greedy", "group_limited_greedy"), default="greedy"
+    )
+    n_group = int(r.get("n_group", default=1) or 1) if method != "greedy" else 1
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("n_routed_experts"),
+        score_func="softmax",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group)
+        if n_group > 1
+        else 1,
+        group_score="max",
+        norm_topk=False,
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=int(r.get("n_shared_experts", default=0) or 0) * f,
+    )
+
+
 def _deepseek_v3(r: _Reader) -> dict:
     _swiglu(r)
     r.require("scoring_func", ("sigmoid",), default="sigmoid")
@@ -400,6 +424,7 @@ _FAMILIES = {
     "olmoe": _olmoe,
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
+    "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _deepseek_v3,
     "dots1": _deepseek_v3,

@@ -91,6 +91,18 @@ def _family(name):
             norm_topk_prob=True,
         )  # fmt: skip
         return cfg, Qwen3NextSparseMoeBlock
+    if name.startswith("deepseek_v2"):
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+
+        grouped = name == "deepseek_v2_grouped"
+        cfg = t.DeepseekV2Config(
+            hidden_size=H, num_attention_heads=2, num_key_value_heads=2,
+            moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=2, routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy" if grouped else "greedy",
+            n_group=4 if grouped else None, topk_group=2 if grouped else None,
+        )  # fmt: skip
+        return cfg, DeepseekV2Moe
     simple = {
         # name: (config class, block class, config kwargs)
         "minimax": ("MiniMaxConfig", "MiniMaxSparseMoeBlock", dict(num_local_experts=8)),
@@ -120,7 +132,7 @@ def _family(name):
 FAMILIES = [
     "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3",
     "glm4_moe", "dots1", "minimax", "jamba", "granitemoe", "minimax_m2", "lfm2_moe",
-    "ernie4_5_moe",
+    "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped",
 ]  # fmt: skip
 
 
@@ -171,17 +183,21 @@ def test_family_matches_its_transformers_block(getkey, name, num_shards):
     np.testing.assert_allclose(np.asarray(g), g_hf, rtol=1e-5, atol=1e-5 * gscale)
 
 
-def test_a_wrong_config_would_be_caught(getkey):
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [
+        ("deepseek_v3", dict(num_groups=1, top_groups=1)),
+        ("deepseek_v2_grouped", dict(group_score="top2")),
+    ],
+)
+def test_a_wrong_config_would_be_caught(getkey, name, change):
     """The comparison above fails when a setting is wrong: DeepSeek-V3's block with
-    its groups ignored differs from it by far more than the tolerance."""
-    cfg, block = _block("deepseek_v3")
+    its groups ignored, or DeepSeek-V2's groups scored as V3's, differ from the block
+    by far more than the tolerance."""
+    cfg, block = _block(name)
     config = me.config_from_hf(cfg.to_dict())
     wrong = me.MoEConfig(
-        **{
-            f.name: getattr(config, f.name)
-            for f in config.__dataclass_fields__.values()
-        }
-        | dict(num_groups=1, top_groups=1)
+        **{f: getattr(config, f) for f in config.__dataclass_fields__} | change
     )
     layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
     x = jax.random.normal(getkey(), (32, H), jnp.float32)
@@ -235,17 +251,21 @@ def test_hub_config_json_keys():
     ("change", "message"),
     [
         ({"model_type": "dbrx"}, "model_type='dbrx' is not supported"),
-        ({"model_type": "deepseek_v2"}, "model_type='deepseek_v2' is not supported"),
+        ({"model_type": "phimoe"}, "model_type='phimoe' is not supported"),
         ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
+        (
+            {"topk_method": "noaux_tc", "model_type": "deepseek_v2"},
+            "topk_method='noaux_tc'",
+        ),
         ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"n_routed_experts": None}, "missing key 'n_routed_experts'"),
     ],
 )
 def test_configs_it_cannot_map_are_refused(change, message):
-    """A config maps exactly or is refused, naming the key and value (DeepSeek-V2's
-    group_limited_greedy scores a group by its best expert, which the layer does not
-    compute)."""
+    """A config maps exactly or is refused, naming the key and value (on a DeepSeek-V3
+    config, group_limited_greedy, DeepSeek-V2's method, is refused: V3's block does
+    not compute it)."""
     cfg, _ = _block("deepseek_v3")
     hf = cfg.to_dict() | change
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
