@@ -17,7 +17,7 @@ from ._layer import MoELayer
 
 # Router weight `[E, H]` and selection-bias `[E]` keys, as the families name them
 # (ERNIE-4.5's bias is `[1, E]`).
-_ROUTER_KEYS = ("gate.weight", "router.weight")
+_ROUTER_KEYS = ("gate.weight", "router.weight", "gate.wg.weight")
 _BIAS_KEYS = (
     "gate.e_score_correction_bias",
     "e_score_correction_bias",
@@ -26,7 +26,7 @@ _BIAS_KEYS = (
 )
 # Per-expert projection names: (gate, up, down) in each family's convention.
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-_SHARED_PREFIXES = ("shared_experts.", "shared_expert.")
+_SHARED_PREFIXES = ("shared_experts.", "shared_expert.", "shared_mlp.")
 
 
 def layer_from_hf_state_dict(
@@ -45,6 +45,7 @@ def layer_from_hf_state_dict(
       bias (needs `config.use_router_bias`): `gate.e_score_correction_bias [E]`
       (DeepSeek-V3), `e_score_correction_bias [E]` (MiniMax-M2), `expert_bias [E]`
       (LFM2-MoE) or `gate.moe_statics.e_score_correction_bias [1, E]` (ERNIE-4.5).
+      HunYuan-V1-MoE's router is at `gate.wg.weight`.
     - routed experts, one of:
         - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`,
           `experts.{i}.up_proj.weight [F, H]`, `experts.{i}.down_proj.weight [H, F]`
@@ -55,7 +56,8 @@ def layer_from_hf_state_dict(
     - shared expert (`config.shared_d_ff > 0`):
       `shared_experts.{gate,up,down}_proj.weight` (DeepSeek-V3,
       `F_s = n_shared_experts * moe_intermediate_size`) or
-      `shared_expert.{gate,up,down}_proj.weight` (Qwen2-MoE), with Qwen2-MoE's gate
+      `shared_expert.{gate,up,down}_proj.weight` (Qwen2-MoE) or
+      `shared_mlp.{gate,up,down}_proj.weight` (HunYuan-V1-MoE), with Qwen2-MoE's gate
       `shared_expert_gate.weight [1, H]` when `config.shared_gate`.
 
     The routing semantics come from `config`: Mixtral is `score_func="softmax"`,
@@ -195,7 +197,8 @@ def _shared_expert(config: MoEConfig, keys, get, h):
     if base is None:
         raise ValueError(
             "`config.shared_d_ff > 0` but no shared expert in the state dict (expected "
-            "shared_experts.* (DeepSeek-V3) or shared_expert.* (Qwen2-MoE))."
+            "shared_experts.* (DeepSeek-V3), shared_expert.* (Qwen2-MoE) or "
+            "shared_mlp.* (HunYuan-V1-MoE))."
         )
     gate_up = np.concatenate(
         [
@@ -371,6 +374,33 @@ def _ernie4_5_moe(r: _Reader) -> dict:
     )
 
 
+def _one_per_model(r: _Reader, name: str):
+    """A per-layer setting given as a list must be the same for every layer."""
+    value = r.get(name)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(
+                f"{r.model_type} config: {name}={value!r} differs between layers; "
+                f"pass the layer's own config (with {name} set to its value)."
+            )
+        value = value[0]
+    return value
+
+
+def _hunyuan_v1_moe(r: _Reader) -> dict:
+    # Softmax top-k renormalised, plus an ungated shared SwiGLU of the model's width.
+    _swiglu(r)
+    f = int(r.get("intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=_one_per_model(r, "num_experts"),
+        top_k=_one_per_model(r, "moe_topk"),
+        score_func="softmax",
+        norm_topk=True,
+        shared_d_ff=f,
+    )
+
+
 def _deepseek_v2(r: _Reader) -> dict:
     # Softmax scores, never renormalised (its router ignores `norm_topk_prob`), the
     # scaling factor on the weights; groups scored by their best expert.
@@ -425,6 +455,7 @@ _FAMILIES = {
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
     "deepseek_v2": _deepseek_v2,
+    "hunyuan_v1_moe": _hunyuan_v1_moe,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _deepseek_v3,
     "dots1": _deepseek_v3,
@@ -445,7 +476,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     Supported `model_type`s: `mixtral` and `minimax`, `olmoe`, `qwen2_moe`,
     `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and
     `dots1` (read as DeepSeek-V3), `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and
-    `ernie4_5_moe`; the README's table of models lists the keys each reads (always
+    `ernie4_5_moe`, `hunyuan_v1_moe`; the README's table of models lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
     does not compute (a `hidden_act` other than SiLU, DeepSeek's `topk_method` other

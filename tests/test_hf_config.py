@@ -103,6 +103,16 @@ def _family(name):
             n_group=4 if grouped else None, topk_group=2 if grouped else None,
         )  # fmt: skip
         return cfg, DeepseekV2Moe
+    if name == "hunyuan_v1_moe":
+        from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import (
+            HunYuanMoEV1Moe,
+        )
+
+        cfg = t.HunYuanMoEV1Config(
+            hidden_size=H, intermediate_size=24, num_experts=8, moe_topk=2,
+            num_attention_heads=2, num_key_value_heads=2,
+        )  # fmt: skip
+        return cfg, HunYuanMoEV1Moe
     simple = {
         # name: (config class, block class, config kwargs)
         "minimax": ("MiniMaxConfig", "MiniMaxSparseMoeBlock", dict(num_local_experts=8)),
@@ -132,7 +142,7 @@ def _family(name):
 FAMILIES = [
     "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3",
     "glm4_moe", "dots1", "minimax", "jamba", "granitemoe", "minimax_m2", "lfm2_moe",
-    "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped",
+    "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped", "hunyuan_v1_moe",
 ]  # fmt: skip
 
 
