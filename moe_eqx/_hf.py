@@ -17,7 +17,7 @@ from ._layer import MoELayer
 
 # Router weight `[E, H]` and selection-bias `[E]` keys, as the families name them
 # (ERNIE-4.5's bias is `[1, E]`).
-_ROUTER_KEYS = ("gate.weight", "router.weight", "gate.wg.weight")
+_ROUTER_KEYS = ("gate.weight", "router.weight", "gate.wg.weight", "router.gate.weight")
 _BIAS_KEYS = (
     "gate.e_score_correction_bias",
     "e_score_correction_bias",
@@ -45,7 +45,8 @@ def layer_from_hf_state_dict(
       bias (needs `config.use_router_bias`): `gate.e_score_correction_bias [E]`
       (DeepSeek-V3), `e_score_correction_bias [E]` (MiniMax-M2), `expert_bias [E]`
       (LFM2-MoE) or `gate.moe_statics.e_score_correction_bias [1, E]` (ERNIE-4.5).
-      HunYuan-V1-MoE's router is at `gate.wg.weight`.
+      HunYuan-V1-MoE's router is at `gate.wg.weight`, AFMoE's at
+      `router.gate.weight`.
     - routed experts, one of:
         - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`,
           `experts.{i}.up_proj.weight [F, H]`, `experts.{i}.down_proj.weight [H, F]`
@@ -401,6 +402,47 @@ def _hunyuan_v1_moe(r: _Reader) -> dict:
     )
 
 
+def _cohere2_moe(r: _Reader) -> dict:
+    # Top-k of the logits, then a softmax over the chosen k (the renormalised top-k
+    # probabilities) or their sigmoids; shared experts summed or averaged.
+    _swiglu(r)
+    selection = r.require(
+        "expert_selection_fn", ("softmax", "sigmoid"), default="softmax"
+    )
+    f = int(r.get("intermediate_size"))
+    shared = int(r.get("num_shared_experts", default=0) or 0) * f
+    strategy = r.require(
+        "shared_expert_combination_strategy", ("sum", "average"), default="sum"
+    )
+    half = shared > 0 and strategy == "average"
+    return dict(
+        d_ff=f,
+        num_experts=r.get("num_experts"),
+        score_func=selection,
+        norm_topk=selection == "softmax"
+        or bool(r.get("norm_topk_prob", default=False)),
+        shared_d_ff=shared,
+        routed_scaling_factor=0.5 if half else 1.0,
+        shared_scale=0.5 if half else 1.0,
+    )
+
+
+def _afmoe(r: _Reader) -> dict:
+    # Sigmoid scores, a selection bias, always renormalised (its 1e-20 is below
+    # float32's resolution of the sum), `route_scale` on the weights.
+    _swiglu(r)
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("num_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("route_scale", default=1.0)),
+        shared_d_ff=int(r.get("num_shared_experts", default=0) or 0) * f,
+    )
+
+
 def _deepseek_v2(r: _Reader) -> dict:
     # Softmax scores, never renormalised (its router ignores `norm_topk_prob`), the
     # scaling factor on the weights; groups scored by their best expert.
@@ -456,6 +498,8 @@ _FAMILIES = {
     "qwen3_moe": _qwen3_moe,
     "deepseek_v2": _deepseek_v2,
     "hunyuan_v1_moe": _hunyuan_v1_moe,
+    "cohere2_moe": _cohere2_moe,
+    "afmoe": _afmoe,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _deepseek_v3,
     "dots1": _deepseek_v3,
@@ -476,7 +520,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     Supported `model_type`s: `mixtral` and `minimax`, `olmoe`, `qwen2_moe`,
     `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and
     `dots1` (read as DeepSeek-V3), `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and
-    `ernie4_5_moe`, `hunyuan_v1_moe`; the README's table of models lists the keys each reads (always
+    `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`; the README's table of models lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
     does not compute (a `hidden_act` other than SiLU, DeepSeek's `topk_method` other

@@ -113,6 +113,29 @@ def _family(name):
             num_attention_heads=2, num_key_value_heads=2,
         )  # fmt: skip
         return cfg, HunYuanMoEV1Moe
+    if name.startswith("cohere2_moe"):
+        from transformers.models.cohere2_moe.modeling_cohere2_moe import (
+            Cohere2MoeSparseMoeBlock,
+        )
+
+        sigmoid = name == "cohere2_moe_sigmoid"
+        cfg = t.Cohere2MoeConfig(
+            hidden_size=H, intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+            num_attention_heads=2, num_key_value_heads=2, num_shared_experts=1,
+            shared_expert_combination_strategy="sum" if sigmoid else "average",
+            expert_selection_fn="sigmoid" if sigmoid else "softmax",
+            norm_topk_prob=sigmoid,
+        )  # fmt: skip
+        return cfg, Cohere2MoeSparseMoeBlock
+    if name == "afmoe":
+        from transformers.models.afmoe.modeling_afmoe import AfmoeSparseMoeBlock
+
+        cfg = t.AfmoeConfig(
+            hidden_size=H, moe_intermediate_size=12, num_experts=8,
+            num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2,
+            num_shared_experts=2, route_scale=1.3,
+        )  # fmt: skip
+        return cfg, AfmoeSparseMoeBlock
     simple = {
         # name: (config class, block class, config kwargs)
         "minimax": ("MiniMaxConfig", "MiniMaxSparseMoeBlock", dict(num_local_experts=8)),
@@ -143,6 +166,7 @@ FAMILIES = [
     "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3",
     "glm4_moe", "dots1", "minimax", "jamba", "granitemoe", "minimax_m2", "lfm2_moe",
     "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped", "hunyuan_v1_moe",
+    "cohere2_moe", "cohere2_moe_sigmoid", "afmoe",
 ]  # fmt: skip
 
 
