@@ -17,7 +17,13 @@ from ._layer import MoELayer
 
 # Router weight `[E, H]` and selection-bias `[E]` keys, as the families name them
 # (ERNIE-4.5's bias is `[1, E]`).
-_ROUTER_KEYS = ("gate.weight", "router.weight", "gate.wg.weight", "router.gate.weight")
+_ROUTER_KEYS = (
+    "gate.weight",
+    "router.weight",
+    "gate.wg.weight",
+    "router.gate.weight",
+    "router.layer.weight",
+)
 _BIAS_KEYS = (
     "gate.e_score_correction_bias",
     "e_score_correction_bias",
@@ -46,12 +52,14 @@ def layer_from_hf_state_dict(
       (DeepSeek-V3), `e_score_correction_bias [E]` (MiniMax-M2), `expert_bias [E]`
       (LFM2-MoE) or `gate.moe_statics.e_score_correction_bias [1, E]` (ERNIE-4.5).
       HunYuan-V1-MoE's router is at `gate.wg.weight`, AFMoE's at
-      `router.gate.weight`.
+      `router.gate.weight`, DBRX's at `router.layer.weight`.
     - routed experts, one of:
         - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`,
           `experts.{i}.up_proj.weight [F, H]`, `experts.{i}.down_proj.weight [H, F]`
           (Qwen2/3-MoE, DeepSeek-V3), or `experts.{i}.w1/w3/w2.weight` (Mixtral: w1
           gate, w3 up, w2 down);
+        - DBRX's `experts.mlp.w1` (gate), `experts.mlp.v1` (up) and
+          `experts.mlp.w2` (down, `[F, H]` per expert), each `[E * F, H]`;
         - fused: `experts.gate_up_proj [E, 2F, H]` (gate rows first) and
           `experts.down_proj [E, H, F]`.
     - shared expert (`config.shared_d_ff > 0`):
@@ -158,6 +166,12 @@ def layer_from_hf_state_dict(
 
 
 def _routed_experts(keys, get, e, h, f):
+    if "experts.mlp.w1" in keys:  # DBRX: [E * F, H] each, w2 used untransposed
+        w1, v1, w2 = (get(f"experts.mlp.{n}", (e * f, h)) for n in ("w1", "v1", "w2"))
+        gate_up = np.concatenate(
+            [np.swapaxes(w.reshape(e, f, h), 1, 2) for w in (w1, v1)], axis=2
+        )
+        return gate_up, w2.reshape(e, f, h)
     if "experts.gate_up_proj" in keys:
         gate_up = get("experts.gate_up_proj", (e, 2 * f, h))
         down = get("experts.down_proj", (e, h, f))
@@ -443,6 +457,30 @@ def _afmoe(r: _Reader) -> dict:
     )
 
 
+def _dbrx(r: _Reader) -> dict:
+    # Its block's settings live in `ffn_config`: softmax top-k, the weights divided by
+    # their p-norm (p = 1: renormalised; None: raw).
+    ffn = r.get("ffn_config")
+    f = _Reader(dict(ffn, model_type="dbrx ffn_config"))
+    act = (f.get("ffn_act_fn", default={}) or {}).get("name", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(
+            f"dbrx config: ffn_config.ffn_act_fn={act!r} is not supported."
+        )
+    f.require("moe_jitter_eps", (None, 0, 0.0), why=" (training-time input noise)")
+    norm = f.require(
+        "moe_normalize_expert_weights", (None, 1, 1.0), why=" (p-norm other than 1)"
+    )
+    return dict(
+        d_ff=f.get("ffn_hidden_size"),
+        num_experts=f.get("moe_num_experts"),
+        top_k=f.get("moe_top_k"),
+        d_model=r.get("d_model", "hidden_size"),
+        score_func="softmax",
+        norm_topk=norm is not None,
+    )
+
+
 def _deepseek_v2(r: _Reader) -> dict:
     # Softmax scores, never renormalised (its router ignores `norm_topk_prob`), the
     # scaling factor on the weights; groups scored by their best expert.
@@ -500,6 +538,7 @@ _FAMILIES = {
     "hunyuan_v1_moe": _hunyuan_v1_moe,
     "cohere2_moe": _cohere2_moe,
     "afmoe": _afmoe,
+    "dbrx": _dbrx,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _deepseek_v3,
     "dots1": _deepseek_v3,
@@ -520,7 +559,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     Supported `model_type`s: `mixtral` and `minimax`, `olmoe`, `qwen2_moe`,
     `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and
     `dots1` (read as DeepSeek-V3), `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and
-    `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`; the README's table of models lists the keys each reads (always
+    `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`, `dbrx`; the README's table of models lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
     does not compute (a `hidden_act` other than SiLU, DeepSeek's `topk_method` other
@@ -568,5 +607,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     fields = _FAMILIES[model_type](r)
     if "top_k" not in fields:
         fields["top_k"] = r.get("num_experts_per_tok")
-    fields.update(d_model=int(r.get("hidden_size")), top_k=int(fields["top_k"]))
+    if "d_model" not in fields:
+        fields["d_model"] = r.get("hidden_size")
+    fields.update(d_model=int(fields["d_model"]), top_k=int(fields["top_k"]))
     return MoEConfig(**fields, **overrides)

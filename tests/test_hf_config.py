@@ -127,6 +127,14 @@ def _family(name):
             norm_topk_prob=sigmoid,
         )  # fmt: skip
         return cfg, Cohere2MoeSparseMoeBlock
+    if name == "dbrx":
+        from transformers.models.dbrx.modeling_dbrx import DbrxFFN
+
+        cfg = t.DbrxConfig(
+            d_model=H, n_heads=2,
+            ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2),
+        )  # fmt: skip
+        return cfg, DbrxFFN
     if name == "afmoe":
         from transformers.models.afmoe.modeling_afmoe import AfmoeSparseMoeBlock
 
@@ -166,7 +174,7 @@ FAMILIES = [
     "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3",
     "glm4_moe", "dots1", "minimax", "jamba", "granitemoe", "minimax_m2", "lfm2_moe",
     "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped", "hunyuan_v1_moe",
-    "cohere2_moe", "cohere2_moe_sigmoid", "afmoe",
+    "cohere2_moe", "cohere2_moe_sigmoid", "afmoe", "dbrx",
 ]  # fmt: skip
 
 
@@ -284,7 +292,7 @@ def test_hub_config_json_keys():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "dbrx"}, "model_type='dbrx' is not supported"),
+        ({"model_type": "gpt_oss"}, "model_type='gpt_oss' is not supported"),
         ({"model_type": "phimoe"}, "model_type='phimoe' is not supported"),
         ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
         (
