@@ -28,6 +28,7 @@ from ._gmm import (
 from ._hf import (
     config_from_hf as config_from_hf,
     layer_from_hf_state_dict as layer_from_hf_state_dict,
+    layers_from_hf as layers_from_hf,
 )
 from ._layer import (
     MoELayer as MoELayer,

@@ -2,6 +2,8 @@
 state dict of NumPy arrays (`layer_from_hf_state_dict`); nothing is downloaded."""
 
 import dataclasses
+import json
+import pathlib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -611,3 +613,113 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
         fields["d_model"] = r.get("hidden_size")
     fields.update(d_model=int(fields["d_model"]), top_k=int(fields["top_k"]))
     return MoEConfig(**fields, **overrides)
+
+
+# ---------------------------------------------------------------------------------
+# Model directories.
+
+
+def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(
+            f"{directory} has neither model.safetensors.index.json nor "
+            "model.safetensors."
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="np") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _moe_prefixes(names) -> dict[int, str]:
+    """Layer index -> the key prefix of its MoE block: a router key with routed
+    experts beside it (dense layers and shared-only MLPs have none)."""
+    names = list(names)
+    found = {}
+    for name in names:
+        for router in _ROUTER_KEYS:
+            if not name.endswith("." + router):
+                continue
+            prefix = name[: -len(router)]
+            if not any(n.startswith(prefix + "experts.") for n in names):
+                continue
+            numbers = re.findall(r"\.(\d+)\.", "." + prefix)
+            if not numbers:
+                raise ValueError(f"no layer index in the MoE block prefix {prefix!r}.")
+            found[int(numbers[-1])] = prefix
+    return dict(sorted(found.items()))
+
+
+def layers_from_hf(
+    directory,
+    layers: int | list[int] | None = None,
+    *,
+    dtype=None,
+    **overrides,
+) -> dict[int, MoELayer]:
+    """The MoE layers of a Hugging Face model directory (`config.json` and
+    safetensors: `model.safetensors`, or shards listed in
+    `model.safetensors.index.json`).
+
+    The config goes through [`moe_eqx.config_from_hf`][] (with `overrides`), each
+    layer's tensors through [`moe_eqx.layer_from_hf_state_dict`][]. Only the chosen
+    layers' tensors are read, each shard file opened once, with the `safetensors`
+    package's NumPy reader (bfloat16 stays bfloat16). Nothing is downloaded.
+
+    **Arguments:**
+
+    - `directory`: the model directory.
+    - `layers`: a layer index, a list of them, or `None` for every MoE layer (a layer
+        whose block has a router and routed experts; dense layers are skipped). An
+        index that is not an MoE layer is a `ValueError`.
+    - `dtype`: the layers' parameter dtype (default: the checkpoint's).
+    - `overrides`: the library's own config fields, as for `config_from_hf`.
+
+    **Returns:**
+
+    `{layer index: MoELayer}`, in layer order.
+    """
+    from safetensors import safe_open
+
+    directory = pathlib.Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"no config.json in {directory}.")
+    config = config_from_hf(json.loads(config_path.read_text()), **overrides)
+    files = _tensor_files(directory)
+    prefixes = _moe_prefixes(files)
+    if layers is None:
+        wanted = list(prefixes)
+    else:
+        wanted = [layers] if isinstance(layers, int) else list(layers)
+        missing = [i for i in wanted if i not in prefixes]
+        if missing:
+            raise ValueError(
+                f"layers {missing} are not MoE layers of {directory} (MoE layers: "
+                f"{list(prefixes)})."
+            )
+    names = {i: [n for n in files if n.startswith(prefixes[i])] for i in wanted}
+    by_file: dict[pathlib.Path, list[str]] = {}
+    for group in names.values():
+        for name in group:
+            by_file.setdefault(files[name], []).append(name)
+    tensors = {}
+    for path, group in by_file.items():
+        with safe_open(path, framework="np") as f:
+            for name in group:
+                tensors[name] = f.get_tensor(name)
+    return {
+        i: layer_from_hf_state_dict(
+            config,
+            {n: tensors[n] for n in names[i]},
+            prefix=prefixes[i],
+            dtype=dtype,
+        )
+        for i in wanted
+    }

@@ -360,3 +360,72 @@ def test_import_draws_no_random_weights(monkeypatch):
     cfg, block = _block("deepseek_v3")
     me.layer_from_hf_state_dict(me.config_from_hf(cfg), _state_dict(block))
     assert drawn == []
+
+
+def _save_model(tmp_path, dtype=torch.float32):
+    """A two-layer Qwen2-MoE causal LM written with `save_pretrained` in small shards
+    (every parameter drawn at random)."""
+    cfg = transformers.Qwen2MoeConfig(
+        hidden_size=H, intermediate_size=24, moe_intermediate_size=12, num_experts=8,
+        num_experts_per_tok=2, shared_expert_intermediate_size=20, norm_topk_prob=True,
+        num_hidden_layers=3, mlp_only_layers=[1], num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.normal_(0.0, 0.3)
+    model = model.to(dtype)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    return model
+
+
+def test_layers_from_a_model_directory(tmp_path, getkey, monkeypatch):
+    """A sharded model directory (config.json, index, safetensors shards): every MoE
+    layer (the dense layer 1 skipped) equals the model's own block; asking for one
+    layer reads only that layer's tensors."""
+    import safetensors
+
+    model = _save_model(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    layers = me.layers_from_hf(tmp_path)
+    assert list(layers) == [0, 2]
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    for i, layer in layers.items():
+        y_hf, _ = _torch_value_and_grad(model.model.layers[i].mlp, x)
+        np.testing.assert_allclose(np.asarray(layer(x)[0]), y_hf, rtol=1e-5, atol=1e-5)
+
+    read = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.file.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    (only,) = me.layers_from_hf(tmp_path, 2).values()
+    assert read and all(n.startswith("model.layers.2.mlp.") for n in read)
+    assert jnp.array_equal(only.experts.w_down, layers[2].experts.w_down)
+    with pytest.raises(ValueError, match=r"layers \[1\] are not MoE layers"):
+        me.layers_from_hf(tmp_path, 1)
+
+
+def test_bfloat16_model_directory(tmp_path):
+    _save_model(tmp_path, torch.bfloat16)
+    layers = me.layers_from_hf(tmp_path, [0])
+    assert layers[0].experts.w_gate_up.dtype == jnp.bfloat16
