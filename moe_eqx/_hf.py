@@ -43,6 +43,7 @@ def layer_from_hf_state_dict(
     *,
     prefix: str = "",
     dtype=None,
+    transposed_experts: bool = False,
 ) -> MoELayer:
     """Builds a [`moe_eqx.MoELayer`][] from the state dict of a Hugging Face MoE block.
 
@@ -63,7 +64,8 @@ def layer_from_hf_state_dict(
         - DBRX's `experts.mlp.w1` (gate), `experts.mlp.v1` (up) and
           `experts.mlp.w2` (down, `[F, H]` per expert), each `[E * F, H]`;
         - fused: `experts.gate_up_proj [E, 2F, H]` (gate rows first) and
-          `experts.down_proj [E, H, F]`.
+          `experts.down_proj [E, H, F]`, or with `transposed_experts` (Aria)
+          `[E, H, 2F]` and `[E, F, H]`.
     - shared expert (`config.shared_d_ff > 0`):
       `shared_experts.{gate,up,down}_proj.weight` (DeepSeek-V3,
       `F_s = n_shared_experts * moe_intermediate_size`) or
@@ -83,6 +85,7 @@ def layer_from_hf_state_dict(
     - `state_dict`: name -> array (NumPy, or anything `np.asarray` takes, e.g. a CPU
         torch tensor's `.numpy()`).
     - `prefix`: prepended to every key above.
+    - `transposed_experts`: the fused experts are stored `[in, out]` (Aria).
     - `dtype`: the parameters' dtype (default: the state dict's floating dtype; the
         router weight and bias are float32, as the layer keeps them).
 
@@ -122,7 +125,7 @@ def layer_from_hf_state_dict(
             (1, e) if bias_key == "gate.moe_statics.e_score_correction_bias" else (e,)
         )
         bias = get(bias_key, shape).reshape(e).astype(np.float32)
-    w_gate_up, w_down = _routed_experts(keys, get, e, h, f)
+    w_gate_up, w_down = _routed_experts(keys, get, e, h, f, transposed_experts)
     shared = _shared_expert(config, keys, get, h) if config.shared_d_ff else None
 
     unused = sorted(prefix + k for k in keys if k not in used)
@@ -167,13 +170,17 @@ def layer_from_hf_state_dict(
     return layer
 
 
-def _routed_experts(keys, get, e, h, f):
+def _routed_experts(keys, get, e, h, f, transposed: bool):
     if "experts.mlp.w1" in keys:  # DBRX: [E * F, H] each, w2 used untransposed
         w1, v1, w2 = (get(f"experts.mlp.{n}", (e * f, h)) for n in ("w1", "v1", "w2"))
         gate_up = np.concatenate(
             [np.swapaxes(w.reshape(e, f, h), 1, 2) for w in (w1, v1)], axis=2
         )
         return gate_up, w2.reshape(e, f, h)
+    if "experts.gate_up_proj" in keys and transposed:
+        return get("experts.gate_up_proj", (e, h, 2 * f)), get(
+            "experts.down_proj", (e, f, h)
+        )
     if "experts.gate_up_proj" in keys:
         gate_up = get("experts.gate_up_proj", (e, 2 * f, h))
         down = get("experts.down_proj", (e, h, f))
@@ -483,6 +490,21 @@ def _dbrx(r: _Reader) -> dict:
     )
 
 
+def _aria(r: _Reader) -> dict:
+    # Softmax over the chosen logits; shared experts of `moe_num_shared_experts` times
+    # the experts' width. Its experts are stored transposed (`transposed_experts`).
+    _swiglu(r)
+    f = int(r.get("intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("moe_num_experts"),
+        top_k=r.get("moe_topk"),
+        score_func="softmax",
+        norm_topk=True,
+        shared_d_ff=int(r.get("moe_num_shared_experts", default=0) or 0) * f,
+    )
+
+
 def _deepseek_v2(r: _Reader) -> dict:
     # Softmax scores, never renormalised (its router ignores `norm_topk_prob`), the
     # scaling factor on the weights; groups scored by their best expert.
@@ -541,6 +563,7 @@ _FAMILIES = {
     "cohere2_moe": _cohere2_moe,
     "afmoe": _afmoe,
     "dbrx": _dbrx,
+    "aria_text": _aria,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _deepseek_v3,
     "dots1": _deepseek_v3,
@@ -561,7 +584,8 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     Supported `model_type`s: `mixtral` and `minimax`, `olmoe`, `qwen2_moe`,
     `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and
     `dots1` (read as DeepSeek-V3), `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and
-    `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`, `dbrx`; the README's table of models lists the keys each reads (always
+    `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`, `dbrx`, `aria_text` (an
+    `aria` config's `text_config`; import with `transposed_experts=True`); the README's table of models lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
     does not compute (a `hidden_act` other than SiLU, DeepSeek's `topk_method` other
@@ -617,6 +641,10 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
 
 # ---------------------------------------------------------------------------------
 # Model directories.
+
+
+# Families whose fused experts are stored `[in, out]`.
+_TRANSPOSED_EXPERTS = ("aria_text",)
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -691,7 +719,10 @@ def layers_from_hf(
     config_path = directory / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"no config.json in {directory}.")
-    config = config_from_hf(json.loads(config_path.read_text()), **overrides)
+    hf = json.loads(config_path.read_text())
+    config = config_from_hf(hf, **overrides)
+    text = hf.get("text_config") if hf.get("model_type") not in _FAMILIES else hf
+    transposed = (text or {}).get("model_type") in _TRANSPOSED_EXPERTS
     files = _tensor_files(directory)
     prefixes = _moe_prefixes(files)
     if layers is None:
@@ -720,6 +751,7 @@ def layers_from_hf(
             {n: tensors[n] for n in names[i]},
             prefix=prefixes[i],
             dtype=dtype,
+            transposed_experts=transposed,
         )
         for i in wanted
     }

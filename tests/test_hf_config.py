@@ -135,6 +135,14 @@ def _family(name):
             ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2),
         )  # fmt: skip
         return cfg, DbrxFFN
+    if name == "aria_text":
+        from transformers.models.aria.modeling_aria import AriaTextMoELayer
+
+        cfg = t.AriaTextConfig(
+            hidden_size=H, intermediate_size=12, moe_num_experts=8, moe_topk=2,
+            moe_num_shared_experts=2, num_attention_heads=2, num_key_value_heads=2,
+        )  # fmt: skip
+        return cfg, AriaTextMoELayer
     if name == "afmoe":
         from transformers.models.afmoe.modeling_afmoe import AfmoeSparseMoeBlock
 
@@ -174,7 +182,7 @@ FAMILIES = [
     "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3",
     "glm4_moe", "dots1", "minimax", "jamba", "granitemoe", "minimax_m2", "lfm2_moe",
     "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped", "hunyuan_v1_moe",
-    "cohere2_moe", "cohere2_moe_sigmoid", "afmoe", "dbrx",
+    "cohere2_moe", "cohere2_moe_sigmoid", "afmoe", "dbrx", "aria_text",
 ]  # fmt: skip
 
 
@@ -209,7 +217,9 @@ def test_family_matches_its_transformers_block(getkey, name, num_shards):
     config: outputs and input gradients within 1e-5 relative of the block's."""
     cfg, block = _block(name)
     config = me.config_from_hf(cfg.to_dict(), buffer_factor=None)
-    layer = me.layer_from_hf_state_dict(config, _state_dict(block))
+    layer = me.layer_from_hf_state_dict(
+        config, _state_dict(block), transposed_experts=name == "aria_text"
+    )
     x = jax.random.normal(getkey(), (32, H), jnp.float32)
     y_hf, g_hf = _torch_value_and_grad(block, x)
     m = None if num_shards == 1 else mesh(num_shards)
