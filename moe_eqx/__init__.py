@@ -25,7 +25,11 @@ from ._gmm import (
     TiledGMM as TiledGMM,
     gmm as gmm,
 )
-from ._hf import layer_from_hf_state_dict as layer_from_hf_state_dict
+from ._hf import (
+    config_from_hf as config_from_hf,
+    layer_from_hf_state_dict as layer_from_hf_state_dict,
+    layers_from_hf as layers_from_hf,
+)
 from ._layer import (
     MoELayer as MoELayer,
     reference_moe as reference_moe,

@@ -52,6 +52,11 @@ class MoEConfig(eqx.Module):
     - `num_groups`, `top_groups`: group-limited routing (DeepSeek-V3): experts are split
         into `num_groups` contiguous groups and each token may only choose among the
         experts of its `top_groups` best groups.
+    - `shared_scale`: multiplies the shared expert's output (Cohere2-MoE's
+        "average" combination: `routed_scaling_factor=0.5, shared_scale=0.5`).
+    - `group_score`: a group's score in group-limited routing: `"top2"`, the sum of
+        its best two selection scores (DeepSeek-V3), or `"max"`, its best one
+        (DeepSeek-V2's `group_limited_greedy`).
     - `use_router_bias`: add a selection-only bias (aux-loss-free balancing).
     - `routed_scaling_factor`: multiplies the routed experts' output, after the
         weights are normalised (DeepSeek-V3 uses 2.5).
@@ -111,6 +116,8 @@ class MoEConfig(eqx.Module):
     gmm_backend: str | AbstractGMMBackend = eqx.field(static=True, default="auto")
     exchange: str | AbstractExchange = eqx.field(static=True, default="auto")
     axis_name: str = eqx.field(static=True, default="expert")
+    group_score: str = eqx.field(static=True, default="top2")
+    shared_scale: float | int = eqx.field(static=True, default=1.0, converter=_real)
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -125,6 +132,18 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`top_k` ({self.top_k}) must not exceed `num_experts` "
                 f"({self.num_experts})."
+            )
+        if not (
+            isinstance(self.shared_scale, int | float)
+            and not isinstance(self.shared_scale, bool)
+            and math.isfinite(self.shared_scale)
+        ):
+            raise ValueError(
+                f"`shared_scale` must be a finite number, got {self.shared_scale!r}."
+            )
+        if self.group_score not in ("top2", "max"):
+            raise ValueError(
+                f"`group_score` must be 'top2' or 'max', got {self.group_score!r}."
             )
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(

@@ -1,10 +1,15 @@
-"""Import of Hugging Face MoE block weights (Mixtral, Qwen2/3-MoE, DeepSeek-V3) from a
-state dict of NumPy arrays; nothing is downloaded."""
+"""Hugging Face MoE blocks: their configs (`config_from_hf`) and their weights from a
+state dict of NumPy arrays (`layer_from_hf_state_dict`); nothing is downloaded."""
 
+import dataclasses
+import json
+import pathlib
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -12,9 +17,24 @@ import numpy as np
 from ._config import MoEConfig
 from ._layer import MoELayer
 
+# Router weight `[E, H]` and selection-bias `[E]` keys, as the families name them
+# (ERNIE-4.5's bias is `[1, E]`).
+_ROUTER_KEYS = (
+    "gate.weight",
+    "router.weight",
+    "gate.wg.weight",
+    "router.gate.weight",
+    "router.layer.weight",
+)
+_BIAS_KEYS = (
+    "gate.e_score_correction_bias",
+    "e_score_correction_bias",
+    "expert_bias",
+    "gate.moe_statics.e_score_correction_bias",
+)
 # Per-expert projection names: (gate, up, down) in each family's convention.
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-_SHARED_PREFIXES = ("shared_experts.", "shared_expert.")
+_SHARED_PREFIXES = ("shared_experts.", "shared_expert.", "shared_mlp.")
 
 
 def layer_from_hf_state_dict(
@@ -23,25 +43,34 @@ def layer_from_hf_state_dict(
     *,
     prefix: str = "",
     dtype=None,
+    transposed_experts: bool = False,
 ) -> MoELayer:
     """Builds a [`moe_eqx.MoELayer`][] from the state dict of a Hugging Face MoE block.
 
     Keys (relative to `prefix`, e.g. `"model.layers.3.mlp."`), as transformers stores
     them (`torch.nn.Linear` weights are `[out, in]`):
 
-    - router: `gate.weight [E, H]`; DeepSeek-V3's selection bias
-      `gate.e_score_correction_bias [E]` (needs `config.use_router_bias`).
+    - router: `gate.weight [E, H]` (Jamba, GraniteMoE: `router.weight`); a selection
+      bias (needs `config.use_router_bias`): `gate.e_score_correction_bias [E]`
+      (DeepSeek-V3), `e_score_correction_bias [E]` (MiniMax-M2), `expert_bias [E]`
+      (LFM2-MoE) or `gate.moe_statics.e_score_correction_bias [1, E]` (ERNIE-4.5).
+      HunYuan-V1-MoE's router is at `gate.wg.weight`, AFMoE's at
+      `router.gate.weight`, DBRX's at `router.layer.weight`.
     - routed experts, one of:
         - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`,
           `experts.{i}.up_proj.weight [F, H]`, `experts.{i}.down_proj.weight [H, F]`
           (Qwen2/3-MoE, DeepSeek-V3), or `experts.{i}.w1/w3/w2.weight` (Mixtral: w1
           gate, w3 up, w2 down);
+        - DBRX's `experts.mlp.w1` (gate), `experts.mlp.v1` (up) and
+          `experts.mlp.w2` (down, `[F, H]` per expert), each `[E * F, H]`;
         - fused: `experts.gate_up_proj [E, 2F, H]` (gate rows first) and
-          `experts.down_proj [E, H, F]`.
+          `experts.down_proj [E, H, F]`, or with `transposed_experts` (Aria)
+          `[E, H, 2F]` and `[E, F, H]`.
     - shared expert (`config.shared_d_ff > 0`):
       `shared_experts.{gate,up,down}_proj.weight` (DeepSeek-V3,
       `F_s = n_shared_experts * moe_intermediate_size`) or
-      `shared_expert.{gate,up,down}_proj.weight` (Qwen2-MoE), with Qwen2-MoE's gate
+      `shared_expert.{gate,up,down}_proj.weight` (Qwen2-MoE) or
+      `shared_mlp.{gate,up,down}_proj.weight` (HunYuan-V1-MoE), with Qwen2-MoE's gate
       `shared_expert_gate.weight [1, H]` when `config.shared_gate`.
 
     The routing semantics come from `config`: Mixtral is `score_func="softmax"`,
@@ -56,6 +85,7 @@ def layer_from_hf_state_dict(
     - `state_dict`: name -> array (NumPy, or anything `np.asarray` takes, e.g. a CPU
         torch tensor's `.numpy()`).
     - `prefix`: prepended to every key above.
+    - `transposed_experts`: the fused experts are stored `[in, out]` (Aria).
     - `dtype`: the parameters' dtype (default: the state dict's floating dtype; the
         router weight and bias are float32, as the layer keeps them).
 
@@ -81,53 +111,76 @@ def layer_from_hf_state_dict(
         return value
 
     e, h, f = config.num_experts, config.d_model, config.d_ff
-    router_weight = get("gate.weight", (e, h)).T.astype(np.float32)
+    router_key = next((k for k in _ROUTER_KEYS if k in keys), _ROUTER_KEYS[0])
+    router_weight = get(router_key, (e, h)).T.astype(np.float32)
     bias = None
-    if "gate.e_score_correction_bias" in keys:
+    bias_key = next((k for k in _BIAS_KEYS if k in keys), None)
+    if bias_key is not None:
         if not config.use_router_bias:
             raise ValueError(
-                f"{prefix}gate.e_score_correction_bias is present: set "
-                f"`use_router_bias=True` (DeepSeek-V3's selection bias)."
+                f"{prefix}{bias_key} is present: set `use_router_bias=True` (a "
+                f"selection bias, as DeepSeek-V3's)."
             )
-        bias = get("gate.e_score_correction_bias", (e,)).astype(np.float32)
-    w_gate_up, w_down = _routed_experts(keys, get, e, h, f)
+        shape = (
+            (1, e) if bias_key == "gate.moe_statics.e_score_correction_bias" else (e,)
+        )
+        bias = get(bias_key, shape).reshape(e).astype(np.float32)
+    w_gate_up, w_down = _routed_experts(keys, get, e, h, f, transposed_experts)
     shared = _shared_expert(config, keys, get, h) if config.shared_d_ff else None
 
     unused = sorted(prefix + k for k in keys if k not in used)
     if unused:
         raise ValueError(f"keys not understood (nothing may be ignored): {unused}.")
     if dtype is None:
-        dtype = w_gate_up.dtype if np.issubdtype(w_gate_up.dtype, np.floating) else None
-    layer = MoELayer(config, key=jr.key(0), dtype=dtype or jnp.float32)
+        # `jnp.issubdtype` knows bfloat16 (NumPy's `issubdtype` does not).
+        floating = jnp.issubdtype(w_gate_up.dtype, jnp.floating)
+        dtype = w_gate_up.dtype if floating else jnp.float32
+    # The layer's structure without drawing its random weights: every array below
+    # replaces one of the skeleton's shapes.
+    layer = eqx.filter_eval_shape(MoELayer, config, key=jr.key(0), dtype=dtype)
 
     def arr(x, like):
         return jnp.asarray(x, like.dtype)
 
-    layer = eqx.tree_at(
-        lambda l: (l.router.weight, l.experts.w_gate_up, l.experts.w_down),
-        layer,
-        (
-            jnp.asarray(router_weight),
-            arr(w_gate_up, layer.experts.w_gate_up),
-            arr(w_down, layer.experts.w_down),
-        ),
-    )
+    if config.use_router_bias and bias is None:
+        bias = np.zeros((e,), np.float32)
+    new = {
+        (lambda l: l.router.weight): jnp.asarray(router_weight),
+        (lambda l: l.experts.w_gate_up): arr(w_gate_up, layer.experts.w_gate_up),
+        (lambda l: l.experts.w_down): arr(w_down, layer.experts.w_down),
+        (lambda l: l.expert_ids): jnp.arange(e, dtype=jnp.int32),
+    }
     if bias is not None:
-        layer = eqx.tree_at(lambda l: l.router.bias, layer, jnp.asarray(bias))
+        new[lambda l: l.router.bias] = jnp.asarray(bias)
     if shared is not None:
         s = layer.shared_experts
-        new = (arr(shared[0], s.w_gate_up), arr(shared[1], s.w_down))
-        layer = eqx.tree_at(
-            lambda l: (l.shared_experts.w_gate_up, l.shared_experts.w_down), layer, new
-        )
+        new[lambda l: l.shared_experts.w_gate_up] = arr(shared[0], s.w_gate_up)
+        new[lambda l: l.shared_experts.w_down] = arr(shared[1], s.w_down)
         if config.shared_gate:
-            layer = eqx.tree_at(
-                lambda l: l.shared_experts.gate, layer, arr(shared[2], s.gate)
-            )
+            new[lambda l: l.shared_experts.gate] = arr(shared[2], s.gate)
+    for where, value in new.items():
+        layer = eqx.tree_at(where, layer, value)
+    left = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(layer)
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if left:  # a field this importer does not know about
+        raise RuntimeError(f"parameters left unset by the import: {left}.")
     return layer
 
 
-def _routed_experts(keys, get, e, h, f):
+def _routed_experts(keys, get, e, h, f, transposed: bool):
+    if "experts.mlp.w1" in keys:  # DBRX: [E * F, H] each, w2 used untransposed
+        w1, v1, w2 = (get(f"experts.mlp.{n}", (e * f, h)) for n in ("w1", "v1", "w2"))
+        gate_up = np.concatenate(
+            [np.swapaxes(w.reshape(e, f, h), 1, 2) for w in (w1, v1)], axis=2
+        )
+        return gate_up, w2.reshape(e, f, h)
+    if "experts.gate_up_proj" in keys and transposed:
+        return get("experts.gate_up_proj", (e, h, 2 * f)), get(
+            "experts.down_proj", (e, f, h)
+        )
     if "experts.gate_up_proj" in keys:
         gate_up = get("experts.gate_up_proj", (e, 2 * f, h))
         down = get("experts.down_proj", (e, h, f))
@@ -168,7 +221,8 @@ def _shared_expert(config: MoEConfig, keys, get, h):
     if base is None:
         raise ValueError(
             "`config.shared_d_ff > 0` but no shared expert in the state dict (expected "
-            "shared_experts.* (DeepSeek-V3) or shared_expert.* (Qwen2-MoE))."
+            "shared_experts.* (DeepSeek-V3), shared_expert.* (Qwen2-MoE) or "
+            "shared_mlp.* (HunYuan-V1-MoE))."
         )
     gate_up = np.concatenate(
         [
@@ -180,3 +234,524 @@ def _shared_expert(config: MoEConfig, keys, get, h):
     down = get(f"{base}down_proj.weight", (h, fs)).T
     gate = get("shared_expert_gate.weight", (1, h))[0] if config.shared_gate else None
     return gate_up, down, gate
+
+
+# ---------------------------------------------------------------------------------
+# Configs.
+
+# The library's own settings, which no model config sets: `config_from_hf`'s overrides.
+_OWN_FIELDS = (
+    "buffer_factor",
+    "on_overflow",
+    "num_slots",
+    "slot_backward",
+    "max_slot_exports",
+    "dedup",
+    "gmm_backend",
+    "exchange",
+    "axis_name",
+)
+
+
+class _Reader:
+    """Reads a config mapping's keys, refusing values it cannot map."""
+
+    def __init__(self, hf: Mapping[str, Any]):
+        self.hf = hf
+        self.model_type = hf.get("model_type")
+
+    def get(self, *names: str, default: Any = dataclasses.MISSING):
+        for name in names:
+            if name in self.hf and self.hf[name] is not None:
+                return self.hf[name]
+        if default is dataclasses.MISSING:
+            raise ValueError(
+                f"{self.model_type} config: missing key {names[0]!r}"
+                + (f" (or {', '.join(map(repr, names[1:]))})" if names[1:] else "")
+                + "."
+            )
+        return default
+
+    def require(self, name: str, allowed, *, default: Any = None, why: str = ""):
+        """`name` must be absent (or None) or one of `allowed`."""
+        value = self.hf.get(name, default)
+        if value is None:
+            value = default
+        if value not in allowed:
+            raise ValueError(
+                f"{self.model_type} config: {name}={value!r} is not supported "
+                f"(supported: {', '.join(map(repr, allowed))}){why}."
+            )
+        return value
+
+
+def _swiglu(r: _Reader) -> None:
+    r.require("hidden_act", ("silu", "swish"), default="silu")
+
+
+def _mixtral(r: _Reader) -> dict:
+    _swiglu(r)
+    r.require(
+        "router_jitter_noise",
+        (0, 0.0),
+        default=0.0,
+        why=" (training-time noise on the router's logits)",
+    )
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="softmax",
+        norm_topk=True,
+    )
+
+
+def _olmoe(r: _Reader) -> dict:
+    _swiglu(r)
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_experts", "num_local_experts"),
+        score_func="softmax",
+        norm_topk=bool(r.get("norm_topk_prob", default=False)),
+    )
+
+
+def _qwen3_moe(r: _Reader) -> dict:
+    _swiglu(r)
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("num_experts", "num_local_experts"),
+        score_func="softmax",
+        norm_topk=bool(r.get("norm_topk_prob", default=False)),
+    )
+
+
+def _qwen2_moe(r: _Reader) -> dict:
+    out = _qwen3_moe(r)
+    shared = int(r.get("shared_expert_intermediate_size", default=0))
+    return dict(out, shared_d_ff=shared, shared_gate=shared > 0)
+
+
+def _jamba(r: _Reader) -> dict:
+    _swiglu(r)
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_experts", "num_local_experts"),
+        score_func="softmax",
+        norm_topk=False,
+    )
+
+
+def _granitemoe(r: _Reader) -> dict:
+    # Softmax over the chosen k logits: the renormalised top-k probabilities.
+    _swiglu(r)
+    r.require(
+        "shared_intermediate_size",
+        (0, None),
+        default=0,
+        why=" (GraniteMoE-Shared's shared expert is not read yet)",
+    )
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="softmax",
+        norm_topk=True,
+    )
+
+
+def _minimax_m2(r: _Reader) -> dict:
+    _swiglu(r)
+    r.require("router_jitter_noise", (0, 0.0), default=0.0)
+    r.require("scoring_func", ("sigmoid",), default="sigmoid")
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="sigmoid",
+        use_router_bias=r.require("use_routing_bias", (True,), default=True),
+        norm_topk=True,
+    )
+
+
+def _lfm2_moe(r: _Reader) -> dict:
+    # Its top-k normalisation adds 1e-6 to the sum (a relative 1e-6 or less).
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("num_experts"),
+        score_func="sigmoid",
+        use_router_bias=bool(r.get("use_expert_bias", default=True)),
+        norm_topk=bool(r.get("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+    )
+
+
+def _ernie4_5_moe(r: _Reader) -> dict:
+    _swiglu(r)
+    r.require("use_bias", (False,), default=False, why=" (biases on the projections)")
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("moe_num_experts"),
+        top_k=r.get("moe_k"),
+        score_func="softmax",
+        use_router_bias=True,
+        norm_topk=True,
+        shared_d_ff=int(r.get("moe_num_shared_experts", default=0) or 0) * f,
+    )
+
+
+def _one_per_model(r: _Reader, name: str):
+    """A per-layer setting given as a list must be the same for every layer."""
+    value = r.get(name)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(
+                f"{r.model_type} config: {name}={value!r} differs between layers; "
+                f"pass the layer's own config (with {name} set to its value)."
+            )
+        value = value[0]
+    return value
+
+
+def _hunyuan_v1_moe(r: _Reader) -> dict:
+    # Softmax top-k renormalised, plus an ungated shared SwiGLU of the model's width.
+    _swiglu(r)
+    f = int(r.get("intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=_one_per_model(r, "num_experts"),
+        top_k=_one_per_model(r, "moe_topk"),
+        score_func="softmax",
+        norm_topk=True,
+        shared_d_ff=f,
+    )
+
+
+def _cohere2_moe(r: _Reader) -> dict:
+    # Top-k of the logits, then a softmax over the chosen k (the renormalised top-k
+    # probabilities) or their sigmoids; shared experts summed or averaged.
+    _swiglu(r)
+    selection = r.require(
+        "expert_selection_fn", ("softmax", "sigmoid"), default="softmax"
+    )
+    f = int(r.get("intermediate_size"))
+    shared = int(r.get("num_shared_experts", default=0) or 0) * f
+    strategy = r.require(
+        "shared_expert_combination_strategy", ("sum", "average"), default="sum"
+    )
+    half = shared > 0 and strategy == "average"
+    return dict(
+        d_ff=f,
+        num_experts=r.get("num_experts"),
+        score_func=selection,
+        norm_topk=selection == "softmax"
+        or bool(r.get("norm_topk_prob", default=False)),
+        shared_d_ff=shared,
+        routed_scaling_factor=0.5 if half else 1.0,
+        shared_scale=0.5 if half else 1.0,
+    )
+
+
+def _afmoe(r: _Reader) -> dict:
+    # Sigmoid scores, a selection bias, always renormalised (its 1e-20 is below
+    # float32's resolution of the sum), `route_scale` on the weights.
+    _swiglu(r)
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("num_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("route_scale", default=1.0)),
+        shared_d_ff=int(r.get("num_shared_experts", default=0) or 0) * f,
+    )
+
+
+def _dbrx(r: _Reader) -> dict:
+    # Its block's settings live in `ffn_config`: softmax top-k, the weights divided by
+    # their p-norm (p = 1: renormalised; None: raw).
+    ffn = r.get("ffn_config")
+    f = _Reader(dict(ffn, model_type="dbrx ffn_config"))
+    act = (f.get("ffn_act_fn", default={}) or {}).get("name", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(
+            f"dbrx config: ffn_config.ffn_act_fn={act!r} is not supported."
+        )
+    f.require("moe_jitter_eps", (None, 0, 0.0), why=" (training-time input noise)")
+    norm = f.require(
+        "moe_normalize_expert_weights", (None, 1, 1.0), why=" (p-norm other than 1)"
+    )
+    return dict(
+        d_ff=f.get("ffn_hidden_size"),
+        num_experts=f.get("moe_num_experts"),
+        top_k=f.get("moe_top_k"),
+        d_model=r.get("d_model", "hidden_size"),
+        score_func="softmax",
+        norm_topk=norm is not None,
+    )
+
+
+def _aria(r: _Reader) -> dict:
+    # Softmax over the chosen logits; shared experts of `moe_num_shared_experts` times
+    # the experts' width. Its experts are stored transposed (`transposed_experts`).
+    _swiglu(r)
+    f = int(r.get("intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("moe_num_experts"),
+        top_k=r.get("moe_topk"),
+        score_func="softmax",
+        norm_topk=True,
+        shared_d_ff=int(r.get("moe_num_shared_experts", default=0) or 0) * f,
+    )
+
+
+def _deepseek_v2(r: _Reader) -> dict:
+    # Softmax scores, never renormalised (its router ignores `norm_topk_prob`), the
+    # scaling factor on the weights; groups scored by their best expert.
+    _swiglu(r)
+    method = r.require(
+        "topk_method", ("greedy", "group_limited_greedy"), default="greedy"
+    )
+    n_group = int(r.get("n_group", default=1) or 1) if method != "greedy" else 1
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("n_routed_experts"),
+        score_func="softmax",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group)
+        if n_group > 1
+        else 1,
+        group_score="max",
+        norm_topk=False,
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=int(r.get("n_shared_experts", default=0) or 0) * f,
+    )
+
+
+def _deepseek_v3(r: _Reader) -> dict:
+    _swiglu(r)
+    r.require("scoring_func", ("sigmoid",), default="sigmoid")
+    r.require(
+        "topk_method",
+        ("noaux_tc",),
+        default="noaux_tc",
+        why=" (DeepSeek-V3 scores a group by the sum of its best two experts)",
+    )
+    n_group = int(r.get("n_group", default=1) or 1)
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("n_routed_experts"),
+        score_func="sigmoid",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        use_router_bias=True,
+        norm_topk=bool(r.get("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=int(r.get("n_shared_experts", default=0) or 0)
+        * int(r.get("moe_intermediate_size")),
+    )
+
+
+_FAMILIES = {
+    "mixtral": _mixtral,
+    "olmoe": _olmoe,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v2": _deepseek_v2,
+    "hunyuan_v1_moe": _hunyuan_v1_moe,
+    "cohere2_moe": _cohere2_moe,
+    "afmoe": _afmoe,
+    "dbrx": _dbrx,
+    "aria_text": _aria,
+    "deepseek_v3": _deepseek_v3,
+    "glm4_moe": _deepseek_v3,
+    "dots1": _deepseek_v3,
+    "qwen3_next": _qwen2_moe,
+    "minimax": _mixtral,
+    "jamba": _jamba,
+    "granitemoe": _granitemoe,
+    "minimax_m2": _minimax_m2,
+    "lfm2_moe": _lfm2_moe,
+    "ernie4_5_moe": _ernie4_5_moe,
+}
+
+
+def config_from_hf(hf_config, **overrides) -> MoEConfig:
+    """The [`moe_eqx.MoEConfig`][] of a Hugging Face MoE model's blocks, read from its
+    config.
+
+    Supported `model_type`s: `mixtral` and `minimax`, `olmoe`, `qwen2_moe`,
+    `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and
+    `dots1` (read as DeepSeek-V3), `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and
+    `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`, `dbrx`, `aria_text` (an
+    `aria` config's `text_config`; import with `transposed_experts=True`); the README's table of models lists the keys each reads (always
+    `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
+    either maps exactly or is refused: an unknown `model_type`, or a value the layer
+    does not compute (a `hidden_act` other than SiLU, DeepSeek's `topk_method` other
+    than `"noaux_tc"` or `scoring_func` other than `"sigmoid"`, a nonzero
+    `router_jitter_noise`, ERNIE's `use_bias`) is a `ValueError` naming the key and
+    value. A multimodal config's `text_config` is
+    read when the top level is not itself an MoE model.
+
+    **Arguments:**
+
+    - `hf_config`: the `config.json` mapping, or a `transformers` config object
+        (anything with `to_dict()`).
+    - `overrides`: the library's own fields (`buffer_factor`, `on_overflow`,
+        `num_slots`, `slot_backward`, `max_slot_exports`, `dedup`, `gmm_backend`,
+        `exchange`, `axis_name`); a field the model's config sets is refused.
+
+    **Returns:**
+
+    The config; build the layer from the block's weights with
+    [`moe_eqx.layer_from_hf_state_dict`][].
+    """
+    hf = hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config
+    if not isinstance(hf, Mapping):
+        raise TypeError(
+            f"`hf_config` must be a config.json mapping or a transformers config, "
+            f"got {type(hf_config).__name__}."
+        )
+    if hf.get("model_type") not in _FAMILIES and isinstance(
+        hf.get("text_config"), Mapping
+    ):
+        hf = hf["text_config"]
+    model_type = hf.get("model_type")
+    if model_type not in _FAMILIES:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by `config_from_hf` "
+            f"(supported: {', '.join(sorted(_FAMILIES))})."
+        )
+    bad = sorted(set(overrides) - set(_OWN_FIELDS))
+    if bad:
+        raise ValueError(
+            f"overrides {bad} are set by the model's config, not by the caller "
+            f"(overridable: {', '.join(_OWN_FIELDS)})."
+        )
+    r = _Reader(hf)
+    fields = _FAMILIES[model_type](r)
+    if "top_k" not in fields:
+        fields["top_k"] = r.get("num_experts_per_tok")
+    if "d_model" not in fields:
+        fields["d_model"] = r.get("hidden_size")
+    fields.update(d_model=int(fields["d_model"]), top_k=int(fields["top_k"]))
+    return MoEConfig(**fields, **overrides)
+
+
+# ---------------------------------------------------------------------------------
+# Model directories.
+
+
+# Families whose fused experts are stored `[in, out]`.
+_TRANSPOSED_EXPERTS = ("aria_text",)
+
+
+def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(
+            f"{directory} has neither model.safetensors.index.json nor "
+            "model.safetensors."
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="np") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _moe_prefixes(names) -> dict[int, str]:
+    """Layer index -> the key prefix of its MoE block: a router key with routed
+    experts beside it (dense layers and shared-only MLPs have none)."""
+    names = list(names)
+    found = {}
+    for name in names:
+        for router in _ROUTER_KEYS:
+            if not name.endswith("." + router):
+                continue
+            prefix = name[: -len(router)]
+            if not any(n.startswith(prefix + "experts.") for n in names):
+                continue
+            numbers = re.findall(r"\.(\d+)\.", "." + prefix)
+            if not numbers:
+                raise ValueError(f"no layer index in the MoE block prefix {prefix!r}.")
+            found[int(numbers[-1])] = prefix
+    return dict(sorted(found.items()))
+
+
+def layers_from_hf(
+    directory,
+    layers: int | list[int] | None = None,
+    *,
+    dtype=None,
+    **overrides,
+) -> dict[int, MoELayer]:
+    """The MoE layers of a Hugging Face model directory (`config.json` and
+    safetensors: `model.safetensors`, or shards listed in
+    `model.safetensors.index.json`).
+
+    The config goes through [`moe_eqx.config_from_hf`][] (with `overrides`), each
+    layer's tensors through [`moe_eqx.layer_from_hf_state_dict`][]. Only the chosen
+    layers' tensors are read, each shard file opened once, with the `safetensors`
+    package's NumPy reader (bfloat16 stays bfloat16). Nothing is downloaded.
+
+    **Arguments:**
+
+    - `directory`: the model directory.
+    - `layers`: a layer index, a list of them, or `None` for every MoE layer (a layer
+        whose block has a router and routed experts; dense layers are skipped). An
+        index that is not an MoE layer is a `ValueError`.
+    - `dtype`: the layers' parameter dtype (default: the checkpoint's).
+    - `overrides`: the library's own config fields, as for `config_from_hf`.
+
+    **Returns:**
+
+    `{layer index: MoELayer}`, in layer order.
+    """
+    from safetensors import safe_open
+
+    directory = pathlib.Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"no config.json in {directory}.")
+    hf = json.loads(config_path.read_text())
+    config = config_from_hf(hf, **overrides)
+    text = hf.get("text_config") if hf.get("model_type") not in _FAMILIES else hf
+    transposed = (text or {}).get("model_type") in _TRANSPOSED_EXPERTS
+    files = _tensor_files(directory)
+    prefixes = _moe_prefixes(files)
+    if layers is None:
+        wanted = list(prefixes)
+    else:
+        wanted = [layers] if isinstance(layers, int) else list(layers)
+        missing = [i for i in wanted if i not in prefixes]
+        if missing:
+            raise ValueError(
+                f"layers {missing} are not MoE layers of {directory} (MoE layers: "
+                f"{list(prefixes)})."
+            )
+    names = {i: [n for n in files if n.startswith(prefixes[i])] for i in wanted}
+    by_file: dict[pathlib.Path, list[str]] = {}
+    for group in names.values():
+        for name in group:
+            by_file.setdefault(files[name], []).append(name)
+    tensors = {}
+    for path, group in by_file.items():
+        with safe_open(path, framework="np") as f:
+            for name in group:
+                tensors[name] = f.get_tensor(name)
+    return {
+        i: layer_from_hf_state_dict(
+            config,
+            {n: tensors[n] for n in names[i]},
+            prefix=prefixes[i],
+            dtype=dtype,
+            transposed_experts=transposed,
+        )
+        for i in wanted
+    }

@@ -456,9 +456,9 @@ def reference_moe(
     """Dense oracle: every token through each of its top-k experts, no dispatch at all.
 
     Uses the layer's router for the routing decision and evaluates
-    `y[t] = routed_scaling_factor * sum_j w[t, j] * expert_{e[t, j]}(x[t]) + g(x[t]) *
-    shared(x[t])` with dense per-expert matmuls over all tokens (`O(T * E)` work: for
-    tests and small sizes).
+    `y[t] = routed_scaling_factor * sum_j w[t, j] * expert_{e[t, j]}(x[t]) +
+    shared_scale * g(x[t]) * shared(x[t])` with dense per-expert matmuls over all
+    tokens (`O(T * E)` work: for tests and small sizes).
 
     **Arguments:**
 
@@ -501,5 +501,5 @@ def reference_moe(
         if shared.gate is not None:
             gate = jnp.dot(xf, shared.gate.astype(jnp.float32), precision=hp)
             s = s * jax.nn.sigmoid(gate)[:, None]
-        y = y + s
+        y = y + s * jnp.float32(layer.config.shared_scale)
     return y.astype(x.dtype).reshape(*batch_shape, x.shape[-1])

@@ -60,8 +60,9 @@ class Router(eqx.Module):
     [`moe_eqx.update_router_bias`][] is the rule to update it.
 
     Group-limited routing (`num_groups > 1`): a group's score is the sum of its best
-    `min(2, experts per group)` selection scores (DeepSeek-V3); each token chooses its
-    `top_k` experts among the experts of its `top_groups` best groups.
+    `min(2, experts per group)` selection scores (DeepSeek-V3), or with
+    `group_score="max"` its best one (DeepSeek-V2); each token chooses its `top_k`
+    experts among the experts of its `top_groups` best groups.
     """
 
     weight: Float[Array, "d_model experts"]
@@ -71,6 +72,7 @@ class Router(eqx.Module):
     norm_topk: bool = eqx.field(static=True)
     num_groups: int = eqx.field(static=True)
     top_groups: int = eqx.field(static=True)
+    group_score: str = eqx.field(static=True, default="top2")
 
     def __init__(self, config: MoEConfig, *, key: PRNGKeyArray):
         scale = 1.0 / (config.d_model**0.5)
@@ -87,6 +89,7 @@ class Router(eqx.Module):
         self.norm_topk = config.norm_topk
         self.num_groups = config.num_groups
         self.top_groups = config.top_groups
+        self.group_score = config.group_score
 
     @property
     def num_experts(self) -> int:
@@ -96,7 +99,9 @@ class Router(eqx.Module):
         tokens, num_experts = select.shape
         per_group = num_experts // self.num_groups
         grouped = select.reshape(tokens, self.num_groups, per_group)
-        best = jax.lax.top_k(grouped, min(2, per_group))[0]
+        best = jax.lax.top_k(
+            grouped, 1 if self.group_score == "max" else min(2, per_group)
+        )[0]
         group_scores = jnp.sum(best, axis=-1)
         _, top_group_idx = jax.lax.top_k(group_scores, self.top_groups)
         group_ok = jnp.zeros((tokens, self.num_groups), bool)

@@ -115,12 +115,14 @@ def _max_over_mean(load: Int[Array, " shards"]) -> Float[Array, ""]:
 
 
 def add_shared(cfg: MoEConfig, routed, shared, x):
-    """`routed_scaling_factor * routed + shared(x)` (each shard on its own tokens)."""
+    """`routed_scaling_factor * routed + shared_scale * shared(x)` (each shard on its
+    own tokens)."""
     if shared is None and cfg.routed_scaling_factor == 1:
         return routed
     y = routed.astype(jnp.float32) * jnp.float32(cfg.routed_scaling_factor)
     if shared is not None:
-        y = y + shared(x).astype(jnp.float32)
+        s = shared(x).astype(jnp.float32)
+        y = y + (s if cfg.shared_scale == 1 else s * jnp.float32(cfg.shared_scale))
     return y.astype(routed.dtype)
 
 

@@ -1,0 +1,441 @@
+"""`config_from_hf` + `layer_from_hf_state_dict` against `transformers`' own MoE blocks
+(built from tiny configs, every parameter and buffer drawn at random): outputs and
+input gradients on one device and under EP4; refused configs; dtypes kept."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mesh
+
+import moe_eqx as me
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+H = 16
+
+
+def _family(name):
+    """`(config, block class)` of a tiny model of family `name`."""
+    t = transformers
+    if name == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        cfg = t.MixtralConfig(
+            hidden_size=H,
+            intermediate_size=24,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        )
+        return cfg, MixtralSparseMoeBlock
+    if name == "olmoe":
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+        cfg = t.OlmoeConfig(
+            hidden_size=H, intermediate_size=24, num_experts=8, num_experts_per_tok=3,
+            norm_topk_prob=False,
+        )  # fmt: skip
+        return cfg, OlmoeSparseMoeBlock
+    if name == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+            Qwen3MoeSparseMoeBlock,
+        )
+
+        cfg = t.Qwen3MoeConfig(
+            hidden_size=H, moe_intermediate_size=12, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True,
+        )  # fmt: skip
+        return cfg, Qwen3MoeSparseMoeBlock
+    if name == "qwen2_moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import (
+            Qwen2MoeSparseMoeBlock,
+        )
+
+        cfg = t.Qwen2MoeConfig(
+            hidden_size=H, moe_intermediate_size=12, num_experts=8,
+            num_experts_per_tok=2, shared_expert_intermediate_size=20,
+            norm_topk_prob=False,
+        )  # fmt: skip
+        return cfg, Qwen2MoeSparseMoeBlock
+    if name == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        cfg = t.DeepseekV3Config(
+            hidden_size=H, moe_intermediate_size=12, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=2,
+            routed_scaling_factor=2.5, norm_topk_prob=True,
+        )  # fmt: skip
+        return cfg, DeepseekV3MoE
+    if name in ("glm4_moe", "dots1"):
+        module = __import__(
+            f"transformers.models.{name}.modeling_{name}", fromlist=["x"]
+        )
+        config_class = {"glm4_moe": t.Glm4MoeConfig, "dots1": t.Dots1Config}[name]
+        cfg = config_class(
+            hidden_size=H, moe_intermediate_size=12, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+            routed_scaling_factor=1.5, norm_topk_prob=True,
+        )  # fmt: skip
+        return cfg, getattr(
+            module, {"glm4_moe": "Glm4MoeMoE", "dots1": "Dots1MoE"}[name]
+        )
+    if name == "qwen3_next":
+        from transformers.models.qwen3_next.modeling_qwen3_next import (
+            Qwen3NextSparseMoeBlock,
+        )
+
+        cfg = t.Qwen3NextConfig(
+            hidden_size=H, moe_intermediate_size=12, num_experts=8,
+            num_experts_per_tok=2, shared_expert_intermediate_size=20,
+            norm_topk_prob=True,
+        )  # fmt: skip
+        return cfg, Qwen3NextSparseMoeBlock
+    if name.startswith("deepseek_v2"):
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+
+        grouped = name == "deepseek_v2_grouped"
+        cfg = t.DeepseekV2Config(
+            hidden_size=H, num_attention_heads=2, num_key_value_heads=2,
+            moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=2, routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy" if grouped else "greedy",
+            n_group=4 if grouped else None, topk_group=2 if grouped else None,
+        )  # fmt: skip
+        return cfg, DeepseekV2Moe
+    if name == "hunyuan_v1_moe":
+        from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import (
+            HunYuanMoEV1Moe,
+        )
+
+        cfg = t.HunYuanMoEV1Config(
+            hidden_size=H, intermediate_size=24, num_experts=8, moe_topk=2,
+            num_attention_heads=2, num_key_value_heads=2,
+        )  # fmt: skip
+        return cfg, HunYuanMoEV1Moe
+    if name.startswith("cohere2_moe"):
+        from transformers.models.cohere2_moe.modeling_cohere2_moe import (
+            Cohere2MoeSparseMoeBlock,
+        )
+
+        sigmoid = name == "cohere2_moe_sigmoid"
+        cfg = t.Cohere2MoeConfig(
+            hidden_size=H, intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+            num_attention_heads=2, num_key_value_heads=2, num_shared_experts=1,
+            shared_expert_combination_strategy="sum" if sigmoid else "average",
+            expert_selection_fn="sigmoid" if sigmoid else "softmax",
+            norm_topk_prob=sigmoid,
+        )  # fmt: skip
+        return cfg, Cohere2MoeSparseMoeBlock
+    if name == "dbrx":
+        from transformers.models.dbrx.modeling_dbrx import DbrxFFN
+
+        cfg = t.DbrxConfig(
+            d_model=H, n_heads=2,
+            ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2),
+        )  # fmt: skip
+        return cfg, DbrxFFN
+    if name == "aria_text":
+        from transformers.models.aria.modeling_aria import AriaTextMoELayer
+
+        cfg = t.AriaTextConfig(
+            hidden_size=H, intermediate_size=12, moe_num_experts=8, moe_topk=2,
+            moe_num_shared_experts=2, num_attention_heads=2, num_key_value_heads=2,
+        )  # fmt: skip
+        return cfg, AriaTextMoELayer
+    if name == "afmoe":
+        from transformers.models.afmoe.modeling_afmoe import AfmoeSparseMoeBlock
+
+        cfg = t.AfmoeConfig(
+            hidden_size=H, moe_intermediate_size=12, num_experts=8,
+            num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2,
+            num_shared_experts=2, route_scale=1.3,
+        )  # fmt: skip
+        return cfg, AfmoeSparseMoeBlock
+    simple = {
+        # name: (config class, block class, config kwargs)
+        "minimax": ("MiniMaxConfig", "MiniMaxSparseMoeBlock", dict(num_local_experts=8)),
+        "jamba": ("JambaConfig", "JambaSparseMoeBlock", dict(num_experts=8)),
+        "granitemoe": ("GraniteMoeConfig", "GraniteMoeMoE", dict(num_local_experts=8)),
+        "minimax_m2": (
+            "MiniMaxM2Config", "MiniMaxM2SparseMoeBlock", dict(num_local_experts=8)
+        ),
+        "lfm2_moe": (
+            "Lfm2MoeConfig", "Lfm2MoeSparseMoeBlock",
+            dict(num_experts=8, moe_intermediate_size=12, routed_scaling_factor=1.7),
+        ),
+        "ernie4_5_moe": (
+            "Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock",
+            dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=12,
+                 moe_num_shared_experts=2),
+        ),
+    }  # fmt: skip
+    config_name, block_name, kwargs = simple[name]
+    module = __import__(f"transformers.models.{name}.modeling_{name}", fromlist=["x"])
+    cfg = getattr(t, config_name)(
+        hidden_size=H, intermediate_size=24, num_experts_per_tok=2, **kwargs
+    )
+    return cfg, getattr(module, block_name)
+
+
+FAMILIES = [
+    "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3",
+    "glm4_moe", "dots1", "minimax", "jamba", "granitemoe", "minimax_m2", "lfm2_moe",
+    "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped", "hunyuan_v1_moe",
+    "cohere2_moe", "cohere2_moe_sigmoid", "afmoe", "dbrx", "aria_text",
+]  # fmt: skip
+
+
+def _block(name, seed=0):
+    cfg, cls = _family(name)
+    torch.manual_seed(seed)
+    block = cls(cfg).eval()
+    with torch.no_grad():
+        # transformers leaves expert weights uninitialised and correction biases at
+        # zero, which would hide bugs: draw every parameter and buffer.
+        for tensor in list(block.parameters()) + list(block.buffers()):
+            if tensor.is_floating_point():
+                tensor.normal_(0.0, 0.3)
+    return cfg, block
+
+
+def _state_dict(block):
+    return {k: v.detach().float().numpy() for k, v in block.state_dict().items()}
+
+
+def _torch_value_and_grad(block, x):
+    xt = torch.tensor(np.asarray(x), requires_grad=True)
+    y = block(xt[None])[0]
+    (y.double() ** 2).sum().backward()
+    return y.detach().numpy(), xt.grad.numpy()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_family_matches_its_transformers_block(getkey, name, num_shards):
+    """Through `config_from_hf(config.to_dict())` and the importer, no hand-written
+    config: outputs and input gradients within 1e-5 relative of the block's."""
+    cfg, block = _block(name)
+    config = me.config_from_hf(cfg.to_dict(), buffer_factor=None)
+    layer = me.layer_from_hf_state_dict(
+        config, _state_dict(block), transposed_experts=name == "aria_text"
+    )
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, g_hf = _torch_value_and_grad(block, x)
+    m = None if num_shards == 1 else mesh(num_shards)
+
+    def loss(x):
+        y, _ = layer(x, mesh=m)
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+    (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    scale = np.max(np.abs(y_hf))
+    np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * scale)
+    gscale = np.max(np.abs(g_hf))
+    np.testing.assert_allclose(np.asarray(g), g_hf, rtol=1e-5, atol=1e-5 * gscale)
+
+
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [
+        ("deepseek_v3", dict(num_groups=1, top_groups=1)),
+        ("deepseek_v2_grouped", dict(group_score="top2")),
+    ],
+)
+def test_a_wrong_config_would_be_caught(getkey, name, change):
+    """The comparison above fails when a setting is wrong: DeepSeek-V3's block with
+    its groups ignored, or DeepSeek-V2's groups scored as V3's, differ from the block
+    by far more than the tolerance."""
+    cfg, block = _block(name)
+    config = me.config_from_hf(cfg.to_dict())
+    wrong = me.MoEConfig(
+        **{f: getattr(config, f) for f in config.__dataclass_fields__} | change
+    )
+    layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, _ = _torch_value_and_grad(block, x)
+    assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2
+
+
+def test_config_object_and_mapping_agree():
+    cfg, _ = _block("qwen2_moe")
+    assert me.config_from_hf(cfg) == me.config_from_hf(cfg.to_dict())
+    config = me.config_from_hf(cfg, num_slots=1, on_overflow="drop", axis_name="ep")
+    assert (config.num_slots, config.on_overflow, config.axis_name) == (1, "drop", "ep")
+    assert (config.shared_d_ff, config.shared_gate, config.norm_topk) == (
+        20,
+        True,
+        False,
+    )
+
+
+def test_hub_config_json_keys():
+    """The keys as the hub's config.json files spell them (Qwen3-MoE's `num_experts`,
+    DeepSeek-V3's `scoring_func` / `topk_method`)."""
+    qwen3 = {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "hidden_act": "silu",
+    }  # fmt: skip
+    c = me.config_from_hf(qwen3)
+    assert (c.d_model, c.d_ff, c.num_experts, c.top_k, c.norm_topk) == (
+        2048, 768, 128, 8, True,
+    )  # fmt: skip
+    v3 = {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "moe_intermediate_size": 2048,
+        "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8,
+        "topk_group": 4, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "hidden_act": "silu",
+    }  # fmt: skip
+    c = me.config_from_hf(v3)
+    assert (c.score_func, c.num_groups, c.top_groups, c.use_router_bias) == (
+        "sigmoid", 8, 4, True,
+    )  # fmt: skip
+    assert (c.routed_scaling_factor, c.shared_d_ff) == (2.5, 2048)
+    # A multimodal config's text part.
+    assert me.config_from_hf({"model_type": "some_vlm", "text_config": qwen3}) == (
+        me.config_from_hf(qwen3)
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt_oss"}, "model_type='gpt_oss' is not supported"),
+        ({"model_type": "phimoe"}, "model_type='phimoe' is not supported"),
+        ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
+        (
+            {"topk_method": "noaux_tc", "model_type": "deepseek_v2"},
+            "topk_method='noaux_tc'",
+        ),
+        ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"n_routed_experts": None}, "missing key 'n_routed_experts'"),
+    ],
+)
+def test_configs_it_cannot_map_are_refused(change, message):
+    """A config maps exactly or is refused, naming the key and value (on a DeepSeek-V3
+    config, group_limited_greedy, DeepSeek-V2's method, is refused: V3's block does
+    not compute it)."""
+    cfg, _ = _block("deepseek_v3")
+    hf = cfg.to_dict() | change
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        me.config_from_hf(hf)
+
+
+def test_mixtral_jitter_and_overrides_refused():
+    cfg, _ = _block("mixtral")
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
+        me.config_from_hf(cfg.to_dict() | {"router_jitter_noise": 0.1})
+    with pytest.raises(ValueError, match=r"overrides \['num_experts'\]"):
+        me.config_from_hf(cfg, num_experts=4)
+
+
+def test_bfloat16_state_dict_gives_a_bfloat16_layer():
+    """A bfloat16 state dict (NumPy's `issubdtype` does not call bfloat16 floating)
+    gives bfloat16 expert weights, equal to the dict's values; the router stays
+    float32."""
+    cfg, block = _block("qwen3_moe")
+    sd = {
+        k: v.detach().to(torch.bfloat16).float().numpy().astype(jnp.bfloat16)
+        for k, v in block.state_dict().items()
+    }
+    layer = me.layer_from_hf_state_dict(me.config_from_hf(cfg), sd)
+    assert layer.experts.w_gate_up.dtype == jnp.bfloat16
+    assert layer.experts.w_down.dtype == jnp.bfloat16
+    assert layer.router.weight.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(layer.experts.w_down, np.float32),
+        np.swapaxes(sd["experts.down_proj"].astype(np.float32), 1, 2),
+    )
+
+
+def test_import_draws_no_random_weights(monkeypatch):
+    """The layer is built from an abstract skeleton: no random expert weight is drawn
+    (the random draws of `MoELayer.__init__` would cost seconds and a full layer of
+    memory at real sizes)."""
+    import moe_eqx._experts as experts_module
+
+    drawn = []
+    real_normal = jax.random.normal
+
+    def counting_normal(key, shape, dtype=jnp.float32):
+        out = real_normal(key, shape, dtype)
+        if not isinstance(out, jax.core.Tracer):
+            drawn.append(shape)
+        return out
+
+    monkeypatch.setattr(experts_module.jr, "normal", counting_normal)
+    cfg, block = _block("deepseek_v3")
+    me.layer_from_hf_state_dict(me.config_from_hf(cfg), _state_dict(block))
+    assert drawn == []
+
+
+def _save_model(tmp_path, dtype=torch.float32):
+    """A two-layer Qwen2-MoE causal LM written with `save_pretrained` in small shards
+    (every parameter drawn at random)."""
+    cfg = transformers.Qwen2MoeConfig(
+        hidden_size=H, intermediate_size=24, moe_intermediate_size=12, num_experts=8,
+        num_experts_per_tok=2, shared_expert_intermediate_size=20, norm_topk_prob=True,
+        num_hidden_layers=3, mlp_only_layers=[1], num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.normal_(0.0, 0.3)
+    model = model.to(dtype)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    return model
+
+
+def test_layers_from_a_model_directory(tmp_path, getkey, monkeypatch):
+    """A sharded model directory (config.json, index, safetensors shards): every MoE
+    layer (the dense layer 1 skipped) equals the model's own block; asking for one
+    layer reads only that layer's tensors."""
+    import safetensors
+
+    model = _save_model(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    layers = me.layers_from_hf(tmp_path)
+    assert list(layers) == [0, 2]
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    for i, layer in layers.items():
+        y_hf, _ = _torch_value_and_grad(model.model.layers[i].mlp, x)
+        np.testing.assert_allclose(np.asarray(layer(x)[0]), y_hf, rtol=1e-5, atol=1e-5)
+
+    read = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file = self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.file.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    (only,) = me.layers_from_hf(tmp_path, 2).values()
+    assert read and all(n.startswith("model.layers.2.mlp.") for n in read)
+    assert jnp.array_equal(only.experts.w_down, layers[2].experts.w_down)
+    with pytest.raises(ValueError, match=r"layers \[1\] are not MoE layers"):
+        me.layers_from_hf(tmp_path, 1)
+
+
+def test_bfloat16_model_directory(tmp_path):
+    _save_model(tmp_path, torch.bfloat16)
+    layers = me.layers_from_hf(tmp_path, [0])
+    assert layers[0].experts.w_gate_up.dtype == jnp.bfloat16
