@@ -289,40 +289,37 @@ def _swiglu(r: _Reader) -> None:
     r.require("hidden_act", ("silu", "swish"), default="silu")
 
 
-def _mixtral(r: _Reader) -> dict:
+def _softmax_family(r: _Reader, d_ff_key: str, norm_topk: bool) -> dict:
+    """Softmax top-k routing over SwiGLU experts, the experts' width at `d_ff_key`."""
     _swiglu(r)
+    return dict(
+        d_ff=r.get(d_ff_key),
+        num_experts=r.get("num_experts", "num_local_experts"),
+        score_func="softmax",
+        norm_topk=norm_topk,
+    )
+
+
+def _norm_topk_prob(r: _Reader) -> bool:
+    return bool(r.get("norm_topk_prob", default=False))
+
+
+def _mixtral(r: _Reader) -> dict:
     r.require(
         "router_jitter_noise",
         (0, 0.0),
         default=0.0,
         why=" (training-time noise on the router's logits)",
     )
-    return dict(
-        d_ff=r.get("intermediate_size"),
-        num_experts=r.get("num_local_experts", "num_experts"),
-        score_func="softmax",
-        norm_topk=True,
-    )
+    return _softmax_family(r, "intermediate_size", True)
 
 
 def _olmoe(r: _Reader) -> dict:
-    _swiglu(r)
-    return dict(
-        d_ff=r.get("intermediate_size"),
-        num_experts=r.get("num_experts", "num_local_experts"),
-        score_func="softmax",
-        norm_topk=bool(r.get("norm_topk_prob", default=False)),
-    )
+    return _softmax_family(r, "intermediate_size", _norm_topk_prob(r))
 
 
 def _qwen3_moe(r: _Reader) -> dict:
-    _swiglu(r)
-    return dict(
-        d_ff=r.get("moe_intermediate_size"),
-        num_experts=r.get("num_experts", "num_local_experts"),
-        score_func="softmax",
-        norm_topk=bool(r.get("norm_topk_prob", default=False)),
-    )
+    return _softmax_family(r, "moe_intermediate_size", _norm_topk_prob(r))
 
 
 def _qwen2_moe(r: _Reader) -> dict:
@@ -332,30 +329,18 @@ def _qwen2_moe(r: _Reader) -> dict:
 
 
 def _jamba(r: _Reader) -> dict:
-    _swiglu(r)
-    return dict(
-        d_ff=r.get("intermediate_size"),
-        num_experts=r.get("num_experts", "num_local_experts"),
-        score_func="softmax",
-        norm_topk=False,
-    )
+    return _softmax_family(r, "intermediate_size", False)
 
 
 def _granitemoe(r: _Reader) -> dict:
     # Softmax over the chosen k logits: the renormalised top-k probabilities.
-    _swiglu(r)
     r.require(
         "shared_intermediate_size",
         (0, None),
         default=0,
         why=" (GraniteMoE-Shared's shared expert is not read yet)",
     )
-    return dict(
-        d_ff=r.get("intermediate_size"),
-        num_experts=r.get("num_local_experts", "num_experts"),
-        score_func="softmax",
-        norm_topk=True,
-    )
+    return _softmax_family(r, "intermediate_size", True)
 
 
 def _minimax_m2(r: _Reader) -> dict:
