@@ -100,9 +100,9 @@ def _varying_axes(x) -> frozenset:
 def match_varying(*xs):
     """Casts arrays to vary over the union of their `shard_map` manual axes.
 
-    Inside `jax.shard_map`, loop carries and `custom_linear` operands must agree on which
-    mesh axes they vary over: a zero-initialised carry does not vary, while a carry
-    computed from sharded rows does. Outside `shard_map` this is the identity.
+    Inside `jax.shard_map`, loop carries and `custom_linear` operands must agree on
+    which mesh axes they vary over: a zero-initialised carry does not vary, while a
+    carry computed from sharded rows does. Outside `shard_map` this is the identity.
     """
     axes = frozenset().union(*(_varying_axes(x) for x in xs))
     out = []
