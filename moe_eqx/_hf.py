@@ -2,6 +2,7 @@
 state dict of NumPy arrays (`layer_from_hf_state_dict`); nothing is downloaded."""
 
 import dataclasses
+import functools as ft
 import json
 import pathlib
 import re
@@ -140,6 +141,8 @@ def layer_from_hf_state_dict(
     layer = eqx.filter_eval_shape(MoELayer, config, key=jr.key(0), dtype=dtype)
 
     def arr(x, like):
+        if isinstance(x, _PerExpert):
+            return x.to_device(like.dtype)
         return jnp.asarray(x, like.dtype)
 
     if config.use_router_bias and bias is None:
@@ -197,22 +200,39 @@ def _routed_experts(keys, get, e, h, f, transposed: bool):
             " experts.{i}.w1/w3/w2 or experts.gate_up_proj/down_proj."
         )
     gate_name, up_name, down_name = names
-    gate_up = np.stack(
-        [
-            np.concatenate(
-                [
-                    get(f"experts.{i}.{gate_name}.weight", (f, h)).T,
-                    get(f"experts.{i}.{up_name}.weight", (f, h)).T,
-                ],
-                axis=1,
-            )
-            for i in range(e)
-        ]
-    )
-    down = np.stack(
-        [get(f"experts.{i}.{down_name}.weight", (h, f)).T for i in range(e)]
-    )
-    return gate_up, down
+    gate_up, down = [], []
+    for i in range(e):
+        gate = get(f"experts.{i}.{gate_name}.weight", (f, h))
+        up = get(f"experts.{i}.{up_name}.weight", (f, h))
+        gate_up.append((gate, up))
+        down.append(get(f"experts.{i}.{down_name}.weight", (h, f)))
+    return _PerExpert(gate_up, (e, h, 2 * f)), _PerExpert(down, (e, f, h))
+
+
+class _PerExpert:
+    """An `[E, ...]` array given as its experts' (transposed) pieces, assembled on
+    the device one expert at a time into a buffer updated in place, so that the
+    import holds the result and one expert, not a host copy of the whole array."""
+
+    def __init__(self, pieces, shape):
+        self.pieces, self.shape = pieces, shape
+        first = pieces[0]
+        self.dtype = np.result_type(*first) if isinstance(first, tuple) else first.dtype
+
+    def piece(self, i):
+        p = self.pieces[i]
+        return np.concatenate([q.T for q in p], axis=1) if isinstance(p, tuple) else p.T
+
+    def to_device(self, dtype):
+        out = jnp.zeros(self.shape, dtype)
+        for i in range(self.shape[0]):
+            out = _set_expert(out, i, jnp.asarray(self.piece(i), dtype))
+        return out
+
+
+@ft.partial(jax.jit, donate_argnums=0)
+def _set_expert(out, i, piece):
+    return out.at[i].set(piece)
 
 
 def _shared_expert(config: MoEConfig, keys, get, h):
