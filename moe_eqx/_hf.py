@@ -320,6 +320,11 @@ def _softmax_family(r: _Reader, d_ff_key: str, norm_topk: bool) -> dict:
     )
 
 
+def _shared_width(r: _Reader, count_key: str, width: int) -> int:
+    """The shared expert's width: `count_key` shared experts (0 if absent) of `width`."""
+    return int(r.get(count_key, default=0) or 0) * width
+
+
 def _norm_topk_prob(r: _Reader) -> bool:
     return bool(r.get("norm_topk_prob", default=False))
 
@@ -399,7 +404,7 @@ def _ernie4_5_moe(r: _Reader) -> dict:
         score_func="softmax",
         use_router_bias=True,
         norm_topk=True,
-        shared_d_ff=int(r.get("moe_num_shared_experts", default=0) or 0) * f,
+        shared_d_ff=_shared_width(r, "moe_num_shared_experts", f),
     )
 
 
@@ -438,7 +443,7 @@ def _cohere2_moe(r: _Reader) -> dict:
         "expert_selection_fn", ("softmax", "sigmoid"), default="softmax"
     )
     f = int(r.get("intermediate_size"))
-    shared = int(r.get("num_shared_experts", default=0) or 0) * f
+    shared = _shared_width(r, "num_shared_experts", f)
     strategy = r.require(
         "shared_expert_combination_strategy", ("sum", "average"), default="sum"
     )
@@ -467,7 +472,7 @@ def _afmoe(r: _Reader) -> dict:
         use_router_bias=True,
         norm_topk=True,
         routed_scaling_factor=float(r.get("route_scale", default=1.0)),
-        shared_d_ff=int(r.get("num_shared_experts", default=0) or 0) * f,
+        shared_d_ff=_shared_width(r, "num_shared_experts", f),
     )
 
 
@@ -506,7 +511,7 @@ def _aria(r: _Reader) -> dict:
         top_k=r.get("moe_topk"),
         score_func="softmax",
         norm_topk=True,
-        shared_d_ff=int(r.get("moe_num_shared_experts", default=0) or 0) * f,
+        shared_d_ff=_shared_width(r, "moe_num_shared_experts", f),
     )
 
 
@@ -530,7 +535,7 @@ def _deepseek_v2(r: _Reader) -> dict:
         group_score="max",
         norm_topk=False,
         routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
-        shared_d_ff=int(r.get("n_shared_experts", default=0) or 0) * f,
+        shared_d_ff=_shared_width(r, "n_shared_experts", f),
     )
 
 
@@ -553,8 +558,9 @@ def _deepseek_v3(r: _Reader) -> dict:
         use_router_bias=True,
         norm_topk=bool(r.get("norm_topk_prob", default=True)),
         routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
-        shared_d_ff=int(r.get("n_shared_experts", default=0) or 0)
-        * int(r.get("moe_intermediate_size")),
+        shared_d_ff=_shared_width(
+            r, "n_shared_experts", int(r.get("moe_intermediate_size"))
+        ),
     )
 
 
