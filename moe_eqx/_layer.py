@@ -106,7 +106,8 @@ class MoELayer(eqx.Module):
         """
         cfg = self.config
         _check_input(x, cfg)
-        mesh = _resolve_mesh(mesh, cfg, self.experts.w_gate_up)
+        ambient = _ambient_mesh()
+        mesh = _resolve_mesh(mesh, ambient, cfg, self.experts.w_gate_up)
         num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
         platform = _resolve_platform(platform, mesh)
         num_devices = 1 if mesh is None else mesh.size
@@ -138,7 +139,6 @@ class MoELayer(eqx.Module):
             x = jax.device_put(x, NamedSharding(mesh, P()))
         args = (self.router, self.experts.w_gate_up, self.experts.w_down)
         args += (self.shared_experts, self.expert_ids, x)
-        ambient = _ambient_mesh()
         if ambient is not None and ambient != mesh:
             # An explicit `mesh=` wins over the ambient one: run under it.
             with jax.set_mesh(mesh):
@@ -195,13 +195,14 @@ def _ambient_mesh() -> Mesh | None:
     return None if mesh is None or mesh.empty else mesh
 
 
-def _resolve_mesh(mesh: Mesh | None, cfg: MoEConfig, experts) -> Mesh | None:
-    """The mesh to run on: `mesh` if given; else the ambient one (`jax.set_mesh`) if
-    it has `config.axis_name`; else the mesh the experts are placed on (a placed
+def _resolve_mesh(
+    mesh: Mesh | None, ambient: Mesh | None, cfg: MoEConfig, experts
+) -> Mesh | None:
+    """The mesh to run on: `mesh` if given; else the `ambient` one (`jax.set_mesh`)
+    if it has `config.axis_name`; else the mesh the experts are placed on (a placed
     layer in evaluation code); else `None`, one device."""
     if mesh is not None:
         return mesh
-    ambient = _ambient_mesh()
     if ambient is not None and cfg.axis_name in ambient.shape:
         return ambient
     placed = _concrete_sharding(experts)
