@@ -206,17 +206,9 @@ def demo_program(minimal: bool):
     args = cli.build_parser().parse_args(["--ep", "8"])
     config = cli.check_args(cli.build_parser(), args)
     mesh = model_mesh()
-    from moe_eqx.train.model import MoELM
+    from moe_eqx.train.model import model_from_args
 
-    model = MoELM(
-        config,
-        vocab=args.vocab,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        tied_head=not args.untied_head,
-        dropout=args.dropout,
-        key=jr.key(0),
-    )
+    model = model_from_args(args, config, key=jr.key(0))
     if minimal:
         keys = jr.split(jr.key(2), args.layers)
         params = jax.vmap(

@@ -27,7 +27,7 @@ from .._config import MoEConfig
 from .._shard import LostPairsError
 from .data import Feed, ZipfMarkovData
 from .log import Reporter, entropy
-from .model import MoELM
+from .model import model_from_args
 from .rebalance import Rebalancer
 from .resume import TrainState, load_state, resume_command, save_state, schedule_steps
 from .runtime import Runtime, gather_to_host, make_runtime
@@ -186,15 +186,7 @@ def train(
 
 def _init_state(args, config: MoEConfig, runtime: Runtime, schedule: int):
     init_key, train_key = jr.split(jr.key(args.seed))
-    model = MoELM(
-        config,
-        vocab=args.vocab,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        tied_head=not args.untied_head,
-        dropout=args.dropout,
-        key=init_key,
-    )
+    model = model_from_args(args, config, key=init_key)
     params, static = eqx.partition(model, eqx.is_array)
 
     def optimizer_for(schedule_steps: int):

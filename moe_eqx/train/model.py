@@ -214,3 +214,17 @@ class MoELM(eqx.Module):
         else:
             logits = x @ self.head
         return logits, stats
+
+
+def model_from_args(args, config: MoEConfig, *, key: PRNGKeyArray) -> MoELM:
+    """The demo's model from its command-line flags (`moe_eqx.train.cli`) and the MoE
+    layers' config."""
+    return MoELM(
+        config,
+        vocab=args.vocab,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        tied_head=not args.untied_head,
+        dropout=args.dropout,
+        key=key,
+    )
