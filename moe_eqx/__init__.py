@@ -20,6 +20,7 @@ from ._experts import Experts as Experts, SharedExperts as SharedExperts
 from ._fallback import chunked_dropless as chunked_dropless
 from ._gmm import (
     AbstractGMMBackend as AbstractGMMBackend,
+    Activation as Activation,
     MosaicGPUGMM as MosaicGPUGMM,
     RaggedDotGMM as RaggedDotGMM,
     TiledGMM as TiledGMM,

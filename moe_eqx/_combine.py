@@ -1,5 +1,6 @@
 """Combine stage: weighted sums of expert outputs back to rows (wire rows or tokens)."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -42,6 +43,28 @@ def combine(
         contrib = expert_out.astype(jnp.float32) * pairs.weight[:, None]
         out = jnp.zeros((num_rows, expert_out.shape[1]), jnp.float32)
         return out.at[pairs.row].add(contrib).astype(expert_out.dtype)
+
+
+def weight_inputs(
+    rows: Float[Array, "pairs d_model"], pairs: SortedPairs
+) -> tuple[Float[Array, "pairs d_model"], SortedPairs]:
+    """For routing weights on the experts' inputs (Llama-4): each pair's input row
+    times its weight, and the pairs with weight 1, so that [`moe_eqx.combine`][] then
+    sums `expert(w x)` rather than `w expert(x)`.
+
+    **Arguments:**
+
+    - `rows`: `[P, d_model]` the expert inputs in the order of `pairs`.
+    - `pairs`: their [`moe_eqx.internal.SortedPairs`][].
+
+    **Returns:**
+
+    `(rows * weight, pairs with unit weights)`; the rows keep their dtype (scaled in
+    float32).
+    """
+    scaled = rows.astype(jnp.float32) * pairs.weight[:, None]
+    ones = jnp.ones_like(pairs.weight)
+    return scaled.astype(rows.dtype), eqx.tree_at(lambda p: p.weight, pairs, ones)
 
 
 def scatter_to_tokens(

@@ -8,10 +8,12 @@ import numpy as np
 
 from ._exchange import AbstractExchange
 from ._gmm import AbstractGMMBackend
+from ._gmm._base import ACTIVATIONS, Activation
 from ._slots import SLOT_BACKWARDS
 
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "dense", "mosaic_gpu")
 EXCHANGES = ("auto", "dense", "ragged")
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 def _integer(value):
@@ -41,11 +43,12 @@ class MoEConfig(eqx.Module):
     **Arguments:**
 
     - `d_model`: model width `H`.
-    - `d_ff`: hidden width `F` of each SwiGLU expert.
+    - `d_ff`: hidden width `F` of each expert.
     - `num_experts`: number of routed experts `E`.
     - `top_k`: experts per token `k`.
-    - `score_func`: `"softmax"` (top-k of softmax) or `"sigmoid"` (top-k of
-        per-expert sigmoid scores, DeepSeek-V3).
+    - `score_func`: `"softmax"` (top-k of softmax), `"sigmoid"` (top-k of
+        per-expert sigmoid scores, DeepSeek-V3) or `"sqrtsoftplus"` (top-k of
+        `sqrt(softplus(logit))`, DeepSeek-V4).
     - `norm_topk`: renormalise the chosen k scores to sum to 1 (both score
         functions); `False` uses the raw scores (softmax probabilities, or sigmoid
         scores as DeepSeek-V3 with `norm_topk_prob=False`).
@@ -85,6 +88,18 @@ class MoEConfig(eqx.Module):
         [`moe_eqx.AbstractExchange`][] instance (a `DenseExchange` gets the layer's
         `axis_name` and block size; other instances are used as given).
     - `axis_name`: the expert-parallel mesh axis.
+    - `activation`: the experts' (and shared expert's) activation, a name of
+        [`moe_eqx.Activation`][]: gated `"swiglu"` (default), `"geglu"`,
+        `"geglu_tanh"`, `"swiglu_oai"` (GPT-OSS), or ungated `"relu"`, `"relu2"`,
+        `"gelu"`, `"gelu_tanh"`, `"silu"` (whose `w_gate_up` is `[E, d_model, d_ff]`,
+        the up projection alone).
+    - `activation_limit`: clamp of `"swiglu"` (`swiglu_limit`) and `"swiglu_oai"`:
+        `gate <= limit`, `-limit <= up <= limit`; `None` = no clamp.
+    - `limit_shared`: `activation_limit` also clamps the shared expert (DeepSeek-V4);
+        `False` clamps the routed experts only (HY-V4).
+    - `activation_alpha`: the sigmoid's slope in `"swiglu_oai"` (GPT-OSS: 1.702).
+    - `weight_on_input`: the routing weight scales the expert's input instead of its
+        output: `sum_e expert_e(w_e x)` (Llama-4).
     """
 
     d_model: int = eqx.field(static=True, converter=_integer)
@@ -118,13 +133,29 @@ class MoEConfig(eqx.Module):
     axis_name: str = eqx.field(static=True, default="expert")
     group_score: str = eqx.field(static=True, default="top2")
     shared_scale: float | int = eqx.field(static=True, default=1.0, converter=_real)
+    activation: str = eqx.field(static=True, default="swiglu")
+    activation_limit: float | int | None = eqx.field(
+        static=True, default=None, converter=_real
+    )
+    activation_alpha: float | int = eqx.field(
+        static=True, default=1.702, converter=_real
+    )
+    weight_on_input: bool = eqx.field(static=True, default=False, converter=_boolean)
+    limit_shared: bool = eqx.field(static=True, default=True, converter=_boolean)
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        for name in ("norm_topk", "use_router_bias", "dedup", "shared_gate"):
+        for name in (
+            "norm_topk",
+            "use_router_bias",
+            "dedup",
+            "shared_gate",
+            "weight_on_input",
+            "limit_shared",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}.")
@@ -145,10 +176,31 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`group_score` must be 'top2' or 'max', got {self.group_score!r}."
             )
-        if self.score_func not in ("softmax", "sigmoid"):
+        if self.score_func not in SCORE_FUNCS:
             raise ValueError(
-                f"`score_func` must be 'softmax' or 'sigmoid', got {self.score_func!r}."
+                f"`score_func` must be one of {SCORE_FUNCS}, got {self.score_func!r}."
             )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"`activation` must be one of {ACTIVATIONS}, got {self.activation!r}."
+            )
+        for name in ("activation_limit", "activation_alpha"):
+            value = getattr(self, name)
+            if value is None and name == "activation_limit":
+                continue
+            if not (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and value > 0
+            ):
+                raise ValueError(
+                    f"`{name}` must be a positive finite number, got {value!r}."
+                )
+        try:
+            _ = (self.expert_activation, self.shared_activation)
+        except ValueError as e:
+            raise ValueError(f"`activation`: {e}") from None
         if (
             not isinstance(self.num_groups, int)
             or isinstance(self.num_groups, bool)
@@ -252,6 +304,19 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`axis_name` must be a non-empty string, got {self.axis_name!r}."
             )
+
+    @property
+    def expert_activation(self) -> Activation:
+        """The [`moe_eqx.Activation`][] of `activation`, `activation_limit` and
+        `activation_alpha`."""
+        return Activation(self.activation, self.activation_limit, self.activation_alpha)
+
+    @property
+    def shared_activation(self) -> Activation:
+        """The shared expert's [`moe_eqx.Activation`][]: the routed experts', without
+        the clamp when `limit_shared` is False."""
+        limit = self.activation_limit if self.limit_shared else None
+        return Activation(self.activation, limit, self.activation_alpha)
 
     @property
     def experts_per_group(self) -> int:

@@ -1,4 +1,4 @@
-"""Expert stage: SwiGLU experts with fused gate/up weights, applied as grouped matmuls."""
+"""Expert stage: gated (SwiGLU, ...) or ungated experts, applied as grouped matmuls."""
 
 import equinox as eqx
 import jax
@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import MoEConfig
 from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
+from ._gmm._base import SWIGLU, Activation
 
 
 def _check_float(dtype) -> None:
@@ -18,23 +19,29 @@ def _check_float(dtype) -> None:
 
 
 class Experts(eqx.Module):
-    """`E` SwiGLU experts: `expert_e(x) = (silu(x @ Wg_e) * (x @ Wu_e)) @ Wd_e`.
+    """`E` experts: `expert_e(x) = act(x @ W1_e) @ Wd_e`; with SwiGLU (the default)
+    `(silu(x @ Wg_e) * (x @ Wu_e)) @ Wd_e`.
 
     **Fields:**
 
-    - `w_gate_up`: `[E, d_model, 2 * d_ff]`, gate = first half, up = second half.
+    - `w_gate_up`: `[E, d_model, 2 * d_ff]`, gate = first half, up = second half
+        (`[E, d_model, d_ff]`, the up projection, for an ungated activation).
     - `w_down`: `[E, d_ff, d_model]`.
+    - `activation`: the [`moe_eqx.Activation`][] (static), from
+        `config.expert_activation`.
     """
 
     w_gate_up: Float[Array, "experts d_model two_d_ff"]
     w_down: Float[Array, "experts d_ff d_model"]
+    activation: Activation = eqx.field(static=True, default=SWIGLU)
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         _check_float(dtype)
         gu_key, down_key = jr.split(key)
         e, h, f = config.num_experts, config.d_model, config.d_ff
+        self.activation = config.expert_activation
         self.w_gate_up = (
-            jr.normal(gu_key, (e, h, 2 * f), jnp.float32) / h**0.5
+            jr.normal(gu_key, (e, h, self.activation.width(f)), jnp.float32) / h**0.5
         ).astype(dtype)
         self.w_down = (jr.normal(down_key, (e, f, h), jnp.float32) / f**0.5).astype(
             dtype
@@ -63,7 +70,14 @@ class Experts(eqx.Module):
 
         `[M, d_model]`; rows beyond `sum(group_sizes)` are zero.
         """
-        return expert_ffn(x, self.w_gate_up, self.w_down, group_sizes, backend=backend)
+        return expert_ffn(
+            x,
+            self.w_gate_up,
+            self.w_down,
+            group_sizes,
+            backend=backend,
+            activation=self.activation,
+        )
 
 
 def expert_ffn(
@@ -74,14 +88,15 @@ def expert_ffn(
     *,
     backend: str | AbstractGMMBackend = "auto",
     grad_acc: GradAcc | None = None,
+    activation: Activation = SWIGLU,
 ) -> Float[Array, "rows d_model"] | tuple[Float[Array, "rows d_model"], GradAcc]:
-    """SwiGLU over consecutive groups of rows: two grouped matmuls (one loop of
-    windows with the tiled backend).
+    """`act(x @ W1) @ Wd` over consecutive groups of rows: two grouped matmuls (one
+    loop of windows with the tiled backend).
 
     **Arguments:**
 
     - `x`: `[M, d_model]` rows sorted by group.
-    - `w_gate_up`: `[G, d_model, 2 * d_ff]`.
+    - `w_gate_up`: `[G, d_model, 2 * d_ff]` (`[G, d_model, d_ff]` ungated).
     - `w_down`: `[G, d_ff, d_model]`.
     - `group_sizes`: `[G]` int32.
     - `backend`: the [`moe_eqx.gmm`][] backend.
@@ -89,6 +104,7 @@ def expert_ffn(
         the weights, passed through: under `jax.vjp` the cotangent of the input
         accumulators is that of the output ones plus the weights' gradient, and the
         weights get none through this call (see `moe_eqx.AbstractGMMBackend.ffn`).
+    - `activation`: the [`moe_eqx.Activation`][] (SwiGLU by default).
 
     **Returns:**
 
@@ -96,25 +112,37 @@ def expert_ffn(
     `grad_acc`, `(out, grad_acc)`.
     """
     with jax.named_scope("moe_eqx.experts"):
+        if w_gate_up.shape[-1] != activation.width(w_down.shape[-2]):
+            raise ValueError(
+                f"`w_gate_up` has {w_gate_up.shape[-1]} columns, but the "
+                f"{activation.name!r} activation with d_ff={w_down.shape[-2]} needs "
+                f"{activation.width(w_down.shape[-2])}."
+            )
         impl = resolve_backend(backend)
-        return impl.ffn(x, w_gate_up, w_down, group_sizes.astype(jnp.int32), grad_acc)
+        sizes = group_sizes.astype(jnp.int32)
+        if activation == SWIGLU:  # any backend, including one written before
+            return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc)
+        return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc, activation=activation)
 
 
 class SharedExperts(eqx.Module):
-    """The shared expert(s) every token goes through (DeepSeek-V3, Qwen2-MoE): one SwiGLU
-    of width `shared_d_ff` (several shared experts are one wider SwiGLU), optionally
-    scaled per token by `sigmoid(x @ gate)`.
+    """The shared expert(s) every token goes through (DeepSeek-V3, Qwen2-MoE): one expert
+    of width `shared_d_ff` with the routed experts' activation (several shared experts
+    are one wider one), optionally scaled per token by `sigmoid(x @ gate)`.
 
     **Fields:**
 
-    - `w_gate_up`: `[d_model, 2 * shared_d_ff]`, gate = first half, up = second half.
+    - `w_gate_up`: `[d_model, 2 * shared_d_ff]`, gate = first half, up = second half
+        (`[d_model, shared_d_ff]` for an ungated activation).
     - `w_down`: `[shared_d_ff, d_model]`.
     - `gate`: `[d_model]` with `config.shared_gate`, else `None`.
+    - `activation`: the [`moe_eqx.Activation`][] (static).
     """
 
     w_gate_up: Float[Array, "d_model two_d_ff"]
     w_down: Float[Array, "d_ff d_model"]
     gate: Float[Array, " d_model"] | None
+    activation: Activation = eqx.field(static=True, default=SWIGLU)
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         if config.shared_d_ff < 1:
@@ -122,7 +150,9 @@ class SharedExperts(eqx.Module):
         _check_float(dtype)
         gu_key, down_key, gate_key = jr.split(key, 3)
         h, f = config.d_model, config.shared_d_ff
-        self.w_gate_up = (jr.normal(gu_key, (h, 2 * f), jnp.float32) / h**0.5).astype(
+        self.activation = config.shared_activation
+        width = self.activation.width(f)
+        self.w_gate_up = (jr.normal(gu_key, (h, width), jnp.float32) / h**0.5).astype(
             dtype
         )
         self.w_down = (jr.normal(down_key, (f, h), jnp.float32) / f**0.5).astype(dtype)
@@ -135,7 +165,7 @@ class SharedExperts(eqx.Module):
     def __call__(
         self, x: Float[Array, "tokens d_model"]
     ) -> Float[Array, "tokens d_model"]:
-        """`g(x) * (silu(x @ Wg) * (x @ Wu)) @ Wd`, with `g = sigmoid(x @ gate)` or 1.
+        """`g(x) * act(x @ W1) @ Wd`, with `g = sigmoid(x @ gate)` or 1.
 
         **Arguments:**
 
@@ -146,10 +176,8 @@ class SharedExperts(eqx.Module):
         `[T, d_model]` in `x.dtype`.
         """
         with jax.named_scope("moe_eqx.shared_experts"):
-            d_ff = self.w_down.shape[0]
             gate_up = jnp.dot(x, self.w_gate_up.astype(x.dtype))
-            gate, up = gate_up[:, :d_ff], gate_up[:, d_ff:]
-            act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+            act = self.activation(gate_up)
             out = jnp.dot(act.astype(x.dtype), self.w_down.astype(x.dtype))
             if self.gate is not None:
                 g = jax.nn.sigmoid(

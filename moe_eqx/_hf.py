@@ -32,6 +32,7 @@ _BIAS_KEYS = (
     "e_score_correction_bias",
     "expert_bias",
     "gate.moe_statics.e_score_correction_bias",
+    "gate.bias",  # DeepSeek-V4's checkpoints (its module calls it as the above)
 )
 # Per-expert projection names: (gate, up, down) in each family's convention.
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -126,7 +127,15 @@ def layer_from_hf_state_dict(
             (1, e) if bias_key == "gate.moe_statics.e_score_correction_bias" else (e,)
         )
         bias = get(bias_key, shape).reshape(e).astype(np.float32)
-    w_gate_up, w_down = _routed_experts(keys, get, e, h, f, transposed_experts)
+    if "gate.tid2eid" in keys:
+        raise ValueError(
+            f"{prefix}gate.tid2eid: this block routes by token id (DeepSeek-V4's hash "
+            "layers), which the layer does not compute; its other layers import."
+        )
+    if config.expert_activation.gated:
+        w_gate_up, w_down = _routed_experts(keys, get, e, h, f, transposed_experts)
+    else:
+        w_gate_up, w_down = _ungated_experts(keys, get, e, h, f)
     shared = _shared_expert(config, keys, get, h) if config.shared_d_ff else None
 
     unused = sorted(prefix + k for k in keys if k not in used)
@@ -173,7 +182,27 @@ def layer_from_hf_state_dict(
     return layer
 
 
+def _ungated_experts(keys, get, e, h, f):
+    """Nemotron-H's: `experts.up_proj [E, F, H]` and `experts.down_proj [E, H, F]`, or
+    per expert `experts.{i}.up_proj.weight [F, H]` and `down_proj.weight [H, F]`."""
+    if "experts.up_proj" in keys:
+        up = np.swapaxes(get("experts.up_proj", (e, f, h)), 1, 2)
+        return up, np.swapaxes(get("experts.down_proj", (e, h, f)), 1, 2)
+    if "experts.0.up_proj.weight" not in keys:
+        raise ValueError(
+            "no ungated experts found: expected experts.up_proj/down_proj or "
+            "experts.{i}.up_proj/down_proj."
+        )
+    up = [get(f"experts.{i}.up_proj.weight", (f, h)) for i in range(e)]
+    down = [get(f"experts.{i}.down_proj.weight", (h, f)) for i in range(e)]
+    return _PerExpert(up, (e, h, f)), _PerExpert(down, (e, f, h))
+
+
 def _routed_experts(keys, get, e, h, f, transposed: bool):
+    if "input_linear.weight" in keys:  # GraniteMoE's checkpoints: `[E, 2F, H]` halves
+        gate_up = get("input_linear.weight", (e, 2 * f, h))
+        down = get("output_linear.weight", (e, h, f))
+        return np.swapaxes(gate_up, 1, 2), np.swapaxes(down, 1, 2)
     if "experts.mlp.w1" in keys:  # DBRX: [E * F, H] each, w2 used untransposed
         w1, v1, w2 = (get(f"experts.mlp.{n}", (e * f, h)) for n in ("w1", "v1", "w2"))
         gate_up = np.concatenate(
@@ -237,22 +266,35 @@ def _set_expert(out, i, piece):
 
 def _shared_expert(config: MoEConfig, keys, get, h):
     fs = config.shared_d_ff
-    base = next((p for p in _SHARED_PREFIXES if f"{p}gate_proj.weight" in keys), None)
-    if base is None:
+    gate = get("shared_expert_gate.weight", (1, h))[0] if config.shared_gate else None
+    if not config.shared_activation.gated:  # Nemotron-H: up and down alone
+        base = next((p for p in _SHARED_PREFIXES if f"{p}up_proj.weight" in keys), "")
+        up = get(f"{base}up_proj.weight", (fs, h)).T
+        return up, get(f"{base}down_proj.weight", (h, fs)).T, gate
+    if "shared_mlp.input_linear.weight" in keys:  # GraniteMoE-Shared: [2S, H] halves
+        gate_up = get("shared_mlp.input_linear.weight", (2 * fs, h)).T
+        return gate_up, get("shared_mlp.output_linear.weight", (h, fs)).T, gate
+    found = [
+        (p, names)
+        for p in _SHARED_PREFIXES
+        for names in _EXPERT_NAMES
+        if f"{p}{names[0]}.weight" in keys
+    ]
+    if not found:
         raise ValueError(
             "`config.shared_d_ff > 0` but no shared expert in the state dict (expected "
-            "shared_experts.* (DeepSeek-V3), shared_expert.* (Qwen2-MoE) or "
-            "shared_mlp.* (HunYuan-V1-MoE))."
+            "shared_experts.* (DeepSeek-V3), shared_expert.* (Qwen2-MoE), "
+            "shared_mlp.* (HunYuan-V1-MoE, GraniteMoE-Shared))."
         )
+    base, (gate_name, up_name, down_name) = found[0]
     gate_up = np.concatenate(
         [
-            get(f"{base}gate_proj.weight", (fs, h)).T,
-            get(f"{base}up_proj.weight", (fs, h)).T,
+            get(f"{base}{gate_name}.weight", (fs, h)).T,
+            get(f"{base}{up_name}.weight", (fs, h)).T,
         ],
         axis=1,
     )
-    down = get(f"{base}down_proj.weight", (h, fs)).T
-    gate = get("shared_expert_gate.weight", (1, h))[0] if config.shared_gate else None
+    down = get(f"{base}{down_name}.weight", (h, fs)).T
     return gate_up, down, gate
 
 
@@ -564,6 +606,123 @@ def _deepseek_v3(r: _Reader) -> dict:
     )
 
 
+# Hugging Face activation names (`ACT2FN`) -> the layer's.
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
+
+
+def _granitemoe_shared(r: _Reader) -> dict:
+    # GraniteMoE's routing, plus the decoder layer's `shared_mlp` (a SwiGLU of
+    # `shared_intermediate_size`, summed), imported with the block.
+    out = _softmax_family(r, "intermediate_size", True)
+    return dict(out, shared_d_ff=int(r.get("shared_intermediate_size", default=0)))
+
+
+def _nemotron_h(r: _Reader) -> dict:
+    # DeepSeek-V3's routing over ungated experts (ReLU^2 by default), an ungated shared
+    # expert of `moe_shared_expert_intermediate_size`.
+    act = r.require("mlp_hidden_act", tuple(_ACTIVATIONS), default="relu2")
+    r.require(
+        "moe_latent_size", (None,), why=" (latent projections around the experts)"
+    )
+    r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
+    n_group = int(r.get("n_group", default=1) or 1)
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("n_routed_experts"),
+        score_func="sigmoid",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        use_router_bias=True,
+        norm_topk=bool(r.get("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=int(r.get("moe_shared_expert_intermediate_size", default=0) or 0),
+        activation=_ACTIVATIONS[act],
+    )
+
+
+def _deepseek_v4(r: _Reader) -> dict:
+    # `sqrt(softplus)` (or sigmoid) scores with a selection bias, always renormalised;
+    # SwiGLU clamped at `swiglu_limit` in the routed and the one shared expert. Its
+    # first layers route by token id (`gate.tid2eid`): the importer refuses those.
+    _swiglu(r)
+    score = r.require(
+        "scoring_func", ("sqrtsoftplus", "sigmoid"), default="sqrtsoftplus"
+    )
+    r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("n_routed_experts"),
+        score_func=score,
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=f,
+        activation_limit=r.get("swiglu_limit", default=None),
+    )
+
+
+def _hy_v4(r: _Reader) -> dict:
+    # DeepSeek-V3's routing; SwiGLU clamped at `swiglu_limit` in the routed experts
+    # only (the shared expert is not clamped).
+    _swiglu(r)
+    f = int(r.get("moe_intermediate_size"))
+    n_group = int(r.get("n_group", default=1) or 1)
+    return dict(
+        d_ff=f,
+        num_experts=r.get("n_routed_experts"),
+        score_func="sigmoid",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        use_router_bias=True,
+        norm_topk=bool(r.get("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=_shared_width(r, "n_shared_experts", f),
+        activation_limit=r.get("swiglu_limit", default=None),
+        limit_shared=False,
+    )
+
+
+def _hy_v3(r: _Reader) -> dict:
+    # Sigmoid scores with a selection bias (on the block), always renormalised, then
+    # `router_scaling_factor`; a summed shared SwiGLU.
+    _swiglu(r)
+    r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("num_experts", "num_local_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("router_scaling_factor", default=1.0)),
+        shared_d_ff=_shared_width(r, "num_shared_experts", f),
+    )
+
+
+def _llama4_text(r: _Reader) -> dict:
+    # Top-1 (or k) of the logits; the sigmoid of the chosen logits scales the expert's
+    # input; one shared SwiGLU of the experts' width.
+    _swiglu(r)
+    f = int(r.get("intermediate_size"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("num_local_experts"),
+        score_func="sigmoid",
+        norm_topk=False,
+        weight_on_input=True,
+        shared_d_ff=f,
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -585,6 +744,13 @@ _FAMILIES = {
     "minimax_m2": _minimax_m2,
     "lfm2_moe": _lfm2_moe,
     "ernie4_5_moe": _ernie4_5_moe,
+    "granitemoeshared": _granitemoe_shared,
+    "granitemoehybrid": _granitemoe_shared,
+    "nemotron_h": _nemotron_h,
+    "deepseek_v4": _deepseek_v4,
+    "hy_v4": _hy_v4,
+    "hy_v3": _hy_v3,
+    "llama4_text": _llama4_text,
 }
 
 
@@ -655,7 +821,10 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
 
 
 # Families whose fused experts are stored `[in, out]`.
-_TRANSPOSED_EXPERTS = ("aria_text",)
+_TRANSPOSED_EXPERTS = ("aria_text", "llama4_text")
+# Families whose shared expert sits beside the block in the decoder layer
+# (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
+_SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -686,7 +855,8 @@ def _moe_prefixes(names) -> dict[int, str]:
             if not name.endswith("." + router):
                 continue
             prefix = name[: -len(router)]
-            if not any(n.startswith(prefix + "experts.") for n in names):
+            experts = (prefix + "experts.", prefix + "input_linear.")
+            if not any(n.startswith(experts) for n in names):
                 continue
             numbers = re.findall(r"\.(\d+)\.", "." + prefix)
             if not numbers:
@@ -733,7 +903,8 @@ def layers_from_hf(
     hf = json.loads(config_path.read_text())
     config = config_from_hf(hf, **overrides)
     text = hf.get("text_config") if hf.get("model_type") not in _FAMILIES else hf
-    transposed = (text or {}).get("model_type") in _TRANSPOSED_EXPERTS
+    model_type = (text or {}).get("model_type")
+    transposed = model_type in _TRANSPOSED_EXPERTS
     files = _tensor_files(directory)
     prefixes = _moe_prefixes(files)
     if layers is None:
@@ -746,7 +917,14 @@ def layers_from_hf(
                 f"layers {missing} are not MoE layers of {directory} (MoE layers: "
                 f"{list(prefixes)})."
             )
-    names = {i: [n for n in files if n.startswith(prefixes[i])] for i in wanted}
+    # Each layer's tensors: file name -> the name under the block's prefix.
+    names = {i: {n: n for n in files if n.startswith(prefixes[i])} for i in wanted}
+    if model_type in _SHARED_BESIDE:
+        for i in wanted:
+            beside = prefixes[i].rstrip(".").rpartition(".")[0] + ".shared_mlp."
+            for n in files:
+                if n.startswith(beside):
+                    names[i][n] = prefixes[i] + "shared_mlp." + n[len(beside) :]
     by_file: dict[pathlib.Path, list[str]] = {}
     for group in names.values():
         for name in group:
@@ -759,7 +937,7 @@ def layers_from_hf(
     return {
         i: layer_from_hf_state_dict(
             config,
-            {n: tensors[n] for n in names[i]},
+            {as_name: tensors[n] for n, as_name in names[i].items()},
             prefix=prefixes[i],
             dtype=dtype,
             transposed_experts=transposed,

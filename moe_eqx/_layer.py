@@ -10,10 +10,10 @@ import jax.random as jr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from ._combine import combine
+from ._combine import combine, weight_inputs
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
-from ._experts import Experts, SharedExperts
+from ._experts import Experts, SharedExperts, expert_ffn
 from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
@@ -264,8 +264,16 @@ def _single_device_call(
     pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
     # A gather whose backward is a gather too (not XLA:CPU's serial scatter-add).
     xs = permute_rows(x, pairs.order, pairs.inverse)
-    backend = resolve_backend(cfg.gmm_backend, platform)
-    out = experts(xs, pairs.group_sizes, backend=backend)
+    if cfg.weight_on_input:
+        xs, pairs = weight_inputs(xs, pairs)
+    out = expert_ffn(
+        xs,
+        experts.w_gate_up,
+        experts.w_down,
+        pairs.group_sizes,
+        backend=resolve_backend(cfg.gmm_backend, platform),
+        activation=cfg.expert_activation,
+    )
     y = add_shared(cfg, combine(out, pairs, tokens), shared, x)
     stats = routed_stats(
         routed=jnp.sum(routing.counts),
@@ -458,8 +466,10 @@ def reference_moe(
 
     Uses the layer's router for the routing decision and evaluates
     `y[t] = routed_scaling_factor * sum_j w[t, j] * expert_{e[t, j]}(x[t]) +
-    shared_scale * g(x[t]) * shared(x[t])` with dense per-expert matmuls over all
-    tokens (`O(T * E)` work: for tests and small sizes).
+    shared_scale * g(x[t]) * shared(x[t])` (with `config.weight_on_input`,
+    `expert_{e[t, j]}(w[t, j] * x[t])` unweighted) with dense per-expert matmuls over
+    all tokens (`O(T * E)` work: for tests and small sizes). The activation is
+    written out here from the config's fields, not taken from the experts.
 
     **Arguments:**
 
@@ -474,7 +484,6 @@ def reference_moe(
     x = x.reshape(-1, x.shape[-1])
     routing = layer.router(x)
     num_experts = layer.config.num_experts
-    d_ff = layer.config.d_ff
     # Dense [T, E] combine weights: w[t, j] at column e[t, j].
     dense_w = jnp.zeros((x.shape[0], num_experts), jnp.float32)
     dense_w = dense_w.at[jnp.arange(x.shape[0])[:, None], routing.experts].add(
@@ -482,25 +491,57 @@ def reference_moe(
     )
     # Columns in physical order: the weights at position p are expert expert_ids[p].
     dense_w = dense_w[:, layer.expert_ids]
+    cfg = layer.config
     xf = x.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
-    gu = jnp.einsum(
-        "th,ehf->etf", xf, layer.experts.w_gate_up.astype(jnp.float32), precision=hp
-    )
-    act = jax.nn.silu(gu[..., :d_ff]) * gu[..., d_ff:]
+    w_gu = layer.experts.w_gate_up.astype(jnp.float32)
+    if cfg.weight_on_input:  # expert e sees w[t, e] x[t] (Llama-4)
+        xin = dense_w.T[:, :, None] * xf[None]
+        gu = jnp.einsum("eth,ehf->etf", xin, w_gu, precision=hp)
+    else:
+        gu = jnp.einsum("th,ehf->etf", xf, w_gu, precision=hp)
+    act = _reference_activation(cfg, gu)
     out = jnp.einsum(
         "etf,efh->eth", act, layer.experts.w_down.astype(jnp.float32), precision=hp
     )
-    y = jnp.einsum("te,eth->th", dense_w, out, precision=hp)
-    y = y * jnp.float32(layer.config.routed_scaling_factor)
+    if cfg.weight_on_input:
+        y = jnp.sum(out, axis=0)
+    else:
+        y = jnp.einsum("te,eth->th", dense_w, out, precision=hp)
+    y = y * jnp.float32(cfg.routed_scaling_factor)
     shared = layer.shared_experts
     if shared is not None:
-        f = shared.w_down.shape[0]
         gu = jnp.dot(xf, shared.w_gate_up.astype(jnp.float32), precision=hp)
-        act = jax.nn.silu(gu[:, :f]) * gu[:, f:]
+        act = _reference_activation(cfg, gu, shared=True)
         s = jnp.dot(act, shared.w_down.astype(jnp.float32), precision=hp)
         if shared.gate is not None:
             gate = jnp.dot(xf, shared.gate.astype(jnp.float32), precision=hp)
             s = s * jax.nn.sigmoid(gate)[:, None]
-        y = y + s * jnp.float32(layer.config.shared_scale)
+        y = y + s * jnp.float32(cfg.shared_scale)
     return y.astype(x.dtype).reshape(*batch_shape, x.shape[-1])
+
+
+def _reference_activation(cfg: MoEConfig, h: Array, shared: bool = False) -> Array:
+    """The experts' activation written out from the config, for the oracle."""
+    name, limit = cfg.activation, cfg.activation_limit
+    if shared and not cfg.limit_shared:
+        limit = None
+    ungated = {
+        "relu": jax.nn.relu,
+        "relu2": lambda u: jax.nn.relu(u) ** 2,
+        "gelu": lambda u: jax.nn.gelu(u, approximate=False),
+        "gelu_tanh": lambda u: jax.nn.gelu(u, approximate=True),
+        "silu": jax.nn.silu,
+    }
+    if name in ungated:
+        return ungated[name](h)
+    f = h.shape[-1] // 2
+    gate, up = h[..., :f], h[..., f:]
+    if limit is not None:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    if name == "swiglu":
+        return gate * jax.nn.sigmoid(gate) * up
+    if name == "swiglu_oai":
+        return gate * jax.nn.sigmoid(cfg.activation_alpha * gate) * (up + 1)
+    return jax.nn.gelu(gate, approximate=name == "geglu_tanh") * up

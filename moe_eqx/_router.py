@@ -53,7 +53,8 @@ def load_balance_loss(
 
 
 class Router(eqx.Module):
-    """Linear router with softmax or sigmoid scores and (group-limited) top-k selection.
+    """Linear router with softmax, sigmoid or `sqrt(softplus)` scores and
+    (group-limited) top-k selection.
 
     `logits = x @ weight` in float32. The optional `bias` only changes which experts are
     selected (aux-loss-free balancing), never the weights; it receives no gradient, and
@@ -110,7 +111,8 @@ class Router(eqx.Module):
 
     def _scores(self, x):
         """`(logits, scores, probs)`: float32 logits, the scores the weights come from
-        (softmax or sigmoid), and the scores normalised over all experts."""
+        (softmax, sigmoid or sqrt-softplus), and the scores normalised over all
+        experts."""
         logits = jnp.dot(
             x.astype(jnp.float32),
             self.weight.astype(jnp.float32),
@@ -119,7 +121,10 @@ class Router(eqx.Module):
         if self.score_func == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
             return logits, scores, scores
-        scores = jax.nn.sigmoid(logits)
+        if self.score_func == "sigmoid":
+            scores = jax.nn.sigmoid(logits)
+        else:  # "sqrtsoftplus" (DeepSeek-V4)
+            scores = jnp.sqrt(jax.nn.softplus(logits))
         return logits, scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
 
     def __call__(self, x: Float[Array, "tokens d_model"]) -> Routing:

@@ -209,6 +209,8 @@ class _ShardSetup(eqx.Module):
             exchange=self.exchange,
             gmm_backend=self.gmm_backend,
             axis_name=self.cfg.axis_name,
+            activation=self.cfg.expert_activation,
+            weight_on_input=self.cfg.weight_on_input,
         )
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ._autodiff import custom_linear, symbolic_zeros_to_none
-from ._combine import combine
+from ._combine import combine, weight_inputs
 from ._dispatch import WireRows, dedup_rows, expand_rows
 from ._exchange import (
     AbstractExchange,
@@ -22,6 +22,7 @@ from ._exchange import (
 )
 from ._experts import expert_ffn
 from ._gmm import AbstractGMMBackend, GradAcc
+from ._gmm._base import SWIGLU, Activation
 from ._overflow import BufferSizes
 from ._permute import sum_rows
 from ._rules import count_at_or_below
@@ -42,6 +43,9 @@ class TripSpec(eqx.Module):
         `moe_eqx.internal.exchange_name` for the config's `"auto"`).
     - `gmm_backend`: a GMM backend name or instance, as in [`moe_eqx.MoEConfig`][].
     - `axis_name`: the expert-parallel mesh axis.
+    - `activation`: the experts' [`moe_eqx.Activation`][].
+    - `weight_on_input`: the routing weight scales the expert's input (Llama-4),
+        not its output.
     """
 
     num_shards: int = eqx.field(static=True)
@@ -51,6 +55,8 @@ class TripSpec(eqx.Module):
     exchange: str | AbstractExchange = eqx.field(static=True)
     gmm_backend: str | AbstractGMMBackend = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
+    activation: Activation = eqx.field(static=True, default=SWIGLU)
+    weight_on_input: bool = eqx.field(static=True, default=False)
 
 
 class TripStats(eqx.Module):
@@ -137,13 +143,17 @@ def expert_parallel_trip(
         local_groups=spec.local_groups,
         capacity=bufs.pairs,
     )
+    expert_in = recv_x[pairs.row]  # see `_sort_pairs` for why not `permute_rows`
+    if spec.weight_on_input:
+        expert_in, pairs = weight_inputs(expert_in, pairs)
     expert_out = expert_ffn(
-        recv_x[pairs.row],  # see `_sort_pairs` for why not `permute_rows`
+        expert_in,
         inputs.w_gate_up,
         inputs.w_down,
         pairs.group_sizes,
         backend=spec.gmm_backend,
         grad_acc=grad_acc,
+        activation=spec.activation,
     )
     if grad_acc is not None:
         expert_out, grad_acc = expert_out

@@ -152,6 +152,71 @@ def _family(name):
             num_shared_experts=2, route_scale=1.3,
         )  # fmt: skip
         return cfg, AfmoeSparseMoeBlock
+    if name in ("granitemoeshared", "granitemoehybrid"):
+        kind = {"granitemoeshared": "Shared", "granitemoehybrid": "Hybrid"}[name]
+        module = __import__(
+            f"transformers.models.{name}.modeling_{name}", fromlist=["x"]
+        )
+        cfg = getattr(t, f"GraniteMoe{kind}Config")(
+            hidden_size=H, intermediate_size=24, num_local_experts=8,
+            num_experts_per_tok=2, shared_intermediate_size=20, num_hidden_layers=1,
+            num_attention_heads=2, **({"mamba_n_heads": 4} if kind == "Hybrid" else {}),
+        )  # fmt: skip
+        moe = getattr(module, f"GraniteMoe{kind}MoE")
+        return cfg, _with_shared_mlp(moe, getattr(module, f"GraniteMoe{kind}MLP"))
+    if name == "nemotron_h":
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+        cfg = t.NemotronHConfig(
+            hidden_size=H, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=24, moe_shared_expert_intermediate_size=20,
+            n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            layers_block_type=["moe"], mamba_num_heads=4, mamba_head_dim=8,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        )  # fmt: skip
+        return cfg, NemotronHMoE
+    if name == "deepseek_v4":
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+            DeepseekV4SparseMoeBlock,
+        )
+
+        # A clamp that bites: pre-activations are about N(0, 1.2^2) here.
+        cfg = t.DeepseekV4Config(
+            hidden_size=H, moe_intermediate_size=12, n_routed_experts=8,
+            num_experts_per_tok=2, vocab_size=100, num_hidden_layers=2,
+            mlp_layer_types=["hash_moe", "moe"], num_attention_heads=2, head_dim=16,
+            q_lora_rank=8, o_groups=1, o_lora_rank=8, index_n_heads=2,
+            index_head_dim=8, swiglu_limit=0.8, routed_scaling_factor=1.5,
+        )  # fmt: skip
+        return cfg, lambda c: DeepseekV4SparseMoeBlock(c, 1)
+    if name == "hy_v4":
+        from transformers.models.hy_v4.modeling_hy_v4 import HYV4MoE
+
+        cfg = t.HYV4Config(
+            hidden_size=H, intermediate_size=48, moe_intermediate_size=12,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+            num_hidden_layers=2, num_attention_heads=2, n_group=2, topk_group=1,
+            swiglu_limit=0.8,
+        )  # fmt: skip
+        return cfg, HYV4MoE
+    if name == "hy_v3":
+        from transformers.models.hy_v3.modeling_hy_v3 import HYV3MoE
+
+        cfg = t.HYV3Config(
+            hidden_size=H, moe_intermediate_size=12, num_experts=8,
+            num_experts_per_tok=2, num_shared_experts=1, num_hidden_layers=1,
+            num_attention_heads=2,
+        )  # fmt: skip
+        return cfg, HYV3MoE
+    if name == "llama4_text":
+        from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+        cfg = t.Llama4TextConfig(
+            hidden_size=H, intermediate_size=24, intermediate_size_mlp=48,
+            num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        )  # fmt: skip
+        return cfg, Llama4TextMoe
     simple = {
         # name: (config class, block class, config kwargs)
         "minimax": ("MiniMaxConfig", "MiniMaxSparseMoeBlock", dict(num_local_experts=8)),
@@ -178,12 +243,35 @@ def _family(name):
     return cfg, getattr(module, block_name)
 
 
+def _with_shared_mlp(moe_class, mlp_class):
+    """GraniteMoE-Shared's decoder layer sums its block and its `shared_mlp`: the two
+    as one module whose state dict is the block's keys plus `shared_mlp.*`."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+            moe = moe_class(cfg)
+            assert not list(moe.named_parameters(recurse=False))
+            for child_name, child in moe.named_children():
+                self.add_module(child_name, child)
+            self.moe = (moe,)  # not a submodule: its children are registered above
+            self.shared_mlp = mlp_class(cfg)
+
+        def forward(self, x):
+            return self.moe[0](x) + self.shared_mlp(x)
+
+    return Block
+
+
 FAMILIES = [
     "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v3",
     "glm4_moe", "dots1", "minimax", "jamba", "granitemoe", "minimax_m2", "lfm2_moe",
     "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped", "hunyuan_v1_moe",
     "cohere2_moe", "cohere2_moe_sigmoid", "afmoe", "dbrx", "aria_text",
+    "granitemoeshared", "granitemoehybrid", "nemotron_h", "deepseek_v4", "hy_v4",
+    "hy_v3", "llama4_text",
 ]  # fmt: skip
+TRANSPOSED = ("aria_text", "llama4_text")
 
 
 def _block(name, seed=0):
@@ -218,7 +306,7 @@ def test_family_matches_its_transformers_block(getkey, name, num_shards):
     cfg, block = _block(name)
     config = me.config_from_hf(cfg.to_dict(), buffer_factor=None)
     layer = me.layer_from_hf_state_dict(
-        config, _state_dict(block), transposed_experts=name == "aria_text"
+        config, _state_dict(block), transposed_experts=name in TRANSPOSED
     )
     x = jax.random.normal(getkey(), (32, H), jnp.float32)
     y_hf, g_hf = _torch_value_and_grad(block, x)
@@ -240,21 +328,61 @@ def test_family_matches_its_transformers_block(getkey, name, num_shards):
     [
         ("deepseek_v3", dict(num_groups=1, top_groups=1)),
         ("deepseek_v2_grouped", dict(group_score="top2")),
+        ("deepseek_v4", dict(activation_limit=None)),
+        ("deepseek_v4", dict(score_func="sigmoid")),
+        ("deepseek_v4", dict(limit_shared=False)),
+        ("hy_v4", dict(limit_shared=True)),
+        ("llama4_text", dict(weight_on_input=False)),
+        ("nemotron_h", dict(activation="relu")),
     ],
 )
 def test_a_wrong_config_would_be_caught(getkey, name, change):
     """The comparison above fails when a setting is wrong: DeepSeek-V3's block with
-    its groups ignored, or DeepSeek-V2's groups scored as V3's, differ from the block
-    by far more than the tolerance."""
+    its groups ignored, DeepSeek-V2's groups scored as V3's, a clamp dropped or added,
+    Llama-4's weights on the output, ReLU for ReLU^2: each differs from the block by
+    far more than the tolerance."""
     cfg, block = _block(name)
     config = me.config_from_hf(cfg.to_dict())
     wrong = me.MoEConfig(
         **{f: getattr(config, f) for f in config.__dataclass_fields__} | change
     )
-    layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
+    layer = me.layer_from_hf_state_dict(
+        wrong, _state_dict(block), transposed_experts=name in TRANSPOSED
+    )
     x = jax.random.normal(getkey(), (32, H), jnp.float32)
     y_hf, _ = _torch_value_and_grad(block, x)
-    assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2
+    assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2 * np.max(np.abs(y_hf))
+
+
+def test_deepseek_v4_hash_layers_are_refused():
+    """DeepSeek-V4's first layers choose experts by token id (`gate.tid2eid`): the
+    importer names that instead of importing a different routing."""
+    cfg, _ = _block("deepseek_v4")
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4SparseMoeBlock,
+    )
+
+    block = DeepseekV4SparseMoeBlock(cfg, 0)
+    config = me.config_from_hf(cfg)
+    with pytest.raises(ValueError, match="tid2eid: this block routes by token id"):
+        me.layer_from_hf_state_dict(config, _state_dict(block))
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("nemotron_h", {"moe_latent_size": 8}, "moe_latent_size=8"),
+        ("nemotron_h", {"mlp_hidden_act": "tanh"}, "mlp_hidden_act='tanh'"),
+        ("nemotron_h", {"mlp_bias": True}, "mlp_bias=True"),
+        ("deepseek_v4", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ("hy_v3", {"mlp_bias": True}, "mlp_bias=True"),
+        ("llama4_text", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_variant_settings_it_cannot_map_are_refused(name, change, message):
+    cfg, _ = _block(name)
+    with pytest.raises(ValueError, match=message):
+        me.config_from_hf(cfg.to_dict() | change)
 
 
 def test_config_object_and_mapping_agree():
@@ -433,6 +561,102 @@ def test_layers_from_a_model_directory(tmp_path, getkey, monkeypatch):
     assert jnp.array_equal(only.experts.w_down, layers[2].experts.w_down)
     with pytest.raises(ValueError, match=r"layers \[1\] are not MoE layers"):
         me.layers_from_hf(tmp_path, 1)
+
+
+def _hub_model(name):
+    """`(causal LM, its MoE layers, block output of layer i for x)` of a tiny model of
+    `name`, every parameter drawn at random."""
+    t = transformers
+    common = dict(hidden_size=H, vocab_size=32, num_attention_heads=2)
+    if name in ("granitemoe", "granitemoeshared"):
+        kind = {"granitemoe": "", "granitemoeshared": "Shared"}[name]
+        extra = {"shared_intermediate_size": 20} if kind else {}
+        cfg = getattr(t, f"GraniteMoe{kind}Config")(
+            intermediate_size=24, num_local_experts=8, num_experts_per_tok=2,
+            num_hidden_layers=2, num_key_value_heads=2, **common, **extra,
+        )  # fmt: skip
+        model = getattr(t, f"GraniteMoe{kind}ForCausalLM")(cfg)
+
+        def block(i, x):
+            layer = model.model.layers[i]
+            y = layer.block_sparse_moe(x)
+            return y + layer.shared_mlp(x) if kind else y
+
+        layers = [0, 1]
+    elif name == "nemotron_h":
+        cfg = t.NemotronHConfig(
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+            moe_shared_expert_intermediate_size=20, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, layers_block_type=["moe", "moe"],
+            mamba_num_heads=4, mamba_head_dim=8, num_key_value_heads=1, head_dim=8,
+            **common,
+        )  # fmt: skip
+        model = t.NemotronHForCausalLM(cfg)
+
+        def block(i, x):
+            return model.model.layers[i].mixer(x)
+
+        layers = [0, 1]
+    elif name == "deepseek_v4":
+        cfg = t.DeepseekV4Config(
+            moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2,
+            num_hidden_layers=2, mlp_layer_types=["hash_moe", "moe"], head_dim=16,
+            q_lora_rank=8, o_groups=1, o_lora_rank=8, index_n_heads=2,
+            index_head_dim=8, swiglu_limit=0.8, **common,
+        )  # fmt: skip
+        model = t.DeepseekV4ForCausalLM(cfg)
+
+        def block(i, x):
+            return model.model.layers[i].mlp(x)
+
+        layers = [1]  # layer 0 routes by token id
+    else:
+        assert name == "llama4_text"
+        cfg = t.Llama4TextConfig(
+            intermediate_size=24, intermediate_size_mlp=48, num_local_experts=8,
+            num_experts_per_tok=1, num_hidden_layers=2, num_key_value_heads=1,
+            head_dim=8, **common,
+        )  # fmt: skip
+        model = t.Llama4ForCausalLM(cfg)
+
+        def block(i, x):
+            return model.model.layers[i].feed_forward(x)[0].reshape(x.shape)
+
+        layers = [0, 1]
+    torch.manual_seed(0)
+    model.eval()
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.is_floating_point():
+                tensor.normal_(0.0, 0.3)
+    return model, layers, block
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["granitemoe", "granitemoeshared", "nemotron_h", "deepseek_v4", "llama4_text"],
+)
+def test_layers_from_hub_layouts(tmp_path, getkey, name):
+    """`save_pretrained` writes each family's hub layout (GraniteMoE's fused
+    `input_linear`, Nemotron-H's and DeepSeek-V4's per-expert tensors, DeepSeek-V4's
+    `gate.bias`, GraniteMoE-Shared's `shared_mlp` beside the block): every MoE layer
+    read from the directory equals the model's own block (for GraniteMoE-Shared, the
+    block plus the decoder layer's shared MLP, which it sums)."""
+    model, moe_layers, block = _hub_model(name)
+    model.save_pretrained(tmp_path)
+    layers = me.layers_from_hf(tmp_path, moe_layers)
+    assert list(layers) == moe_layers
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    for i, layer in layers.items():
+        with torch.no_grad():
+            want = block(i, torch.tensor(np.asarray(x))[None])[0].numpy()
+        scale = np.max(np.abs(want))
+        np.testing.assert_allclose(
+            np.asarray(layer(x)[0]), want, rtol=1e-5, atol=1e-5 * scale
+        )
+    if name == "deepseek_v4":
+        with pytest.raises(ValueError, match="routes by token id"):
+            me.layers_from_hf(tmp_path, 0)
 
 
 def test_bfloat16_model_directory(tmp_path):

@@ -94,8 +94,28 @@ def test_leading_dimensions(getkey, shape):
         dict(on_overflow="drop", buffer_factor=None),
         dict(buffer_factor=0.5),  # the fallback runs
         dict(buffer_factor=0.5, num_slots=1),  # and slot copies of the hot experts
+        dict(
+            buffer_factor=0.5,
+            num_slots=1,
+            activation="relu2",
+            weight_on_input=True,
+            score_func="sigmoid",
+            norm_topk=False,
+        ),  # fmt: skip
+        dict(
+            on_overflow="drop",
+            buffer_factor=None,
+            activation="swiglu_oai",
+            activation_limit=1.0,
+        ),
     ],
-    ids=["drop", "fallback", "fallback+slots"],
+    ids=[
+        "drop",
+        "fallback",
+        "fallback+slots",
+        "relu2+input-weights",
+        "swiglu_oai+drop",
+    ],  # fmt: skip
 )
 def test_bfloat16_weights_expert_parallel(getkey, overrides):
     """bfloat16 expert weights through the exchange, the fallback and the slot

@@ -1,6 +1,8 @@
-"""The grouped-matmul backend interface, and the SwiGLU expert FFN built on it."""
+"""The grouped-matmul backend interface, the experts' activations, and the expert FFN
+built on them."""
 
 import abc
+import dataclasses
 import functools as ft
 
 import equinox as eqx
@@ -15,31 +17,89 @@ GradAcc = tuple[
 ]
 
 
-def swiglu(gate_up: Array) -> Array:
-    """`silu(gate) * up` in float32, gate = first half of the last axis."""
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    return jax.nn.silu(gate) * up
+_GATED = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai")
+_UNGATED = ("relu", "relu2", "gelu", "gelu_tanh", "silu")
+ACTIVATIONS = _GATED + _UNGATED
 
 
-def swiglu_jvp(gate_up: Array, t_gate_up: Array) -> tuple[Array, Array]:
-    """`(swiglu(gate_up), its tangent along t_gate_up)`, both float32."""
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    t_gate, t_up = jnp.split(t_gate_up.astype(jnp.float32), 2, axis=-1)
-    sig = jax.nn.sigmoid(gate)
-    silu = gate * sig
-    d_silu = sig * (1 + gate * (1 - sig))
-    return silu * up, d_silu * up * t_gate + silu * t_up
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """An expert's activation, applied in float32 to the first product `h = x @ W1`.
+
+    Gated activations split `h` into `[gate | up]` halves (`W1` is `[d_model, 2 d_ff]`);
+    ungated ones take `h` whole (`W1` is `[d_model, d_ff]`).
+
+    - `"swiglu"`: `silu(gate) * up`; with `limit`, `gate` is clamped to at most
+        `limit` and `up` to `[-limit, limit]` first.
+    - `"geglu"`, `"geglu_tanh"`: `gelu(gate) * up` (exact, or the tanh approximation).
+    - `"swiglu_oai"`: `gate * sigmoid(alpha * gate) * (up + 1)` after the clamps above
+        (`limit` required).
+    - `"relu"`, `"relu2"` (`relu(h)**2`), `"gelu"`, `"gelu_tanh"`, `"silu"`: ungated.
+
+    Its derivatives are JAX's own (`jvp`, `vjp` below), in float32.
+    """
+
+    name: str = "swiglu"
+    limit: float | None = None
+    alpha: float = 1.702
+
+    def __post_init__(self):
+        if self.name not in ACTIVATIONS:
+            raise ValueError(
+                f"Unknown activation {self.name!r}; expected one of {ACTIVATIONS}."
+            )
+        if self.limit is not None and not (
+            self.name in ("swiglu", "swiglu_oai") and self.limit > 0
+        ):
+            raise ValueError(
+                f"An activation `limit` applies to 'swiglu' and 'swiglu_oai' and must "
+                f"be positive; got limit={self.limit!r} for {self.name!r}."
+            )
+        if self.name == "swiglu_oai" and self.limit is None:
+            raise ValueError("The 'swiglu_oai' activation needs a `limit`.")
+
+    @property
+    def gated(self) -> bool:
+        return self.name in _GATED
+
+    def width(self, d_ff: int) -> int:
+        """Columns of the first product for hidden width `d_ff`."""
+        return 2 * d_ff if self.gated else d_ff
+
+    def __call__(self, h: Array) -> Array:
+        """The activation of `h` (`[..., 2 d_ff]` gated, `[..., d_ff]` ungated), in
+        float32."""
+        h = h.astype(jnp.float32)
+        if not self.gated:
+            if self.name == "relu":
+                return jax.nn.relu(h)
+            if self.name == "relu2":
+                return jnp.square(jax.nn.relu(h))
+            if self.name == "silu":
+                return jax.nn.silu(h)
+            return jax.nn.gelu(h, approximate=self.name == "gelu_tanh")
+        gate, up = jnp.split(h, 2, axis=-1)
+        if self.limit is not None:
+            gate = jnp.minimum(gate, self.limit)
+            up = jnp.clip(up, -self.limit, self.limit)
+        if self.name == "swiglu":
+            return jax.nn.silu(gate) * up
+        if self.name == "swiglu_oai":
+            return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
+        return jax.nn.gelu(gate, approximate=self.name == "geglu_tanh") * up
+
+    def jvp(self, h: Array, t_h: Array) -> tuple[Array, Array]:
+        """`(self(h), its tangent along t_h)`, both float32."""
+        f32 = jnp.float32
+        return jax.jvp(self, (h.astype(f32),), (t_h.astype(f32),))
+
+    def vjp(self, h: Array, d_act: Array) -> Array:
+        """The cotangent of `h` for the cotangent `d_act` of `self(h)`, float32."""
+        _, pullback = jax.vjp(self, h.astype(jnp.float32))
+        return pullback(d_act.astype(jnp.float32))[0]
 
 
-def swiglu_vjp(gate_up: Array, d_act: Array) -> Array:
-    """The cotangent of `gate_up` for the cotangent `d_act` of `swiglu(gate_up)`,
-    float32."""
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    d_act = d_act.astype(jnp.float32)
-    sig = jax.nn.sigmoid(gate)
-    silu = gate * sig
-    d_silu = sig * (1 + gate * (1 - sig))
-    return jnp.concatenate([d_act * up * d_silu, d_act * silu], axis=-1)
+SWIGLU = Activation()
 
 
 class AbstractGMMBackend(eqx.Module):
@@ -78,17 +138,20 @@ class AbstractGMMBackend(eqx.Module):
         w_down: Float[Array, "groups d_ff d_model"],
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
+        *,
+        activation: Activation = SWIGLU,
     ):
-        """The SwiGLU expert FFN of each group:
-        `out[i] = (silu(x[i] @ Wg) * (x[i] @ Wu)) @ Wd` with the group's weights
-        (`w_gate_up[g] = [Wg | Wu]`), products in `x.dtype` with float32 accumulation
-        and the activation in float32 (as [`moe_eqx.gmm`][] twice).
-
-        **Arguments:**
+        """The expert FFN of each group: `out[i] = act(x[i] @ W1) @ Wd` with the
+        group's weights (`w_gate_up[g] = W1`, `[Wg | Wu]` for a gated activation, so
+        SwiGLU is `(silu(x[i] @ Wg) * (x[i] @ Wu)) @ Wd`), products in `x.dtype` with
+        float32 accumulation and the activation in float32 (as [`moe_eqx.gmm`][]
+        twice).
 
         - `x`: `[M, d_model]` rows sorted by group.
-        - `w_gate_up`: `[G, d_model, 2 d_ff]`; `w_down`: `[G, d_ff, d_model]`.
+        - `w_gate_up`: `[G, d_model, 2 d_ff]` (`[G, d_model, d_ff]` for an ungated
+            activation); `w_down`: `[G, d_ff, d_model]`.
         - `group_sizes`: `[G]` int32, `sum <= M`.
+        - `activation`: the [`moe_eqx.Activation`][] (SwiGLU by default).
         - `grad_acc`: optional float32 accumulators shaped like the weights, for
             the chunked fallback's backward, which sums its chunks' weight gradients
             in one buffer: they pass through unchanged, and under `jax.vjp` the
@@ -110,17 +173,20 @@ def gmm_ffn(
     w_down: Array,
     group_sizes: Array,
     grad_acc: GradAcc | None = None,
+    activation: Activation = SWIGLU,
 ) -> Array | tuple[Array, GradAcc]:
     """`AbstractGMMBackend.ffn` as two calls of `backend` (for backends without a
     fused FFN)."""
+    ffn = (backend, activation)
     if grad_acc is None:
-        return _two_products(backend, x, w_gate_up, w_down, group_sizes)
-    return _accumulating_ffn(backend, x, w_gate_up, w_down, group_sizes, grad_acc)
+        return _two_products(ffn, x, w_gate_up, w_down, group_sizes)
+    return _accumulating_ffn(ffn, x, w_gate_up, w_down, group_sizes, grad_acc)
 
 
-def _two_products(backend, x, w_gate_up, w_down, group_sizes):
+def _two_products(ffn, x, w_gate_up, w_down, group_sizes):
+    backend, activation = ffn
     gate_up = backend(x, w_gate_up.astype(x.dtype), group_sizes)
-    act = swiglu(gate_up).astype(x.dtype)
+    act = activation(gate_up).astype(x.dtype)
     return backend(act, w_down.astype(x.dtype), group_sizes)
 
 

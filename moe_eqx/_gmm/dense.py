@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._rules import acc_dtype
-from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
+from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, gmm_ffn
 
 
 def group_ids(group_sizes: Int[Array, " groups"], num_rows: int) -> Int[Array, " rows"]:
@@ -58,5 +58,7 @@ class DenseGMM(AbstractGMMBackend):
         w_down: Float[Array, "groups d_ff d_model"],
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
+        *,
+        activation: Activation = SWIGLU,
     ):
-        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc)
+        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
+from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, gmm_ffn
 
 
 class RaggedDotGMM(AbstractGMMBackend):
@@ -35,5 +35,7 @@ class RaggedDotGMM(AbstractGMMBackend):
         w_down: Float[Array, "groups d_ff d_model"],
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
+        *,
+        activation: Activation = SWIGLU,
     ):
-        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc)
+        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)

@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from .._autodiff import custom_linear, symbolic_zeros_to_none
 from .._rules import acc_dtype, cumsum, match_varying
-from ._base import AbstractGMMBackend, GradAcc, swiglu, swiglu_jvp, swiglu_vjp
+from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc
 
 # Window rows: between these, from the rows per group (static shapes).
 _MIN_WINDOW = 16
@@ -199,10 +199,10 @@ _tiled_gmm.defjvp(_tiled_gmm_jvp, symbolic_zeros=True)
 
 
 # ---------------------------------------------------------------------------------
-# The expert FFN, `swiglu(x @ w_gate_up) @ w_down`, in one loop.
+# The expert FFN, `act(x @ w_gate_up) @ w_down`, in one loop.
 
 
-def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, keep_gate_up: bool):
+def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, keep_gate_up: bool):
     """`(out, gate_up)`: the FFN's output and (with `keep_gate_up`) its first product,
     the backward's residual."""
     num_rows, d_model = x.shape
@@ -223,7 +223,7 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, keep_gate_up: bool):
     def body(carry, ctx, start, keep):
         (out, gate_up), (w_gu, w_dn) = carry, ctx
         gu = _dot(_take(x, start, window), w_gu, x.dtype)
-        y = _dot(swiglu(gu).astype(x.dtype), w_dn, x.dtype)
+        y = _dot(act(gu).astype(x.dtype), w_dn, x.dtype)
         if gate_up is not None:
             gate_up = _put(gate_up, gu, start, keep)
         return (_put(out, y, start, keep), gate_up), ctx
@@ -238,6 +238,7 @@ class _FFNRes(NamedTuple):
     gate_up: Array
     group_sizes: Array
     window: int
+    act: Activation
 
 
 def _ffn_tangent(res: _FFNRes, lin):
@@ -262,7 +263,7 @@ def _ffn_tangent(res: _FFNRes, lin):
             t_gate_up += _dot(_take(t_x, start, window), w_gu, jnp.float32)
         if t_gu is not None:
             t_gate_up += _dot(_take(x, start, window), t_w_gu, jnp.float32)
-        act, t_act = swiglu_jvp(gu, t_gate_up.astype(x.dtype))
+        act, t_act = res.act.jvp(gu, t_gate_up.astype(x.dtype))
         t_y = _dot(t_act.astype(x.dtype), w_dn, jnp.float32)
         if t_dn is not None:
             t_y += _dot(act.astype(x.dtype), t_w_dn, jnp.float32)
@@ -304,11 +305,11 @@ def _ffn_backward(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
         dy = jnp.where(keep, _take(d_out, start, window), 0)
         gu = _take(res.gate_up, start, window)
         d_act = _dot(dy, w_dn.T, x.dtype)
-        d_gate_up = swiglu_vjp(gu, d_act).astype(x.dtype)
+        d_gate_up = res.act.vjp(gu, d_act).astype(x.dtype)
         if want_x:
             d_x = _put(d_x, _dot(d_gate_up, w_gu.T, x.dtype), start, keep)
         if want_w:
-            act = swiglu(gu).astype(x.dtype)
+            act = res.act(gu).astype(x.dtype)
             x_w = _take(x, start, window)
             blocks = (
                 blocks[0] + _dot(x_w.T, d_gate_up, acc),
@@ -330,17 +331,17 @@ def _ffn_backward(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
     return d_x, d_gu, d_dn
 
 
-@ft.partial(jax.custom_jvp, nondiff_argnums=(4,))
-def _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, grad_acc):
-    out = _ffn_forward(x, w_gate_up, w_down, group_sizes, window, False)[0]
+@ft.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, act, grad_acc):
+    out = _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, False)[0]
     return out if grad_acc is None else (out, grad_acc)
 
 
-def _tiled_ffn_jvp(window, primals, tangents):
+def _tiled_ffn_jvp(window, act, primals, tangents):
     x, w_gate_up, w_down, group_sizes, grad_acc = primals
     t_x, t_gu, t_dn, _, t_acc = symbolic_zeros_to_none(tangents)
-    out, gate_up = _ffn_forward(x, w_gate_up, w_down, group_sizes, window, True)
-    res = _FFNRes(x, w_gate_up, w_down, gate_up, group_sizes, window)
+    out, gate_up = _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, True)
+    res = _FFNRes(x, w_gate_up, w_down, gate_up, group_sizes, window, act)
     want_x = t_x is not None
     if grad_acc is None:
         want_w = (t_gu is not None, t_dn is not None)
@@ -381,14 +382,15 @@ def tiled_ffn(
     *,
     tile_rows: int | None = None,
     grad_acc: GradAcc | None = None,
+    activation: Activation = SWIGLU,
 ):
-    """The SwiGLU expert FFN over groups of rows in one loop of windows; see
+    """The expert FFN over groups of rows in one loop of windows; see
     `moe_eqx.AbstractGMMBackend.ffn` for the arguments and results."""
     window = window_rows(x.shape[0], w_gate_up.shape[0], tile_rows)
     x, w_gate_up, w_down, group_sizes = match_varying(
         x, w_gate_up, w_down, group_sizes.astype(jnp.int32)
     )
-    return _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, grad_acc)
+    return _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, activation, grad_acc)
 
 
 class TiledGMM(AbstractGMMBackend):
@@ -397,7 +399,7 @@ class TiledGMM(AbstractGMMBackend):
     Pure JAX (`lax.fori_loop`s whose trip counts come from the traced `group_sizes`),
     with its own derivatives (see the module): a backward loop over the same windows
     computes `d_lhs` and `d_rhs[g] = lhs_g^T @ d_out_g`, each group's block summed in
-    float32. Its `ffn` runs the whole SwiGLU expert FFN in one loop of windows.
+    float32. Its `ffn` runs the whole expert FFN in one loop of windows.
 
     **Arguments:**
 
@@ -431,6 +433,8 @@ class TiledGMM(AbstractGMMBackend):
         w_down: Float[Array, "groups d_ff d_model"],
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
+        *,
+        activation: Activation = SWIGLU,
     ):
         with jax.named_scope("moe_eqx.gmm.tiled"):
             return tiled_ffn(
@@ -440,4 +444,5 @@ class TiledGMM(AbstractGMMBackend):
                 group_sizes,
                 tile_rows=self.tile_rows,
                 grad_acc=grad_acc,
+                activation=activation,
             )

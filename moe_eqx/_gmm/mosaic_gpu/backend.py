@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..._rules import match_varying
-from .._base import AbstractGMMBackend, GradAcc, gmm_ffn
+from .._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, gmm_ffn
 from ..tiled import TiledGMM
 from .derivatives import mosaic_gmm
 from .kernels import pad_axis
@@ -91,7 +91,11 @@ class MosaicGPUGMM(AbstractGMMBackend):
         w_down: Float[Array, "groups d_ff d_model"],
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
+        *,
+        activation: Activation = SWIGLU,
     ):
         if x.dtype not in _SUPPORTED_DTYPES:
-            return self.fallback.ffn(x, w_gate_up, w_down, group_sizes, grad_acc)
-        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc)
+            return self.fallback.ffn(
+                x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
+            )
+        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)

@@ -1,0 +1,208 @@
+"""Expert variants as config settings: every activation (gated, clamped, ungated),
+routing weights on the experts' inputs (Llama-4) and `sqrt(softplus)` scores, through
+every path (one device; EP with the fallback and slot copies; drop; bfloat16), each
+against the oracle, whose activations are written out from the config's fields; and
+the FFN of every CPU backend against a plain-JAX reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_matches_oracle, make_layer, mesh, tokens
+
+import moe_eqx as me
+import moe_eqx.internal as mi
+
+ACTIVATIONS = [
+    dict(activation="swiglu"),
+    dict(activation="swiglu", activation_limit=0.5),
+    dict(activation="swiglu_oai", activation_limit=0.7),
+    dict(activation="geglu"),
+    dict(activation="geglu_tanh"),
+    dict(activation="relu"),
+    dict(activation="relu2"),
+    dict(activation="gelu"),
+    dict(activation="gelu_tanh"),
+    dict(activation="silu"),
+]
+IDS = ["-".join(str(v) for v in a.values()) for a in ACTIVATIONS]
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=IDS)
+def test_activation_matches_oracle(getkey, act):
+    """One device, then EP4 with every token sent to shard 0's experts: the capped
+    trip overflows, the fallback runs, and a slot copy of a hot expert computes part
+    of its tokens; outputs and every gradient equal the oracle's, shared expert
+    included."""
+    key = getkey()
+    x = tokens(getkey(), 64)
+    one = make_layer(key, d_ff=8, shared_d_ff=6, **act)
+    width = one.config.expert_activation.width(8)
+    assert one.experts.w_gate_up.shape == (8, 16, width)
+    assert one.shared_experts.w_gate_up.shape == (
+        16,
+        one.config.expert_activation.width(6),
+    )
+    assert_matches_oracle(one, x, None)
+    ep = make_layer(
+        key, mesh_size=4, bias_kind="one_shard", d_ff=8, num_slots=1,
+        buffer_factor=0.3, **act,
+    )  # fmt: skip
+    stats = assert_matches_oracle(ep, x, mesh(4))
+    assert bool(stats.fallback_used)
+    assert float(stats.max_over_mean) < float(stats.max_over_mean_before)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(on_overflow="drop", buffer_factor=None),
+        dict(buffer_factor=0.3, num_slots=1),
+    ],
+    ids=["drop", "fallback+slots"],
+)
+def test_weights_on_the_inputs(getkey, overrides):
+    """Llama-4's routing: `sum_e expert_e(w_e x)`, sigmoid weights not renormalised, on
+    one device and under EP4; the weights' gradient reaches the router."""
+    key = getkey()
+    x = tokens(getkey(), 64)
+    kw = dict(
+        weight_on_input=True, score_func="sigmoid", norm_topk=False, shared_d_ff=8
+    )
+    assert_matches_oracle(make_layer(key, **kw), x, None)
+    layer = make_layer(key, mesh_size=4, bias_kind="one_shard", **kw, **overrides)
+    assert_matches_oracle(layer, x, mesh(4))
+    # Not the same function as weights on the outputs (same weights, same key).
+    on_out = make_layer(key, **(kw | dict(weight_on_input=False)))
+    on_in = make_layer(key, **kw)
+    diff = me.reference_moe(on_in, x) - me.reference_moe(on_out, x)
+    assert float(jnp.max(jnp.abs(diff))) > 1e-2
+
+
+def test_sqrtsoftplus_scores(getkey):
+    """DeepSeek-V4's scores: the chosen weights are `sqrt(softplus(logit))`,
+    renormalised; the layer matches the oracle under EP4."""
+    layer = make_layer(getkey(), score_func="sqrtsoftplus", use_router_bias=True)
+    x = tokens(getkey(), 32)
+    routing = layer.router(x)
+    logits = np.asarray(x, np.float64) @ np.asarray(layer.router.weight, np.float64)
+    scores = np.sqrt(np.log1p(np.exp(logits)))
+    chosen = np.take_along_axis(scores, np.asarray(routing.experts), axis=1)
+    np.testing.assert_allclose(
+        routing.weights, chosen / chosen.sum(1, keepdims=True), rtol=1e-5
+    )
+    assert_matches_oracle(
+        make_layer(getkey(), mesh_size=4, score_func="sqrtsoftplus"), x, mesh(4)
+    )
+
+
+def test_forward_mode_through_variants(getkey):
+    """`jax.jvp` through an ungated, input-weighted layer under EP4 equals the same
+    transform of the oracle."""
+    layer = make_layer(
+        getkey(), activation="relu2", weight_on_input=True, score_func="sigmoid",
+        norm_topk=False,
+    )  # fmt: skip
+    x = tokens(getkey(), 32)
+    t = tokens(getkey(), 32)
+    m = mesh(4)
+    y, ty = jax.jit(lambda x, t: jax.jvp(lambda x: layer(x, mesh=m)[0], (x,), (t,)))(
+        x, t
+    )
+    y_ref, ty_ref = jax.jvp(lambda x: me.reference_moe(layer, x), (x,), (t,))
+    np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(ty, ty_ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "act",
+    [
+        me.Activation("relu2"),
+        me.Activation("swiglu_oai", limit=0.6),
+        me.Activation("geglu_tanh"),
+        me.Activation("swiglu", limit=0.5),
+    ],
+    ids=["relu2", "swiglu_oai", "geglu_tanh", "swiglu_limit"],
+)
+@pytest.mark.parametrize(
+    "backend",
+    [me.TiledGMM(tile_rows=7), mi.DenseGMM(), me.RaggedDotGMM()],
+    ids=["tiled", "dense", "ragged_dot"],
+)
+def test_backend_ffn_with_activation(act, backend):
+    """`backend.ffn(..., activation=)` against a one-hot einsum reference with the
+    activation written out: output, and the gradients of the rows and both weights
+    (plain and through the fallback's accumulators)."""
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray([7, 0, 30, 3], jnp.int32)
+    m, d, f = 48, 6, 5
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((4, d, act.width(f))) / 2, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((4, f, d)) / 2, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+
+    def reference(x, w1, w2):
+        ends = jnp.cumsum(sizes)[None, :]
+        rows = jnp.arange(m)[:, None]
+        member = ((rows >= ends - sizes[None, :]) & (rows < ends)).astype(jnp.float32)
+        h = jnp.einsum("mg,mk,gkn->mn", member, x, w1)
+        a = _written_out(act, h)
+        return jnp.einsum("mg,mf,gfd->md", member, a, w2)
+
+    def ffn(x, w1, w2):
+        return backend.ffn(x, w1, w2, sizes, activation=act)
+
+    out, vjp = jax.vjp(ffn, x, w1, w2)
+    ref, ref_vjp = jax.vjp(reference, x, w1, w2)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(vjp(dy), ref_vjp(dy), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    acc = (jnp.zeros_like(w1), jnp.zeros_like(w2))
+    _, acc_vjp = jax.vjp(
+        lambda x, acc: backend.ffn(x, w1, w2, sizes, acc, activation=act), x, acc
+    )
+    d_x, (d_w1, d_w2) = acc_vjp((dy, acc))
+    _, (r_x, r_w1, r_w2) = out, ref_vjp(dy)
+    for got, want in ((d_x, r_x), (d_w1, r_w1), (d_w2, r_w2)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _written_out(act, h):
+    if not act.gated:
+        return {"relu2": lambda u: jnp.maximum(u, 0) ** 2}[act.name](h)
+    gate, up = jnp.split(h, 2, axis=-1)
+    if act.limit is not None:
+        gate, up = jnp.minimum(gate, act.limit), jnp.clip(up, -act.limit, act.limit)
+    if act.name == "swiglu_oai":
+        return gate * jax.nn.sigmoid(1.702 * gate) * (up + 1)
+    if act.name == "geglu_tanh":
+        c = np.sqrt(2 / np.pi)
+        return 0.5 * gate * (1 + jnp.tanh(c * (gate + 0.044715 * gate**3))) * up
+    return gate * jax.nn.sigmoid(gate) * up
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(activation="tanh"), "`activation` must be one of"),
+        (dict(activation="relu", activation_limit=1.0), "applies to 'swiglu'"),
+        (dict(activation="swiglu_oai"), "needs a `limit`"),
+        (dict(activation_limit=-1.0), "`activation_limit` must be a positive"),
+        (dict(weight_on_input=1), "`weight_on_input` must be True or False"),
+        (dict(score_func="tanh"), "`score_func` must be one of"),
+    ],
+)
+def test_bad_variant_settings_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        me.MoEConfig(d_model=8, d_ff=4, num_experts=4, top_k=2, **overrides)
+
+
+def test_weights_of_the_wrong_width_are_refused(getkey):
+    """Gated weights given to an ungated activation name the mismatch."""
+    layer = make_layer(getkey())
+    x = tokens(getkey(), 8)
+    with pytest.raises(ValueError, match="'relu2' activation with d_ff=24 needs 24"):
+        mi.expert_ffn(
+            x, layer.experts.w_gate_up, layer.experts.w_down,
+            jnp.asarray([8, 0, 0, 0, 0, 0, 0, 0]), activation=me.Activation("relu2"),
+        )  # fmt: skip
