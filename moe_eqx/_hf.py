@@ -66,13 +66,20 @@ def layer_from_hf_state_dict(
         - DBRX's `experts.mlp.w1` (gate), `experts.mlp.v1` (up) and
           `experts.mlp.w2` (down, `[F, H]` per expert), each `[E * F, H]`;
         - fused: `experts.gate_up_proj [E, 2F, H]` (gate rows first) and
-          `experts.down_proj [E, H, F]`, or with `transposed_experts` (Aria)
-          `[E, H, 2F]` and `[E, F, H]`.
+          `experts.down_proj [E, H, F]`, or with `transposed_experts` (Aria,
+          Llama-4) `[E, H, 2F]` and `[E, F, H]`; GraniteMoE's checkpoints'
+          `input_linear.weight [E, 2F, H]` and `output_linear.weight [E, H, F]`;
+        - ungated (an ungated `config.activation`, Nemotron-H):
+          `experts.up_proj [E, F, H]` and `experts.down_proj [E, H, F]`, or per
+          expert `experts.{i}.up_proj.weight [F, H]`, `down_proj.weight [H, F]`.
     - shared expert (`config.shared_d_ff > 0`):
       `shared_experts.{gate,up,down}_proj.weight` (DeepSeek-V3,
       `F_s = n_shared_experts * moe_intermediate_size`) or
       `shared_expert.{gate,up,down}_proj.weight` (Qwen2-MoE) or
-      `shared_mlp.{gate,up,down}_proj.weight` (HunYuan-V1-MoE), with Qwen2-MoE's gate
+      `shared_mlp.{gate,up,down}_proj.weight` (HunYuan-V1-MoE) (or `w1/w3/w2`,
+      DeepSeek-V4's checkpoints; `up_proj`/`down_proj` alone when ungated), or
+      `shared_mlp.input_linear.weight [2F_s, H]` and `output_linear.weight`
+      (GraniteMoE-Shared), with Qwen2-MoE's gate
       `shared_expert_gate.weight [1, H]` when `config.shared_gate`.
 
     The routing semantics come from `config`: Mixtral is `score_func="softmax"`,
@@ -762,10 +769,14 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and
     `dots1` (read as DeepSeek-V3), `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and
     `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`, `dbrx`, `aria_text` (an
-    `aria` config's `text_config`; import with `transposed_experts=True`); the README's table of models lists the keys each reads (always
+    `aria` config's `text_config`; import with `transposed_experts=True`),
+    `granitemoeshared` and `granitemoehybrid`, `nemotron_h` (ReLU^2 experts),
+    `deepseek_v4` (`sqrt(softplus)` scores, clamped SwiGLU), `hy_v3`, `hy_v4`,
+    `llama4_text` (weights on the experts' inputs; `transposed_experts=True`); the
+    README's table of models lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
-    does not compute (a `hidden_act` other than SiLU, DeepSeek's `topk_method` other
+    does not compute (an activation it lacks, DeepSeek's `topk_method` other
     than `"noaux_tc"` or `scoring_func` other than `"sigmoid"`, a nonzero
     `router_jitter_noise`, ERNIE's `use_bias`) is a `ValueError` naming the key and
     value. A multimodal config's `text_config` is
