@@ -100,6 +100,13 @@ class MoEConfig(eqx.Module):
     - `activation_alpha`: the sigmoid's slope in `"swiglu_oai"` (GPT-OSS: 1.702).
     - `weight_on_input`: the routing weight scales the expert's input instead of its
         output: `sum_e expert_e(w_e x)` (Llama-4).
+    - `expert_bias`: per-expert biases on both projections,
+        `act(x @ W1_e + b1_e) @ Wd_e + bd_e` (GPT-OSS); see [`moe_eqx.Experts`][].
+    - `output_bias`: a bias added once to every token's output, after the routed and
+        shared experts (JetMoE), `layer.output_bias [d_model]`.
+    - `router_logit_bias`: a trained bias added to the router's logits (GPT-OSS),
+        `layer.router.logit_bias [E]`; unlike `use_router_bias`'s, it changes the
+        weights too.
     """
 
     d_model: int = eqx.field(static=True, converter=_integer)
@@ -142,6 +149,9 @@ class MoEConfig(eqx.Module):
     )
     weight_on_input: bool = eqx.field(static=True, default=False, converter=_boolean)
     limit_shared: bool = eqx.field(static=True, default=True, converter=_boolean)
+    expert_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
+    router_logit_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
+    output_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -155,6 +165,9 @@ class MoEConfig(eqx.Module):
             "shared_gate",
             "weight_on_input",
             "limit_shared",
+            "expert_bias",
+            "router_logit_bias",
+            "output_bias",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -197,6 +210,11 @@ class MoEConfig(eqx.Module):
                 raise ValueError(
                     f"`{name}` must be a positive finite number, got {value!r}."
                 )
+        if self.weight_on_input and self.expert_bias:
+            raise ValueError(
+                "`weight_on_input=True` with `expert_bias=True` is not supported (an "
+                "expert's bias would act on every token, routed or not)."
+            )
         try:
             _ = (self.expert_activation, self.shared_activation)
         except ValueError as e:

@@ -1,5 +1,7 @@
 """Expert stage: gated (SwiGLU, ...) or ungated experts, applied as grouped matmuls."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -27,12 +29,18 @@ class Experts(eqx.Module):
     - `w_gate_up`: `[E, d_model, 2 * d_ff]`, gate = first half, up = second half
         (`[E, d_model, d_ff]`, the up projection, for an ungated activation).
     - `w_down`: `[E, d_ff, d_model]`.
+    - `b_gate_up`, `b_down`: `[E, 2 * d_ff]` (`[E, d_ff]` ungated) and
+        `[E, d_model]` per-expert biases of the two projections with
+        `config.expert_bias` (GPT-OSS: `act(x @ W1_e + b1_e) @ Wd_e + bd_e`, the whole
+        output weighted), else `None`.
     - `activation`: the [`moe_eqx.Activation`][] (static), from
         `config.expert_activation`.
     """
 
     w_gate_up: Float[Array, "experts d_model two_d_ff"]
     w_down: Float[Array, "experts d_ff d_model"]
+    b_gate_up: Float[Array, "experts two_d_ff"] | None = None
+    b_down: Float[Array, "experts d_model"] | None = None
     activation: Activation = eqx.field(static=True, default=SWIGLU)
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
@@ -46,10 +54,25 @@ class Experts(eqx.Module):
         self.w_down = (jr.normal(down_key, (e, f, h), jnp.float32) / f**0.5).astype(
             dtype
         )
+        if config.expert_bias:
+            self.b_gate_up = jnp.zeros((e, self.activation.width(f)), dtype)
+            self.b_down = jnp.zeros((e, h), dtype)
+        else:
+            self.b_gate_up = self.b_down = None
 
     @property
     def num_experts(self) -> int:
         return self.w_gate_up.shape[0]
+
+    def with_biases_folded(
+        self, x: Float[Array, "rows d_model"]
+    ) -> tuple[Array, Array, Array, Activation]:
+        """`(x, w_gate_up, w_down, activation)` for [`moe_eqx.internal.expert_ffn`][],
+        with the biases (if any) folded into the weights: `x` gets a column of ones,
+        `w_gate_up` the row `b_gate_up` and a column that carries that one through the
+        activation, `w_down` the row `b_down` (see `moe_eqx.Activation`'s `bias`).
+        Without biases, the arrays as they are."""
+        return expert_arrays(self, x, self.activation)
 
     def __call__(
         self,
@@ -70,19 +93,15 @@ class Experts(eqx.Module):
 
         `[M, d_model]`; rows beyond `sum(group_sizes)` are zero.
         """
+        x_in, w_gate_up, w_down, activation = self.with_biases_folded(x)
         return expert_ffn(
-            x,
-            self.w_gate_up,
-            self.w_down,
-            group_sizes,
-            backend=backend,
-            activation=self.activation,
+            x_in, w_gate_up, w_down, group_sizes, backend=backend, activation=activation
         )
 
 
 def expert_ffn(
-    x: Float[Array, "rows d_model"],
-    w_gate_up: Float[Array, "groups d_model two_d_ff"],
+    x: Float[Array, "rows d_in"],
+    w_gate_up: Float[Array, "groups d_in two_d_ff"],
     w_down: Float[Array, "groups d_ff d_model"],
     group_sizes: Int[Array, " groups"],
     *,
@@ -112,17 +131,47 @@ def expert_ffn(
     `grad_acc`, `(out, grad_acc)`.
     """
     with jax.named_scope("moe_eqx.experts"):
-        if w_gate_up.shape[-1] != activation.width(w_down.shape[-2]):
+        if w_gate_up.shape[-1] != activation.in_width(w_down.shape[-2]):
             raise ValueError(
                 f"`w_gate_up` has {w_gate_up.shape[-1]} columns, but the "
                 f"{activation.name!r} activation with d_ff={w_down.shape[-2]} needs "
-                f"{activation.width(w_down.shape[-2])}."
+                f"{activation.in_width(w_down.shape[-2])}."
             )
         impl = resolve_backend(backend)
         sizes = group_sizes.astype(jnp.int32)
         if activation == SWIGLU:  # any backend, including one written before
             return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc)
         return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc, activation=activation)
+
+
+def expert_arrays(experts: Experts, x, activation: Activation):
+    """`(x, w_gate_up, w_down, activation)` of `experts` for `expert_ffn`, their biases
+    (if any) folded in (`fold_biases`)."""
+    if experts.b_gate_up is None:
+        return x, experts.w_gate_up, experts.w_down, activation
+    return fold_biases(
+        x,
+        experts.w_gate_up,
+        experts.w_down,
+        experts.b_gate_up,
+        experts.b_down,
+        activation,
+    )
+
+
+def fold_biases(x, w_gate_up, w_down, b_gate_up, b_down, activation: Activation):
+    """Per-expert biases as one more weight row: `[x, 1] @ [[W1, 0], [b1, 1]]` gives
+    `[x @ W1 + b1, 1]`, the activation passes the 1 through, and `[act, 1] @ [Wd; bd]`
+    adds `bd`. Returns `(x, w_gate_up, w_down, activation)` for `expert_ffn`."""
+    ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
+    x = jnp.concatenate([x, ones], axis=-1)
+    dtype = w_gate_up.dtype
+    e = w_gate_up.shape[0]
+    one_col = jnp.zeros((e, w_gate_up.shape[1] + 1, 1), dtype).at[:, -1].set(1)
+    w1 = jnp.concatenate([w_gate_up, b_gate_up[:, None, :].astype(dtype)], axis=1)
+    w1 = jnp.concatenate([w1, one_col], axis=2)
+    w2 = jnp.concatenate([w_down, b_down[:, None, :].astype(w_down.dtype)], axis=1)
+    return x, w1, w2, dataclasses.replace(activation, bias=True)
 
 
 class SharedExperts(eqx.Module):

@@ -149,7 +149,9 @@ def _loop(spec, num_chunks, overflow, inputs):
         )
         return y + y_p, _add(stats, stats_p)
 
-    init = (jnp.zeros_like(inputs.x), _zero_stats(inputs.valid))
+    # `y` is as wide as the experts' output (`x` may carry a folded bias column).
+    y0 = jnp.zeros_like(inputs.x)[:, : inputs.w_down.shape[-1]]
+    init = (y0, _zero_stats(inputs.valid))
     return jax.lax.fori_loop(0, _pieces(overflow, num_chunks), body, init)
 
 

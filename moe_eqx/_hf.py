@@ -134,12 +134,19 @@ def layer_from_hf_state_dict(
             (1, e) if bias_key == "gate.moe_statics.e_score_correction_bias" else (e,)
         )
         bias = get(bias_key, shape).reshape(e).astype(np.float32)
+    logit_bias = None
+    if config.router_logit_bias:  # GPT-OSS: `router.bias`, a trained logit bias
+        logit_bias = get("router.bias", (e,)).astype(np.float32)
+    output_bias = get("bias", (h,)) if config.output_bias else None  # JetMoE
     if "gate.tid2eid" in keys:
         raise ValueError(
             f"{prefix}gate.tid2eid: this block routes by token id (DeepSeek-V4's hash "
             "layers), which the layer does not compute; its other layers import."
         )
-    if config.expert_activation.gated:
+    expert_biases = None
+    if config.expert_bias:
+        w_gate_up, w_down, expert_biases = _gpt_oss_experts(get, e, h, f)
+    elif config.expert_activation.gated:
         w_gate_up, w_down = _routed_experts(keys, get, e, h, f, transposed_experts)
     else:
         w_gate_up, w_down = _ungated_experts(keys, get, e, h, f)
@@ -171,6 +178,14 @@ def layer_from_hf_state_dict(
     }
     if bias is not None:
         new[lambda l: l.router.bias] = jnp.asarray(bias)
+    if logit_bias is not None:
+        new[lambda l: l.router.logit_bias] = jnp.asarray(logit_bias)
+    if output_bias is not None:
+        new[lambda l: l.output_bias] = arr(output_bias, layer.output_bias)
+    if expert_biases is not None:
+        b_gu, b_dn = expert_biases
+        new[lambda l: l.experts.b_gate_up] = arr(b_gu, layer.experts.b_gate_up)
+        new[lambda l: l.experts.b_down] = arr(b_dn, layer.experts.b_down)
     if shared is not None:
         s = layer.shared_experts
         new[lambda l: l.shared_experts.w_gate_up] = arr(shared[0], s.w_gate_up)
@@ -187,6 +202,21 @@ def layer_from_hf_state_dict(
     if left:  # a field this importer does not know about
         raise RuntimeError(f"parameters left unset by the import: {left}.")
     return layer
+
+
+def _gpt_oss_experts(get, e, h, f):
+    """GPT-OSS's: `experts.gate_up_proj [E, H, 2F]` with gate and up columns
+    interleaved (even, odd) and its bias `[E, 2F]` likewise; `down_proj [E, F, H]`
+    and its bias `[E, H]`. Returns the weights (halves: gate, then up) and biases."""
+
+    def halves(a):
+        return np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)
+
+    w_gate_up = halves(get("experts.gate_up_proj", (e, h, 2 * f)))
+    b_gate_up = halves(get("experts.gate_up_proj_bias", (e, 2 * f)))
+    w_down = get("experts.down_proj", (e, f, h))
+    b_down = get("experts.down_proj_bias", (e, h))
+    return w_gate_up, w_down, (b_gate_up, b_down)
 
 
 def _ungated_experts(keys, get, e, h, f):
@@ -730,6 +760,36 @@ def _llama4_text(r: _Reader) -> dict:
     )
 
 
+def _gpt_oss(r: _Reader) -> dict:
+    # A logit bias on the router, softmax over the chosen k logits (the renormalised
+    # top-k probabilities); experts with biases and the clamped `gate * sigmoid(alpha
+    # gate) * (up + 1)` activation.
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="softmax",
+        norm_topk=True,
+        router_logit_bias=True,
+        expert_bias=True,
+        activation="swiglu_oai",
+        activation_limit=float(r.get("swiglu_limit", default=7.0)),
+        activation_alpha=float(r.get("swiglu_alpha", default=1.702)),
+    )
+
+
+def _jetmoe(r: _Reader) -> dict:
+    # Softmax over the chosen k logits; `input_linear`/`output_linear` experts with
+    # `activation_function`; one bias on the block's output.
+    r.require("activation_function", ("silu", "swish"), default="silu")
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="softmax",
+        norm_topk=True,
+        output_bias=True,
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -758,6 +818,8 @@ _FAMILIES = {
     "hy_v4": _hy_v4,
     "hy_v3": _hy_v3,
     "llama4_text": _llama4_text,
+    "gpt_oss": _gpt_oss,
+    "jetmoe": _jetmoe,
 }
 
 
@@ -772,7 +834,8 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     `aria` config's `text_config`; import with `transposed_experts=True`),
     `granitemoeshared` and `granitemoehybrid`, `nemotron_h` (ReLU^2 experts),
     `deepseek_v4` (`sqrt(softplus)` scores, clamped SwiGLU), `hy_v3`, `hy_v4`,
-    `llama4_text` (weights on the experts' inputs; `transposed_experts=True`); the
+    `llama4_text` (weights on the experts' inputs; `transposed_experts=True`),
+    `gpt_oss` (biases, clamped activation), `jetmoe` (an output bias); the
     README's table of models lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from ._combine import combine, weight_inputs
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
-from ._experts import Experts, SharedExperts, expert_ffn
+from ._experts import Experts, SharedExperts, expert_arrays, expert_ffn
 from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
@@ -38,13 +38,16 @@ def _place(a, mesh: Mesh, spec: P):
 
 
 class MoELayer(eqx.Module):
-    """A routed Mixture-of-Experts layer of SwiGLU experts.
+    """A routed Mixture-of-Experts layer (SwiGLU experts by default; see
+    `config.activation`).
 
     **Fields:**
 
-    - `router`: the [`moe_eqx.Router`][] (`router.weight: [d_model, E]`).
-    - `experts`: the [`moe_eqx.Experts`][] (`w_gate_up: [E, d_model, 2 d_ff]`,
-        `w_down: [E, d_ff, d_model]`).
+    - `router`: the [`moe_eqx.Router`][] (`router.weight: [d_model, E]`, optional
+        `bias`, `logit_bias: [E]`).
+    - `experts`: the [`moe_eqx.Experts`][] (`w_gate_up: [E, d_model, 2 d_ff]` (`d_ff`
+        ungated), `w_down: [E, d_ff, d_model]`, optional biases `b_gate_up`,
+        `b_down`).
     - `shared_experts`: the [`moe_eqx.SharedExperts`][] (`w_gate_up: [d_model,
         2 shared_d_ff]`, `w_down: [shared_d_ff, d_model]`, optional `gate: [d_model]`),
         or `None` when `config.shared_d_ff == 0`.
@@ -53,6 +56,8 @@ class MoELayer(eqx.Module):
         Identity by default; [`moe_eqx.rebalance_experts`][] re-places experts. The
         router and its bias keep logical ids.
     - `config`: the static [`moe_eqx.MoEConfig`][].
+    - `output_bias`: `[d_model]` added to every token's output with
+        `config.output_bias` (JetMoE), else `None`.
     """
 
     router: Router
@@ -60,6 +65,7 @@ class MoELayer(eqx.Module):
     shared_experts: SharedExperts | None
     expert_ids: Int[Array, " experts"]
     config: MoEConfig = eqx.field(static=True)
+    output_bias: Float[Array, " d_model"] | None = None
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         router_key, experts_key, shared_key = jr.split(key, 3)
@@ -72,6 +78,9 @@ class MoELayer(eqx.Module):
             else None
         )
         self.expert_ids = jnp.arange(config.num_experts, dtype=jnp.int32)
+        self.output_bias = (
+            jnp.zeros((config.d_model,), dtype) if config.output_bias else None
+        )
 
     def __call__(
         self,
@@ -131,14 +140,13 @@ class MoELayer(eqx.Module):
                 self.expert_ids,
                 x.reshape(-1, cfg.d_model),
             )
-            return y.reshape(*batch_shape, cfg.d_model), stats
+            return _add_bias(y.reshape(*batch_shape, cfg.d_model), self), stats
         # A concrete `x` on other devices (e.g. committed to one) joins the mesh, and
         # `y` goes back to where `x` was.
         home = _concrete_sharding(x)
         if home is not None and home.device_set != set(mesh.devices.flat):
             x = jax.device_put(x, NamedSharding(mesh, P()))
-        args = (self.router, self.experts.w_gate_up, self.experts.w_down)
-        args += (self.shared_experts, self.expert_ids, x)
+        args = (self.router, self.experts, self.shared_experts, self.expert_ids, x)
         if ambient is not None and ambient != mesh:
             # An explicit `mesh=` wins over the ambient one: run under it.
             with jax.set_mesh(mesh):
@@ -149,7 +157,15 @@ class MoELayer(eqx.Module):
         if home is not None and back is not None:
             if not back.is_equivalent_to(home, y.ndim):
                 y = jax.device_put(y, home)
-        return y, stats
+        return _add_bias(y, self), stats
+
+
+def _add_bias(y, layer):
+    """`y + layer.output_bias` (JetMoE's block bias), when the layer has one."""
+    if layer.output_bias is None:
+        return y
+    bias = layer.output_bias.astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
+    return (y.astype(jnp.float32) + bias).astype(y.dtype)
 
 
 def _check_input(x, cfg: MoEConfig) -> None:
@@ -266,13 +282,16 @@ def _single_device_call(
     xs = permute_rows(x, pairs.order, pairs.inverse)
     if cfg.weight_on_input:
         xs, pairs = weight_inputs(xs, pairs)
+    xs, w_gate_up, w_down, activation = expert_arrays(
+        experts, xs, cfg.expert_activation
+    )
     out = expert_ffn(
         xs,
-        experts.w_gate_up,
-        experts.w_down,
+        w_gate_up,
+        w_down,
         pairs.group_sizes,
         backend=resolve_backend(cfg.gmm_backend, platform),
-        activation=cfg.expert_activation,
+        activation=activation,
     )
     y = add_shared(cfg, combine(out, pairs, tokens), shared, x)
     stats = routed_stats(
@@ -303,8 +322,7 @@ def _expert_parallel_call(
     mesh: Mesh,
     platform: str,
     router,
-    w_gate_up,
-    w_down,
+    experts,
     shared,
     expert_ids,
     x,
@@ -322,7 +340,7 @@ def _expert_parallel_call(
     per_shard = jax.shard_map(
         ft.partial(expert_parallel_shard_body, cfg, mesh.shape[ax], platform, other),
         mesh=mesh,
-        in_specs=(P(), P(ax), P(ax), P(), P(), tokens),
+        in_specs=(P(), P(ax), P(), P(), tokens),
         out_specs=(tokens, P()),
         check_vma=False,
     )
@@ -338,8 +356,8 @@ def _expert_parallel_call(
         )
     else:
         x = x.reshape(flat)
-    args = (router, w_gate_up, w_down, shared, expert_ids, x)
-    specs = (P(), P(ax), P(ax), P(), P(), tokens)
+    args = (router, experts, shared, expert_ids, x)
+    specs = (P(), P(ax), P(), P(), tokens)
     place = _reshard if explicit else _place
     args = tuple(
         jax.tree.map(lambda a, s=s: place(a, mesh, s), a)
@@ -454,9 +472,8 @@ def shard_specs(layer: MoELayer) -> MoELayer:
     """
     specs = jax.tree.map(lambda _: P(), layer)
     split = P(layer.config.axis_name)
-    return eqx.tree_at(
-        lambda l: (l.experts.w_gate_up, l.experts.w_down), specs, (split, split)
-    )
+    experts = jax.tree.map(lambda _: split, layer.experts)
+    return eqx.tree_at(lambda l: l.experts, specs, experts)
 
 
 def reference_moe(
@@ -500,10 +517,15 @@ def reference_moe(
         gu = jnp.einsum("eth,ehf->etf", xin, w_gu, precision=hp)
     else:
         gu = jnp.einsum("th,ehf->etf", xf, w_gu, precision=hp)
+    experts = layer.experts
+    if experts.b_gate_up is not None:
+        gu = gu + experts.b_gate_up.astype(jnp.float32)[:, None, :]
     act = _reference_activation(cfg, gu)
     out = jnp.einsum(
-        "etf,efh->eth", act, layer.experts.w_down.astype(jnp.float32), precision=hp
+        "etf,efh->eth", act, experts.w_down.astype(jnp.float32), precision=hp
     )
+    if experts.b_down is not None:
+        out = out + experts.b_down.astype(jnp.float32)[:, None, :]
     if cfg.weight_on_input:
         y = jnp.sum(out, axis=0)
     else:
@@ -518,6 +540,8 @@ def reference_moe(
             gate = jnp.dot(xf, shared.gate.astype(jnp.float32), precision=hp)
             s = s * jax.nn.sigmoid(gate)[:, None]
         y = y + s * jnp.float32(cfg.shared_scale)
+    if layer.output_bias is not None:
+        y = y + layer.output_bias.astype(jnp.float32)[None, :]
     return y.astype(x.dtype).reshape(*batch_shape, x.shape[-1])
 
 

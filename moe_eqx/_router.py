@@ -56,9 +56,11 @@ class Router(eqx.Module):
     """Linear router with softmax, sigmoid or `sqrt(softplus)` scores and
     (group-limited) top-k selection.
 
-    `logits = x @ weight` in float32. The optional `bias` only changes which experts are
-    selected (aux-loss-free balancing), never the weights; it receives no gradient, and
-    [`moe_eqx.update_router_bias`][] is the rule to update it.
+    `logits = x @ weight (+ logit_bias)` in float32. The optional `logit_bias`
+    (`config.router_logit_bias`, GPT-OSS) is a trained parameter of the logits. The
+    optional `bias` only changes which experts are selected (aux-loss-free balancing),
+    never the weights; it receives no gradient, and [`moe_eqx.update_router_bias`][]
+    is the rule to update it.
 
     Group-limited routing (`num_groups > 1`): a group's score is the sum of its best
     `min(2, experts per group)` selection scores (DeepSeek-V3), or with
@@ -68,6 +70,7 @@ class Router(eqx.Module):
 
     weight: Float[Array, "d_model experts"]
     bias: Float[Array, " experts"] | None
+    logit_bias: Float[Array, " experts"] | None = None
     top_k: int = eqx.field(static=True)
     score_func: str = eqx.field(static=True)
     norm_topk: bool = eqx.field(static=True)
@@ -83,6 +86,11 @@ class Router(eqx.Module):
         self.bias = (
             jnp.zeros((config.num_experts,), jnp.float32)
             if config.use_router_bias
+            else None
+        )
+        self.logit_bias = (
+            jnp.zeros((config.num_experts,), jnp.float32)
+            if config.router_logit_bias
             else None
         )
         self.top_k = config.top_k
@@ -118,6 +126,8 @@ class Router(eqx.Module):
             self.weight.astype(jnp.float32),
             precision=jax.lax.Precision.HIGHEST,
         )
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias.astype(jnp.float32)[None, :]
         if self.score_func == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
             return logits, scores, scores

@@ -1,6 +1,8 @@
 """The stages composed for one shard (the steps of "How it works" in the README):
 callable inside a user's own `shard_map`. [`moe_eqx.MoELayer`][] wraps it in one."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ._config import MoEConfig
 from ._dispatch import send_counts
 from ._exchange import AbstractExchange, exchange_name, is_dense, is_ragged
-from ._experts import SharedExperts
+from ._experts import Experts, SharedExperts, expert_arrays
 from ._fallback import chunked_dropless, fallback_chunking
 from ._gmm import AbstractGMMBackend, resolve_backend
 from ._overflow import (
@@ -132,8 +134,7 @@ def expert_parallel_shard_body(
     platform: str,
     data_axes: tuple[str, ...],
     router: Router,
-    w_gate_up: Float[Array, "local_experts d_model two_d_ff"],
-    w_down: Float[Array, "local_experts d_ff d_model"],
+    experts: Experts,
     shared: SharedExperts | None,
     expert_ids: Int[Array, " experts"],
     x: Float[Array, "tokens d_model"],
@@ -147,7 +148,9 @@ def expert_parallel_shard_body(
     """
     setup = _ShardSetup.of(cfg, num_shards, platform, data_axes, tokens=x.shape[0])
     routed = _route(setup, router, expert_ids, x)
-    inputs = _destinations(setup, routed, x, w_gate_up, w_down)
+    # This shard's experts (biases folded into their weights: `fold_biases`).
+    x_in, w_gate_up, w_down, _ = expert_arrays(experts, x, setup.spec.activation)
+    inputs = _destinations(setup, routed, x_in, w_gate_up, w_down)
     sent = _send(setup, inputs)
     y, trip = _capped_or_fallback(setup, inputs, sent)
     y = add_shared(cfg, y, shared, x)
@@ -209,7 +212,9 @@ class _ShardSetup(eqx.Module):
             exchange=self.exchange,
             gmm_backend=self.gmm_backend,
             axis_name=self.cfg.axis_name,
-            activation=self.cfg.expert_activation,
+            activation=dataclasses.replace(
+                self.cfg.expert_activation, bias=self.cfg.expert_bias
+            ),
             weight_on_input=self.cfg.weight_on_input,
         )
 
@@ -481,15 +486,18 @@ def expert_parallel_shard(
         )
     platform = jax.default_backend() if platform is None else platform
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
-    return expert_parallel_shard_body(
+    y, stats = expert_parallel_shard_body(
         cfg,
         num_shards,
         platform,
         tuple(data_axes),
         layer.router,
-        layer.experts.w_gate_up,
-        layer.experts.w_down,
+        layer.experts,
         layer.shared_experts,
         layer.expert_ids,
         x,
     )
+    if layer.output_bias is not None:
+        bias = layer.output_bias.astype(jnp.float32)[None, :]
+        y = (y.astype(jnp.float32) + bias).astype(y.dtype)
+    return y, stats

@@ -83,7 +83,8 @@ class TripInputs(eqx.Module):
 
     **Fields:**
 
-    - `x`: `[T, d_model]` this shard's tokens.
+    - `x`: `[T, d_in]` this shard's tokens (`d_in = d_model`, or one more column of
+        ones when the experts' biases are folded into their weights).
     - `weights`: `[T, k]` routing weights.
     - `dest_shard`, `dest_group`: `[T, k]` physical destination (shard, local group) of
         each pair.
@@ -92,12 +93,12 @@ class TripInputs(eqx.Module):
         experts, then slots).
     """
 
-    x: Float[Array, "tokens d_model"]
+    x: Float[Array, "tokens d_in"]
     weights: Float[Array, "tokens k"]
     dest_shard: Int[Array, "tokens k"]
     dest_group: Int[Array, "tokens k"]
     valid: Bool[Array, "tokens k"]
-    w_gate_up: Float[Array, "groups d_model two_d_ff"]
+    w_gate_up: Float[Array, "groups d_in two_d_ff"]
     w_down: Float[Array, "groups d_ff d_model"]
 
 

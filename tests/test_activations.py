@@ -4,6 +4,7 @@ every path (one device; EP with the fallback and slot copies; drop; bfloat16), e
 against the oracle, whose activations are written out from the config's fields; and
 the FFN of every CPU backend against a plain-JAX reference."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,4 +206,99 @@ def test_weights_of_the_wrong_width_are_refused(getkey):
         mi.expert_ffn(
             x, layer.experts.w_gate_up, layer.experts.w_down,
             jnp.asarray([8, 0, 0, 0, 0, 0, 0, 0]), activation=me.Activation("relu2"),
+        )  # fmt: skip
+
+
+def _with_random_biases(layer, key):
+    """Every bias of the layer drawn at random (they start at zero)."""
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    e = layer.experts
+    return eqx.tree_at(
+        lambda l: (
+            l.experts.b_gate_up, l.experts.b_down, l.router.logit_bias, l.output_bias,
+        ),
+        layer,
+        (
+            jax.random.normal(k1, e.b_gate_up.shape, e.b_gate_up.dtype),
+            jax.random.normal(k2, e.b_down.shape, e.b_down.dtype),
+            jax.random.normal(k3, layer.router.logit_bias.shape),
+            jax.random.normal(k4, layer.output_bias.shape),
+        ),
+    )  # fmt: skip
+
+
+BIASED = dict(expert_bias=True, router_logit_bias=True, output_bias=True, d_ff=8)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(activation="swiglu_oai", activation_limit=0.7),
+        dict(activation="relu2", shared_d_ff=6),
+        dict(on_overflow="drop", buffer_factor=None),
+    ],
+    ids=["swiglu_oai", "relu2+shared", "drop"],
+)
+def test_biases_match_oracle(getkey, overrides):
+    """Per-expert biases on both projections (folded into the weights as one more
+    row), a router logit bias and an output bias: one device, then EP4 with the
+    fallback and a slot copy (whose biases travel with its weights), then after a
+    re-placement of the experts (the biases move with them); all against the
+    oracle, gradients of every bias included."""
+    key, bias_key = getkey(), getkey()
+    x = tokens(getkey(), 64)
+    one = _with_random_biases(make_layer(key, **BIASED, **overrides), bias_key)
+    assert_matches_oracle(one, x, None)
+    ep = make_layer(
+        key, mesh_size=4, bias_kind="one_shard", num_slots=1,
+        **(dict(buffer_factor=0.3) | BIASED | overrides),
+    )  # fmt: skip
+    ep = _with_random_biases(ep, bias_key)
+    stats = assert_matches_oracle(ep, x, mesh(4))
+    if overrides.get("on_overflow") != "drop":
+        assert bool(stats.fallback_used)
+    perm = jnp.asarray(np.random.default_rng(0).permutation(8), jnp.int32)
+    assert_matches_oracle(mi.permute_experts(ep, perm), x, mesh(4))
+
+
+def test_biases_are_not_ignored(getkey):
+    """The oracle sees each bias: zeroing any one of them changes the output (so
+    the comparisons above would catch a path that dropped one)."""
+    layer = _with_random_biases(make_layer(getkey(), **BIASED), getkey())
+    x = tokens(getkey(), 32)
+    y = me.reference_moe(layer, x)
+    for where in (
+        lambda l: l.experts.b_gate_up,
+        lambda l: l.experts.b_down,
+        lambda l: l.router.logit_bias,
+        lambda l: l.output_bias,
+    ):
+        zeroed = eqx.tree_at(where, layer, jnp.zeros_like(where(layer)))
+        assert float(jnp.max(jnp.abs(me.reference_moe(zeroed, x) - y))) > 1e-2
+
+
+def test_biases_in_bfloat16_expert_parallel(getkey):
+    """bfloat16 weights and biases through EP4's fallback and slots: within
+    bfloat16 precision of the float32 oracle of the same parameters."""
+    config = me.MoEConfig(
+        d_model=16, d_ff=8, num_experts=8, top_k=2, buffer_factor=0.3, num_slots=1,
+        activation="swiglu_oai", activation_limit=0.7, **BIASED_FIELDS,
+    )  # fmt: skip
+    layer = me.MoELayer(config, key=getkey(), dtype=jnp.bfloat16)
+    layer = _with_random_biases(layer, getkey())
+    assert layer.experts.b_down.dtype == jnp.bfloat16
+    x = tokens(getkey(), 64)
+    y, stats = jax.jit(lambda l, x: l(x, mesh=mesh(4)))(layer, x)
+    np.testing.assert_allclose(y, me.reference_moe(layer, x), rtol=3e-2, atol=3e-2)
+    assert int(stats.lost_pairs) == 0
+
+
+BIASED_FIELDS = {k: v for k, v in BIASED.items() if k != "d_ff"}
+
+
+def test_weights_on_inputs_with_biases_refused():
+    with pytest.raises(ValueError, match="`weight_on_input=True` with `expert_bias"):
+        me.MoEConfig(
+            d_model=8, d_ff=4, num_experts=4, top_k=2, weight_on_input=True,
+            expert_bias=True,
         )  # fmt: skip

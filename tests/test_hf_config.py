@@ -208,6 +208,25 @@ def _family(name):
             num_attention_heads=2,
         )  # fmt: skip
         return cfg, HYV3MoE
+    if name == "gpt_oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+        # A clamp that bites (pre-activations are about N(0, 1.2^2) here).
+        cfg = t.GptOssConfig(
+            hidden_size=H, intermediate_size=12, num_local_experts=8,
+            num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, swiglu_limit=0.9,
+        )  # fmt: skip
+        return cfg, GptOssMLP
+    if name == "jetmoe":
+        from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoE
+
+        cfg = t.JetMoeConfig(
+            hidden_size=H, intermediate_size=12, num_local_experts=8,
+            num_experts_per_tok=2, num_hidden_layers=1, num_key_value_heads=2,
+            kv_channels=8,
+        )  # fmt: skip
+        return cfg, JetMoeMoE
     if name == "llama4_text":
         from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
@@ -269,7 +288,7 @@ FAMILIES = [
     "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped", "hunyuan_v1_moe",
     "cohere2_moe", "cohere2_moe_sigmoid", "afmoe", "dbrx", "aria_text",
     "granitemoeshared", "granitemoehybrid", "nemotron_h", "deepseek_v4", "hy_v4",
-    "hy_v3", "llama4_text",
+    "hy_v3", "llama4_text", "gpt_oss", "jetmoe",
 ]  # fmt: skip
 TRANSPOSED = ("aria_text", "llama4_text")
 
@@ -293,7 +312,9 @@ def _state_dict(block):
 
 def _torch_value_and_grad(block, x):
     xt = torch.tensor(np.asarray(x), requires_grad=True)
-    y = block(xt[None])[0]
+    y = block(xt[None])
+    # Some blocks return `(out, router logits or weights)`, some flatten the batch.
+    y = (y[0] if isinstance(y, tuple) else y).reshape(xt.shape)
     (y.double() ** 2).sum().backward()
     return y.detach().numpy(), xt.grad.numpy()
 
@@ -334,6 +355,8 @@ def test_family_matches_its_transformers_block(getkey, name, num_shards):
         ("hy_v4", dict(limit_shared=True)),
         ("llama4_text", dict(weight_on_input=False)),
         ("nemotron_h", dict(activation="relu")),
+        ("gpt_oss", dict(activation_alpha=1.0)),
+        ("gpt_oss", dict(activation_limit=None, activation="swiglu")),
     ],
 )
 def test_a_wrong_config_would_be_caught(getkey, name, change):
@@ -377,6 +400,7 @@ def test_deepseek_v4_hash_layers_are_refused():
         ("deepseek_v4", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
         ("hy_v3", {"mlp_bias": True}, "mlp_bias=True"),
         ("llama4_text", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("jetmoe", {"activation_function": "gelu"}, "activation_function='gelu'"),
     ],
 )
 def test_variant_settings_it_cannot_map_are_refused(name, change, message):
@@ -430,7 +454,7 @@ def test_hub_config_json_keys():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "gpt_oss"}, "model_type='gpt_oss' is not supported"),
+        ({"model_type": "longcat_flash"}, "model_type='longcat_flash' is not supp"),
         ({"model_type": "phimoe"}, "model_type='phimoe' is not supported"),
         ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
         (

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int
 from .._autodiff import custom_linear, symbolic_zeros_to_none
 
 GradAcc = tuple[
-    Float[Array, "groups d_model two_d_ff"], Float[Array, "groups d_ff d_model"]
+    Float[Array, "groups d_in two_d_ff"], Float[Array, "groups d_ff d_model"]
 ]
 
 
@@ -36,12 +36,18 @@ class Activation:
         (`limit` required).
     - `"relu"`, `"relu2"` (`relu(h)**2`), `"gelu"`, `"gelu_tanh"`, `"silu"`: ungated.
 
+    With `bias`, `h` carries one more column, a constant 1 that is passed through to
+    the output's last column: the experts' biases ride in their weights as one more
+    row (`x @ W1 + b1 = [x, 1] @ [W1; b1]`, and the same for `Wd`), so every backend,
+    the exchange, the slot copies and the fallback compute them without knowing.
+
     Its derivatives are JAX's own (`jvp`, `vjp` below), in float32.
     """
 
     name: str = "swiglu"
     limit: float | None = None
     alpha: float = 1.702
+    bias: bool = False
 
     def __post_init__(self):
         if self.name not in ACTIVATIONS:
@@ -63,13 +69,22 @@ class Activation:
         return self.name in _GATED
 
     def width(self, d_ff: int) -> int:
-        """Columns of the first product for hidden width `d_ff`."""
+        """Columns of the first product for hidden width `d_ff` (biases not
+        counted)."""
         return 2 * d_ff if self.gated else d_ff
 
+    def in_width(self, rows: int) -> int:
+        """Columns of the first product for a down projection of `rows` rows (with
+        `bias`, both count the bias's column)."""
+        return self.width(rows - 1) + 1 if self.bias else self.width(rows)
+
     def __call__(self, h: Array) -> Array:
-        """The activation of `h` (`[..., 2 d_ff]` gated, `[..., d_ff]` ungated), in
-        float32."""
+        """The activation of `h` (`[..., 2 d_ff]` gated, `[..., d_ff]` ungated, one
+        more column with `bias`), in float32."""
         h = h.astype(jnp.float32)
+        if self.bias:
+            core = dataclasses.replace(self, bias=False)
+            return jnp.concatenate([core(h[..., :-1]), h[..., -1:]], axis=-1)
         if not self.gated:
             if self.name == "relu":
                 return jax.nn.relu(h)
@@ -133,8 +148,8 @@ class AbstractGMMBackend(eqx.Module):
     @abc.abstractmethod
     def ffn(
         self,
-        x: Float[Array, "rows d_model"],
-        w_gate_up: Float[Array, "groups d_model two_d_ff"],
+        x: Float[Array, "rows d_in"],
+        w_gate_up: Float[Array, "groups d_in two_d_ff"],
         w_down: Float[Array, "groups d_ff d_model"],
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,

@@ -30,8 +30,8 @@ class RaggedDotGMM(AbstractGMMBackend):
 
     def ffn(
         self,
-        x: Float[Array, "rows d_model"],
-        w_gate_up: Float[Array, "groups d_model two_d_ff"],
+        x: Float[Array, "rows d_in"],
+        w_gate_up: Float[Array, "groups d_in two_d_ff"],
         w_down: Float[Array, "groups d_ff d_model"],
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,

@@ -205,9 +205,9 @@ _tiled_gmm.defjvp(_tiled_gmm_jvp, symbolic_zeros=True)
 def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, keep_gate_up: bool):
     """`(out, gate_up)`: the FFN's output and (with `keep_gate_up`) its first product,
     the backward's residual."""
-    num_rows, d_model = x.shape
+    num_rows = x.shape[0]
     like = (x, w_gate_up, w_down)
-    out = _zeros((num_rows, d_model), x.dtype, *like)
+    out = _zeros((num_rows, w_down.shape[2]), x.dtype, *like)
     gate_up = None
     if keep_gate_up:
         gate_up = _zeros((num_rows, w_gate_up.shape[2]), x.dtype, *like)
@@ -247,7 +247,7 @@ def _ffn_tangent(res: _FFNRes, lin):
     t_x, t_gu, t_dn, *t_acc = lin  # `t_acc`: `[(t_acc_gu, t_acc_dn)]` or `[]`
     x, window = res.x, res.window
     num_rows = x.shape[0]
-    out = _zeros(x.shape, x.dtype, x, res.w_gate_up)
+    out = _zeros((num_rows, res.w_down.shape[2]), x.dtype, x, res.w_gate_up)
 
     def enter(out, g):
         ws = (res.w_gate_up if t_x is not None else None, t_gu, res.w_down, t_dn)
@@ -375,8 +375,8 @@ _tiled_ffn.defjvp(_tiled_ffn_jvp, symbolic_zeros=True)
 
 
 def tiled_ffn(
-    x: Float[Array, "rows d_model"],
-    w_gate_up: Float[Array, "groups d_model two_d_ff"],
+    x: Float[Array, "rows d_in"],
+    w_gate_up: Float[Array, "groups d_in two_d_ff"],
     w_down: Float[Array, "groups d_ff d_model"],
     group_sizes: Int[Array, " groups"],
     *,
@@ -428,8 +428,8 @@ class TiledGMM(AbstractGMMBackend):
 
     def ffn(
         self,
-        x: Float[Array, "rows d_model"],
-        w_gate_up: Float[Array, "groups d_model two_d_ff"],
+        x: Float[Array, "rows d_in"],
+        w_gate_up: Float[Array, "groups d_in two_d_ff"],
         w_down: Float[Array, "groups d_ff d_model"],
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
