@@ -17,6 +17,7 @@ import numpy as np
 
 from ._config import MoEConfig
 from ._layer import MoELayer
+from ._rules import local_experts
 
 # Router weight `[E, H]` and selection-bias `[E]` keys, as the families name them
 # (ERNIE-4.5's bias is `[1, E]`).
@@ -103,6 +104,14 @@ def layer_from_hf_state_dict(
     The layer. Raises `ValueError` naming the key when one is missing, has the wrong
     shape, or is left unused under `prefix` (so that nothing is silently ignored).
     """
+    return _import(config, state_dict, prefix, dtype, transposed_experts)
+
+
+def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None):
+    """`layer_from_hf_state_dict`; with `experts=(start, stop)` the state dict holds
+    only those experts (per-expert keys numbered as in the model, fused tensors
+    sliced to their rows), and so do the result's expert arrays (a building block for
+    `layers_from_hf` with a mesh, not a layer to call)."""
     keys = {k[len(prefix) :]: k for k in state_dict if k.startswith(prefix)}
     used: set[str] = set()
 
@@ -120,6 +129,7 @@ def layer_from_hf_state_dict(
         return value
 
     e, h, f = config.num_experts, config.d_model, config.d_ff
+    first, count = (0, e) if experts is None else (experts[0], experts[1] - experts[0])
     router_key = next((k for k in _ROUTER_KEYS if k in keys), _ROUTER_KEYS[0])
     router_weight = get(router_key, (e, h)).T.astype(np.float32)
     bias = None
@@ -145,11 +155,13 @@ def layer_from_hf_state_dict(
         )
     expert_biases = None
     if config.expert_bias:
-        w_gate_up, w_down, expert_biases = _gpt_oss_experts(get, e, h, f)
+        w_gate_up, w_down, expert_biases = _gpt_oss_experts(get, count, h, f)
     elif config.expert_activation.gated:
-        w_gate_up, w_down = _routed_experts(keys, get, e, h, f, transposed_experts)
+        w_gate_up, w_down = _routed_experts(
+            keys, get, count, h, f, transposed_experts, first
+        )
     else:
-        w_gate_up, w_down = _ungated_experts(keys, get, e, h, f)
+        w_gate_up, w_down = _ungated_experts(keys, get, count, h, f, first)
     shared = _shared_expert(config, keys, get, h) if config.shared_d_ff else None
 
     unused = sorted(prefix + k for k in keys if k not in used)
@@ -219,23 +231,24 @@ def _gpt_oss_experts(get, e, h, f):
     return w_gate_up, w_down, (b_gate_up, b_down)
 
 
-def _ungated_experts(keys, get, e, h, f):
+def _ungated_experts(keys, get, e, h, f, first=0):
     """Nemotron-H's: `experts.up_proj [E, F, H]` and `experts.down_proj [E, H, F]`, or
     per expert `experts.{i}.up_proj.weight [F, H]` and `down_proj.weight [H, F]`."""
     if "experts.up_proj" in keys:
         up = np.swapaxes(get("experts.up_proj", (e, f, h)), 1, 2)
         return up, np.swapaxes(get("experts.down_proj", (e, h, f)), 1, 2)
-    if "experts.0.up_proj.weight" not in keys:
+    if f"experts.{first}.up_proj.weight" not in keys:
         raise ValueError(
             "no ungated experts found: expected experts.up_proj/down_proj or "
             "experts.{i}.up_proj/down_proj."
         )
-    up = [get(f"experts.{i}.up_proj.weight", (f, h)) for i in range(e)]
-    down = [get(f"experts.{i}.down_proj.weight", (h, f)) for i in range(e)]
+    experts = range(first, first + e)
+    up = [get(f"experts.{i}.up_proj.weight", (f, h)) for i in experts]
+    down = [get(f"experts.{i}.down_proj.weight", (h, f)) for i in experts]
     return _PerExpert(up, (e, h, f)), _PerExpert(down, (e, f, h))
 
 
-def _routed_experts(keys, get, e, h, f, transposed: bool):
+def _routed_experts(keys, get, e, h, f, transposed: bool, first: int = 0):
     if "input_linear.weight" in keys:  # GraniteMoE's checkpoints: `[E, 2F, H]` halves
         gate_up = get("input_linear.weight", (e, 2 * f, h))
         down = get("output_linear.weight", (e, h, f))
@@ -267,7 +280,7 @@ def _routed_experts(keys, get, e, h, f, transposed: bool):
         )
     gate_name, up_name, down_name = names
     gate_up, down = [], []
-    for i in range(e):
+    for i in range(first, first + e):
         gate = get(f"experts.{i}.{gate_name}.weight", (f, h))
         up = get(f"experts.{i}.{up_name}.weight", (f, h))
         gate_up.append((gate, up))
@@ -939,11 +952,59 @@ def _moe_prefixes(names) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
+# Fused expert tensors (`[E * rows, ...]`): their name under the block's prefix ->
+# rows per expert (`None`: one; an int field name of the config: that many).
+_FUSED_EXPERT_TENSORS = {
+    "experts.gate_up_proj": None,
+    "experts.down_proj": None,
+    "experts.gate_up_proj_bias": None,
+    "experts.down_proj_bias": None,
+    "experts.up_proj": None,
+    "input_linear.weight": None,
+    "output_linear.weight": None,
+    "experts.mlp.w1": "d_ff",
+    "experts.mlp.v1": "d_ff",
+    "experts.mlp.w2": "d_ff",
+}
+
+
+def _expert_of(name: str) -> int | None:
+    """The expert a per-expert tensor belongs to (`experts.{i}.*`), else None."""
+    m = re.match(r"experts\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def _merged(ranges) -> tuple[tuple[int, int], ...]:
+    """Row ranges with the adjacent or overlapping ones joined: one read each."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return tuple((a, b) for a, b in out)
+
+
+def _local_blocks(mesh, axis_name: str, num_experts: int) -> dict:
+    """This process's devices of `mesh` -> the block of experts `(start, stop)` each
+    holds when the experts are split over `axis_name`."""
+    axis = list(mesh.axis_names).index(axis_name)
+    per_shard = num_experts // mesh.shape[axis_name]
+    blocks = {}
+    for index in np.ndindex(mesh.devices.shape):
+        device = mesh.devices[index]
+        if device.process_index == jax.process_index():
+            shard = index[axis]
+            blocks[device] = (shard * per_shard, (shard + 1) * per_shard)
+    return blocks
+
+
 def layers_from_hf(
     directory,
     layers: int | list[int] | None = None,
     *,
     dtype=None,
+    mesh=None,
     **overrides,
 ) -> dict[int, MoELayer]:
     """The MoE layers of a Hugging Face model directory (`config.json` and
@@ -955,6 +1016,13 @@ def layers_from_hf(
     layers' tensors are read, each shard file opened once, with the `safetensors`
     package's NumPy reader (bfloat16 stays bfloat16). Nothing is downloaded.
 
+    With a `mesh`, the layers come back placed as [`moe_eqx.shard_model`][] places
+    them (experts split over `config.axis_name`, everything else replicated), and each
+    process reads only the experts its own devices hold: their per-expert tensors,
+    or their rows of a fused tensor (a slice read through `safetensors`' lazy
+    `get_slice`). A multi-process (`jax.distributed`) run then never holds another
+    process's experts.
+
     **Arguments:**
 
     - `directory`: the model directory.
@@ -962,6 +1030,7 @@ def layers_from_hf(
         whose block has a router and routed experts; dense layers are skipped). An
         index that is not an MoE layer is a `ValueError`.
     - `dtype`: the layers' parameter dtype (default: the checkpoint's).
+    - `mesh`: optional `jax.sharding.Mesh` with the axis `config.axis_name`.
     - `overrides`: the library's own config fields, as for `config_from_hf`.
 
     **Returns:**
@@ -999,22 +1068,107 @@ def layers_from_hf(
             for n in files:
                 if n.startswith(beside):
                     names[i][n] = prefixes[i] + "shared_mlp." + n[len(beside) :]
-    by_file: dict[pathlib.Path, list[str]] = {}
-    for group in names.values():
-        for name in group:
-            by_file.setdefault(files[name], []).append(name)
+    blocks = None
+    if mesh is not None:
+        if config.axis_name not in mesh.shape:
+            raise ValueError(
+                f"`mesh` has no axis {config.axis_name!r} (`config.axis_name`; its "
+                f"axes: {tuple(mesh.shape)})."
+            )
+        local_experts(
+            config.num_experts,
+            mesh.shape[config.axis_name],
+            shards=f"mesh axis {config.axis_name!r}",
+        )
+        blocks = _local_blocks(mesh, config.axis_name, config.num_experts)
+    # What to read: whole tensors, or (with a mesh) rows of the fused expert tensors.
+    reads: dict[pathlib.Path, dict[str, tuple | None]] = {}
+    for i in wanted:
+        for n in names[i]:
+            rel = n[len(prefixes[i]) :]
+            rows = None
+            if blocks is not None:
+                expert = _expert_of(rel)
+                if expert is not None:
+                    if not any(a <= expert < b for a, b in blocks.values()):
+                        continue  # another process's expert
+                elif rel in _FUSED_EXPERT_TENSORS:
+                    unit = _FUSED_EXPERT_TENSORS[rel]
+                    unit = 1 if unit is None else getattr(config, unit)
+                    rows = _merged({(a * unit, b * unit) for a, b in blocks.values()})
+            reads.setdefault(files[n], {})[n] = rows
     tensors = {}
-    for path, group in by_file.items():
+    for path, group in reads.items():
         with safe_open(path, framework="np") as f:
-            for name in group:
-                tensors[name] = f.get_tensor(name)
+            for name, rows in group.items():
+                if rows is None:
+                    tensors[name] = f.get_tensor(name)
+                else:
+                    part = f.get_slice(name)
+                    tensors[name] = {r: part[r[0] : r[1]] for r in rows}
+    if blocks is None:
+        return {
+            i: layer_from_hf_state_dict(
+                config,
+                {as_name: tensors[n] for n, as_name in names[i].items()},
+                prefix=prefixes[i],
+                dtype=dtype,
+                transposed_experts=transposed,
+            )
+            for i in wanted
+        }
     return {
-        i: layer_from_hf_state_dict(
-            config,
-            {as_name: tensors[n] for n, as_name in names[i].items()},
-            prefix=prefixes[i],
-            dtype=dtype,
-            transposed_experts=transposed,
+        i: _placed_layer(
+            config, mesh, blocks, names[i], tensors, prefixes[i], dtype, transposed
         )
         for i in wanted
     }
+
+
+def _placed_layer(config, mesh, blocks, names, tensors, prefix, dtype, transposed):
+    """One layer on `mesh` from this process's experts: each of its expert blocks
+    imported alone (`_import(..., experts=block)`), assembled into global arrays."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    by_block = {}
+    for block in sorted(set(blocks.values())):
+        a, b = block
+        state = {}
+        for n, as_name in names.items():
+            rel = n[len(prefix) :]
+            expert = _expert_of(rel)
+            if expert is not None and not a <= expert < b:
+                continue
+            value = tensors.get(n)
+            if isinstance(value, dict):  # rows of a fused tensor, by range read
+                unit = _FUSED_EXPERT_TENSORS[rel]
+                unit = 1 if unit is None else getattr(config, unit)
+                (start, _), part = next(
+                    (r, v) for r, v in value.items() if r[0] <= a * unit < r[1]
+                )
+                value = part[a * unit - start : b * unit - start]
+            state[as_name] = value
+        by_block[block] = _import(config, state, prefix, dtype, transposed, block)
+    first = next(iter(by_block.values()))
+    devices = list(blocks)
+
+    def placed(leaves_by_device, spec, shape):
+        arrays = [jax.device_put(leaf, d) for d, leaf in leaves_by_device.items()]
+        return jax.make_array_from_single_device_arrays(
+            shape, NamedSharding(mesh, spec), arrays
+        )
+
+    def experts_leaf(*leaves):
+        per_block = dict(zip(by_block, leaves, strict=True))
+        shape = (config.num_experts, *leaves[0].shape[1:])
+        leaf_of = {d: per_block[blocks[d]] for d in devices}
+        return placed(leaf_of, P(config.axis_name), shape)
+
+    def replicated(leaf):
+        if not eqx.is_array(leaf):
+            return leaf
+        return placed(dict.fromkeys(devices, leaf), P(), leaf.shape)
+
+    experts = jax.tree.map(experts_leaf, *(l.experts for l in by_block.values()))
+    layer = jax.tree.map(replicated, first)
+    return eqx.tree_at(lambda l: l.experts, layer, experts)

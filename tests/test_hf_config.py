@@ -2,6 +2,9 @@
 (built from tiny configs, every parameter and buffer drawn at random): outputs and
 input gradients on one device and under EP4; refused configs; dtypes kept."""
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -681,9 +684,156 @@ def test_layers_from_hub_layouts(tmp_path, getkey, name):
     if name == "deepseek_v4":
         with pytest.raises(ValueError, match="routes by token id"):
             me.layers_from_hf(tmp_path, 0)
+    # Placed on a data x expert mesh: the same arrays, the experts split.
+    m = jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices("cpu"))
+    placed = me.layers_from_hf(tmp_path, moe_layers, mesh=m)
+    for i, layer in placed.items():
+        assert layer.experts.w_down.sharding.spec == jax.P("expert")
+        for got, want in zip(jax.tree.leaves(layer), jax.tree.leaves(layers[i])):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_bfloat16_model_directory(tmp_path):
     _save_model(tmp_path, torch.bfloat16)
     layers = me.layers_from_hf(tmp_path, [0])
     assert layers[0].experts.w_gate_up.dtype == jnp.bfloat16
+
+
+_TWO_PROCESS_READ = r"""
+import json, os, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_enable_compilation_cache", False)
+jax.distributed.initialize(
+    coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]),
+    initialization_timeout=60,
+)
+import numpy as np
+import safetensors
+import moe_eqx as me
+
+read = []
+real_open = safetensors.safe_open
+
+
+class Slice:
+    def __init__(self, name, inner):
+        self.name, self.inner = name, inner
+
+    def __getitem__(self, rows):
+        read.append([self.name, rows.start, rows.stop])
+        return self.inner[rows]
+
+
+class Recording:
+    def __init__(self, *args, **kwargs):
+        self.inner = real_open(*args, **kwargs)
+
+    def __enter__(self):
+        self.file = self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def keys(self):
+        return self.file.keys()
+
+    def get_tensor(self, name):
+        read.append([name, None, None])
+        return self.file.get_tensor(name)
+
+    def get_slice(self, name):
+        return Slice(name, self.file.get_slice(name))
+
+
+safetensors.safe_open = Recording
+mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+placed = me.layers_from_hf(sys.argv[3], mesh=mesh)
+safetensors.safe_open = real_open
+full = me.layers_from_hf(sys.argv[3])  # everything, to check against
+x = np.asarray(jax.random.normal(jax.random.key(0), (32, 16)))
+for i, layer in placed.items():
+    for got, want in zip(jax.tree.leaves(layer), jax.tree.leaves(full[i])):
+        for shard in got.addressable_shards:
+            np.testing.assert_array_equal(shard.data, np.asarray(want)[shard.index])
+    y, _ = jax.jit(lambda l, x: l(x, mesh=mesh))(layer, x)
+    y_full, _ = full[i](x)
+    for shard in y.addressable_shards:
+        np.testing.assert_allclose(
+            shard.data, np.asarray(y_full)[shard.index], rtol=1e-5, atol=1e-5
+        )
+print("READ " + json.dumps(read))
+"""
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "granitemoe"])
+def test_each_process_reads_only_its_experts(tmp_path, family):
+    """2 processes x 4 devices (`jax.distributed`, gloo): `layers_from_hf(...,
+    mesh=)` gives each process the expert arrays its devices hold (equal to the
+    whole import's, and the layer's output too) and each opens only those experts'
+    tensors: Qwen2-MoE's per-expert tensors 0-3 or 4-7, GraniteMoE's fused tensors'
+    rows 0:4 or 4:8; the router and shared expert, which every device holds, whole."""
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import demo_env
+
+    if family == "qwen2_moe":
+        _save_model(tmp_path)
+    else:
+        model, _, _ = _hub_model("granitemoe")
+        model.save_pretrained(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = demo_env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _TWO_PROCESS_READ,
+                f"127.0.0.1:{port}",
+                str(p),
+                str(tmp_path),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for p in range(2)
+    ]
+    outs = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        outs.append(out)
+    for p, out in enumerate(outs):
+        line = next(x for x in out.splitlines() if x.startswith("READ "))
+        read = json.loads(line[len("READ ") :])
+        mine = range(4 * p, 4 * p + 4)
+        experts = [
+            int(m.group(1))
+            for name, _, _ in read
+            if (m := re.search(r"\.experts\.(\d+)\.", name))
+        ]
+        slices = [(a, b) for name, a, b in read if a is not None]
+        if family == "qwen2_moe":
+            assert experts and set(experts) == set(mine), (p, sorted(set(experts)))
+            assert not slices
+        else:
+            assert not experts
+            fused = [
+                n for n, a, _ in read if "input_linear" in n or "output_linear" in n
+            ]
+            assert fused and all(a is not None for n, a, _ in read if n in fused)
+            assert set(slices) == {(4 * p, 4 * p + 4)}, (p, slices)
+        assert any("router" in n or "gate.weight" in n for n, _, _ in read)
