@@ -67,6 +67,33 @@ def weight_inputs(
     return scaled.astype(rows.dtype), eqx.tree_at(lambda p: p.weight, pairs, ones)
 
 
+def add_identity(
+    routed: Float[Array, "tokens d_model"],
+    x: Float[Array, "tokens d_model"],
+    experts: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    num_experts: int,
+) -> Float[Array, "tokens d_model"]:
+    """`routed + sum_j w_j x` over each token's picks of identity experts (physical
+    id `num_experts`, LongCat-Flash's zero-computation experts), in float32; they
+    are computed here, on the token's own shard, and never sent.
+
+    **Arguments:**
+
+    - `routed`: `[T, d_model]` the routed experts' combined output.
+    - `x`: `[T, d_model]` the tokens.
+    - `experts`, `weights`: `[T, k]` the physical routing.
+    - `num_experts`: `E`.
+
+    **Returns:**
+
+    `[T, d_model]` in `routed.dtype`.
+    """
+    w = jnp.sum(jnp.where(experts >= num_experts, weights, 0.0), axis=1)
+    y = routed.astype(jnp.float32) + w[:, None] * x.astype(jnp.float32)
+    return y.astype(routed.dtype)
+
+
 def scatter_to_tokens(
     rows: Float[Array, "rows d_model"],
     token: Int[Array, " rows"],

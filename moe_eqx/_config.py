@@ -102,6 +102,10 @@ class MoEConfig(eqx.Module):
         output: `sum_e expert_e(w_e x)` (Llama-4).
     - `expert_bias`: per-expert biases on both projections,
         `act(x @ W1_e + b1_e) @ Wd_e + bd_e` (GPT-OSS); see [`moe_eqx.Experts`][].
+    - `num_identity_experts`: zero-computation experts that return their input
+        (LongCat-Flash): the router scores `E + num_identity_experts` columns, and a
+        token's picks among the last ones add `w x`, computed on its own shard and
+        never sent.
     - `output_bias`: a bias added once to every token's output, after the routed and
         shared experts (JetMoE), `layer.output_bias [d_model]`.
     - `router_logit_bias`: a trained bias added to the router's logits (GPT-OSS),
@@ -152,6 +156,7 @@ class MoEConfig(eqx.Module):
     expert_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     router_logit_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     output_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
+    num_identity_experts: int = eqx.field(static=True, default=0, converter=_integer)
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -172,10 +177,13 @@ class MoEConfig(eqx.Module):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}.")
-        if self.top_k > self.num_experts:
+        identity = self.num_identity_experts
+        identity = identity if isinstance(identity, int) and identity > 0 else 0
+        if self.top_k > self.num_experts + identity:
             raise ValueError(
                 f"`top_k` ({self.top_k}) must not exceed `num_experts` "
-                f"({self.num_experts})."
+                f"({self.num_experts})"
+                + (f" plus `num_identity_experts` ({identity})." if identity else ".")
             )
         if not (
             isinstance(self.shared_scale, int | float)
@@ -210,6 +218,20 @@ class MoEConfig(eqx.Module):
                 raise ValueError(
                     f"`{name}` must be a positive finite number, got {value!r}."
                 )
+        if (
+            not isinstance(self.num_identity_experts, int)
+            or isinstance(self.num_identity_experts, bool)
+            or self.num_identity_experts < 0
+        ):
+            raise ValueError(
+                f"`num_identity_experts` must be an integer >= 0, got "
+                f"{self.num_identity_experts!r}."
+            )
+        if self.num_identity_experts and (self.num_groups > 1 or self.weight_on_input):
+            raise ValueError(
+                "`num_identity_experts` with group-limited routing or "
+                "`weight_on_input` is not supported."
+            )
         if self.weight_on_input and self.expert_bias:
             raise ValueError(
                 "`weight_on_input=True` with `expert_bias=True` is not supported (an "

@@ -27,6 +27,7 @@ _ROUTER_KEYS = (
     "gate.wg.weight",
     "router.gate.weight",
     "router.layer.weight",
+    "router.classifier.weight",
 )
 _BIAS_KEYS = (
     "gate.e_score_correction_bias",
@@ -34,6 +35,7 @@ _BIAS_KEYS = (
     "expert_bias",
     "gate.moe_statics.e_score_correction_bias",
     "gate.bias",  # DeepSeek-V4's checkpoints (its module calls it as the above)
+    "router.e_score_correction_bias",
 )
 # Per-expert projection names: (gate, up, down) in each family's convention.
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -131,7 +133,8 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
     e, h, f = config.num_experts, config.d_model, config.d_ff
     first, count = (0, e) if experts is None else (experts[0], experts[1] - experts[0])
     router_key = next((k for k in _ROUTER_KEYS if k in keys), _ROUTER_KEYS[0])
-    router_weight = get(router_key, (e, h)).T.astype(np.float32)
+    columns = e + config.num_identity_experts  # the router scores identity experts too
+    router_weight = get(router_key, (columns, h)).T.astype(np.float32)
     bias = None
     bias_key = next((k for k in _BIAS_KEYS if k in keys), None)
     if bias_key is not None:
@@ -140,13 +143,12 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
                 f"{prefix}{bias_key} is present: set `use_router_bias=True` (a "
                 f"selection bias, as DeepSeek-V3's)."
             )
-        shape = (
-            (1, e) if bias_key == "gate.moe_statics.e_score_correction_bias" else (e,)
-        )
-        bias = get(bias_key, shape).reshape(e).astype(np.float32)
+        ernie = bias_key == "gate.moe_statics.e_score_correction_bias"
+        bias = get(bias_key, (1, e) if ernie else (columns,))
+        bias = bias.reshape(columns).astype(np.float32)
     logit_bias = None
     if config.router_logit_bias:  # GPT-OSS: `router.bias`, a trained logit bias
-        logit_bias = get("router.bias", (e,)).astype(np.float32)
+        logit_bias = get("router.bias", (columns,)).astype(np.float32)
     output_bias = get("bias", (h,)) if config.output_bias else None  # JetMoE
     if "gate.tid2eid" in keys:
         raise ValueError(
@@ -156,6 +158,14 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
     expert_biases = None
     if config.expert_bias:
         w_gate_up, w_down, expert_biases = _gpt_oss_experts(get, count, h, f)
+    elif (
+        config.num_identity_experts
+        and experts is None
+        and "experts.gate_up_proj" in keys
+    ):  # LongCat-Flash sizes it with its identity experts, whose rows it never uses
+        gate_up = get("experts.gate_up_proj", (columns, 2 * f, h))[:e]
+        w_gate_up = np.swapaxes(gate_up, 1, 2)
+        w_down = np.swapaxes(get("experts.down_proj", (e, h, f)), 1, 2)
     elif config.expert_activation.gated:
         w_gate_up, w_down = _routed_experts(
             keys, get, count, h, f, transposed_experts, first
@@ -181,7 +191,7 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
         return jnp.asarray(x, like.dtype)
 
     if config.use_router_bias and bias is None:
-        bias = np.zeros((e,), np.float32)
+        bias = np.zeros((columns,), np.float32)
     new = {
         (lambda l: l.router.weight): jnp.asarray(router_weight),
         (lambda l: l.experts.w_gate_up): arr(w_gate_up, layer.experts.w_gate_up),
@@ -803,6 +813,26 @@ def _jetmoe(r: _Reader) -> dict:
     )
 
 
+def _longcat_flash(r: _Reader) -> dict:
+    # Softmax over the routed and the identity ("zero-computation") experts, a
+    # selection bias over both, the chosen scores not renormalised, then
+    # `routed_scaling_factor`; identity experts return their input.
+    _swiglu(r)
+    r.require(
+        "router_bias", (False,), default=False, why=" (its block creates it, unused)"
+    )
+    return dict(
+        d_ff=r.get("expert_ffn_hidden_size", "moe_intermediate_size"),
+        num_experts=r.get("n_routed_experts", "num_local_experts"),
+        top_k=r.get("moe_topk", "num_experts_per_tok"),
+        score_func="softmax",
+        norm_topk=False,
+        use_router_bias=True,
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        num_identity_experts=int(r.get("zero_expert_num", default=0) or 0),
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -833,6 +863,7 @@ _FAMILIES = {
     "llama4_text": _llama4_text,
     "gpt_oss": _gpt_oss,
     "jetmoe": _jetmoe,
+    "longcat_flash": _longcat_flash,
 }
 
 
@@ -848,7 +879,8 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     `granitemoeshared` and `granitemoehybrid`, `nemotron_h` (ReLU^2 experts),
     `deepseek_v4` (`sqrt(softplus)` scores, clamped SwiGLU), `hy_v3`, `hy_v4`,
     `llama4_text` (weights on the experts' inputs; `transposed_experts=True`),
-    `gpt_oss` (biases, clamped activation), `jetmoe` (an output bias); the
+    `gpt_oss` (biases, clamped activation), `jetmoe` (an output bias),
+    `longcat_flash` (identity experts); the
     README's table of models lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer

@@ -10,7 +10,7 @@ import jax.random as jr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from ._combine import combine, weight_inputs
+from ._combine import add_identity, combine, weight_inputs
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts, expert_arrays, expert_ffn
@@ -293,7 +293,10 @@ def _single_device_call(
         backend=resolve_backend(cfg.gmm_backend, platform),
         activation=activation,
     )
-    y = add_shared(cfg, combine(out, pairs, tokens), shared, x)
+    y = combine(out, pairs, tokens)
+    if cfg.num_identity_experts:
+        y = add_identity(y, x, physical.experts, physical.weights, cfg.num_experts)
+    y = add_shared(cfg, y, shared, x)
     stats = routed_stats(
         routed=jnp.sum(routing.counts),
         recv_pairs=jnp.sum(pairs.group_sizes, keepdims=True),
@@ -503,9 +506,10 @@ def reference_moe(
     num_experts = layer.config.num_experts
     # Dense [T, E] combine weights: w[t, j] at column e[t, j].
     dense_w = jnp.zeros((x.shape[0], num_experts), jnp.float32)
-    dense_w = dense_w.at[jnp.arange(x.shape[0])[:, None], routing.experts].add(
-        routing.weights
-    )
+    real = routing.experts < num_experts  # else an identity expert: w x below
+    dense_w = dense_w.at[
+        jnp.arange(x.shape[0])[:, None], jnp.where(real, routing.experts, 0)
+    ].add(jnp.where(real, routing.weights, 0.0))
     # Columns in physical order: the weights at position p are expert expert_ids[p].
     dense_w = dense_w[:, layer.expert_ids]
     cfg = layer.config
@@ -530,6 +534,8 @@ def reference_moe(
         y = jnp.sum(out, axis=0)
     else:
         y = jnp.einsum("te,eth->th", dense_w, out, precision=hp)
+    identity = jnp.sum(jnp.where(real, 0.0, routing.weights), axis=1)
+    y = y + identity[:, None] * xf
     y = y * jnp.float32(cfg.routed_scaling_factor)
     shared = layer.shared_experts
     if shared is not None:

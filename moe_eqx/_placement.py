@@ -24,7 +24,9 @@ def physical_routing(
 
     `(routing, position)`: the routing with `experts` and `counts` in physical order
     (`counts_phys[p] = counts[expert_ids[p]]`), and `position: [E]`, the physical
-    position of each logical expert (`position[expert_ids[p]] = p`).
+    position of each logical expert (`position[expert_ids[p]] = p`). A pair routed to
+    no routed expert (an identity expert, id `>= E`) gets `E`: sent nowhere, sorted
+    after every group, counted nowhere.
     """
     expert_ids = expert_ids.astype(jnp.int32)
     num_experts = expert_ids.shape[0]
@@ -36,6 +38,13 @@ def physical_routing(
     routing = eqx.tree_at(
         lambda r: (r.experts, r.counts),
         routing,
-        (position[routing.experts], routing.counts[expert_ids]),
+        (
+            jnp.where(
+                routing.experts < num_experts,
+                position[jnp.minimum(routing.experts, num_experts - 1)],
+                num_experts,
+            ),
+            routing.counts[expert_ids],
+        ),
     )
     return routing, position

@@ -705,7 +705,9 @@ def assign_destinations(
     - `plan`: the `DuplicationPlan` made from `counts`.
     - `counts`: `[R, E]` the all-gathered counts; row `shard_index` must be the
         histogram of `experts`.
-    - `experts`: `[T, k]` this shard's routed experts, in `[0, E)`.
+    - `experts`: `[T, k]` this shard's routed experts, in `[0, E)`, or `E` for a
+        pair routed to no expert here (it gets no destination, and sorts after all
+        others, so it changes no other pair's).
     - `shard_index`: this shard's index (e.g. `lax.axis_index(axis_name)`).
     - `num_local_experts`: `L = E / R`.
 
@@ -727,10 +729,11 @@ def assign_destinations(
     num_slots = plan.slot_expert.shape[1]
     with jax.named_scope("moe_eqx.assign_destinations"):
         experts = experts.astype(jnp.int32)
+        routed = experts < num_experts  # else routed nowhere: no destination
         if num_slots == 0 or num_shards == 1:
             return (
-                jax.lax.div(experts, num_local_experts),
-                jax.lax.rem(experts, num_local_experts),
+                jnp.where(routed, jax.lax.div(experts, num_local_experts), -1),
+                jnp.where(routed, jax.lax.rem(experts, num_local_experts), -1),
             )
         flat = experts.reshape(-1)
         num_pairs = flat.shape[0]
@@ -739,7 +742,7 @@ def assign_destinations(
         # position); one sort, then its inverse.
         bits = max(num_pairs - 1, 1).bit_length()
         mask = 2**bits - 1
-        if num_experts * 2**bits <= _SORT_KEY_LIMIT:
+        if (num_experts + 1) * 2**bits <= _SORT_KEY_LIMIT:
             # One int32 key sorts ~5x faster than a stable two-operand sort on CPU.
             order = jnp.sort(jnp.left_shift(flat, bits) | index) & mask
         else:
@@ -803,5 +806,6 @@ def assign_destinations(
         # has no destination: it is marked -1 (never sent), and the layer counts it
         # in `stats.lost_pairs`, rather than computing it with the wrong expert.
         ok = (dest < num_shards) & (at_home | held.any(axis=1))
+        ok = ok & routed.reshape(-1)
         dest, group = jnp.where(ok, dest, -1), jnp.where(ok, group, -1)
         return dest.reshape(experts.shape), group.reshape(experts.shape)

@@ -16,8 +16,10 @@ class Routing(eqx.Module):
     **Fields:**
 
     - `weights`: `[T, k]` float32 routing weights of the chosen experts.
-    - `experts`: `[T, k]` int32 chosen experts, distinct per token.
-    - `counts`: `[E]` int32 pairs routed to each expert from these tokens.
+    - `experts`: `[T, k]` int32 chosen experts, distinct per token; `E + j` is
+        identity expert `j` (`config.num_identity_experts`), which returns its input.
+    - `counts`: `[E]` int32 pairs routed to each expert from these tokens (identity
+        experts' pairs are computed at home and not counted).
     - `mean_probs`: `[E]` float32 mean normalised score per expert (for the balance loss).
     - `load_balance_loss`: scalar `E * sum_e f_e * P_e` over these tokens.
     - `router_z_loss`: scalar `mean(logsumexp(logits)^2)` over these tokens.
@@ -77,21 +79,19 @@ class Router(eqx.Module):
     num_groups: int = eqx.field(static=True)
     top_groups: int = eqx.field(static=True)
     group_score: str = eqx.field(static=True, default="top2")
+    num_identity: int = eqx.field(static=True, default=0)
 
     def __init__(self, config: MoEConfig, *, key: PRNGKeyArray):
         scale = 1.0 / (config.d_model**0.5)
-        self.weight = scale * jr.normal(
-            key, (config.d_model, config.num_experts), jnp.float32
-        )
+        # Identity experts (LongCat-Flash) are the last `num_identity` columns.
+        columns = config.num_experts + config.num_identity_experts
+        self.num_identity = config.num_identity_experts
+        self.weight = scale * jr.normal(key, (config.d_model, columns), jnp.float32)
         self.bias = (
-            jnp.zeros((config.num_experts,), jnp.float32)
-            if config.use_router_bias
-            else None
+            jnp.zeros((columns,), jnp.float32) if config.use_router_bias else None
         )
         self.logit_bias = (
-            jnp.zeros((config.num_experts,), jnp.float32)
-            if config.router_logit_bias
-            else None
+            jnp.zeros((columns,), jnp.float32) if config.router_logit_bias else None
         )
         self.top_k = config.top_k
         self.score_func = config.score_func
@@ -102,7 +102,8 @@ class Router(eqx.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.weight.shape[1]
+        """`E`, the routed experts (identity experts not counted)."""
+        return self.weight.shape[1] - self.num_identity
 
     def _group_mask(self, select: Float[Array, "tokens experts"]) -> Array:
         tokens, num_experts = select.shape
@@ -163,8 +164,8 @@ class Router(eqx.Module):
             else:
                 weights = chosen
             num_experts = self.num_experts
-            counts = histogram(experts, num_experts)
-            mean_probs = jnp.mean(probs, axis=0)
+            counts = histogram(experts, num_experts)  # identity picks not counted
+            mean_probs = jnp.mean(probs, axis=0)[:num_experts]
             lb = load_balance_loss(counts, mean_probs)
             z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
             return Routing(
@@ -210,7 +211,7 @@ def sequence_balance_loss(
     chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=1)
     chosen = chosen.reshape(-1, seq, num_experts)
     f = chosen.sum(axis=1) * (num_experts / (router.top_k * seq))
-    p = probs.reshape(-1, seq, num_experts).mean(axis=1)
+    p = probs[:, :num_experts].reshape(-1, seq, num_experts).mean(axis=1)
     return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1))
 
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._combine import add_identity
 from ._config import MoEConfig
 from ._dispatch import send_counts
 from ._exchange import AbstractExchange, exchange_name, is_dense, is_ragged
@@ -153,6 +154,9 @@ def expert_parallel_shard_body(
     inputs = _destinations(setup, routed, x_in, w_gate_up, w_down)
     sent = _send(setup, inputs)
     y, trip = _capped_or_fallback(setup, inputs, sent)
+    if cfg.num_identity_experts:
+        r = routed.routing
+        y = add_identity(y, x, r.experts, r.weights, cfg.num_experts)
     y = add_shared(cfg, y, shared, x)
     return y, _stats(setup, routed, sent, trip)
 
@@ -244,7 +248,10 @@ def _destinations(
     cfg, num_local = setup.cfg, setup.num_local
     experts = routed.routing.experts
     if setup.num_slots == 0:
-        dest_shard, dest_group = experts // num_local, experts % num_local
+        # A pair routed to no expert (id `E`: an identity expert) is sent nowhere.
+        routed_here = experts < cfg.num_experts
+        dest_shard = jnp.where(routed_here, experts // num_local, -1)
+        dest_group = jnp.where(routed_here, experts % num_local, -1)
     else:
         shard = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
         # C bounds the slot copies of one shard's experts: the slot exchange is sized

@@ -9,7 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, make_layer, mesh, tokens
+from helpers import (
+    assert_matches_oracle,
+    layer_value_and_grad,
+    make_layer,
+    mesh,
+    oracle_value_and_grad,
+    tokens,
+)
 
 import moe_eqx as me
 import moe_eqx.internal as mi
@@ -302,3 +309,41 @@ def test_weights_on_inputs_with_biases_refused():
             d_model=8, d_ff=4, num_experts=4, top_k=2, weight_on_input=True,
             expert_bias=True,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(num_slots=1, buffer_factor=0.3),
+        dict(on_overflow="drop", buffer_factor=None, shared_d_ff=8),
+        dict(norm_topk=False, use_router_bias=True),
+    ],
+    ids=["fallback+slots", "drop+shared", "raw-weights+bias"],
+)
+def test_identity_experts(getkey, overrides):
+    """Zero-computation experts (LongCat-Flash): a pick of one adds `w x` on the
+    token's own shard; nothing is sent for it and it is counted in no expert's load
+    (the pairs computed are exactly the picks of routed experts, nothing lost);
+    outputs and every gradient equal the oracle's, one device and EP4."""
+    key = getkey()
+    x = tokens(getkey(), 64)
+    for shards in (1, 4):
+        layer = make_layer(
+            key, mesh_size=shards, num_identity_experts=3, top_k=3, **overrides
+        )
+        assert layer.router.weight.shape == (16, 11)
+        routing = layer.router(x)
+        identity = int(jnp.sum(routing.experts >= 8))
+        assert 0 < identity < 64 * 3
+        assert int(jnp.sum(routing.counts)) == 64 * 3 - identity
+        m = mesh(shards) if shards > 1 else None
+        y, stats, grads, gx = layer_value_and_grad(layer, x, m)
+        y_ref, grads_ref, gx_ref = oracle_value_and_grad(layer, x)
+        assert int(stats.lost_pairs) == 0 and int(stats.dropped_pairs) == 0
+        assert int(jnp.sum(stats.recv_pairs)) == 64 * 3 - identity
+        np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(gx, gx_ref, rtol=2e-5, atol=2e-5)
+        for got, want in zip(
+            jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True
+        ):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

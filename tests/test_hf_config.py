@@ -230,6 +230,17 @@ def _family(name):
             kv_channels=8,
         )  # fmt: skip
         return cfg, JetMoeMoE
+    if name == "longcat_flash":
+        from transformers.models.longcat_flash.modeling_longcat_flash import (
+            LongcatFlashMoE,
+        )
+
+        cfg = t.LongcatFlashConfig(
+            hidden_size=H, ffn_hidden_size=48, expert_ffn_hidden_size=12,
+            n_routed_experts=8, zero_expert_num=3, moe_topk=3,
+            routed_scaling_factor=6.0, num_layers=1, num_attention_heads=2,
+        )  # fmt: skip
+        return cfg, LongcatFlashMoE
     if name == "llama4_text":
         from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
@@ -291,7 +302,7 @@ FAMILIES = [
     "ernie4_5_moe", "deepseek_v2", "deepseek_v2_grouped", "hunyuan_v1_moe",
     "cohere2_moe", "cohere2_moe_sigmoid", "afmoe", "dbrx", "aria_text",
     "granitemoeshared", "granitemoehybrid", "nemotron_h", "deepseek_v4", "hy_v4",
-    "hy_v3", "llama4_text", "gpt_oss", "jetmoe",
+    "hy_v3", "llama4_text", "gpt_oss", "jetmoe", "longcat_flash",
 ]  # fmt: skip
 TRANSPOSED = ("aria_text", "llama4_text")
 
@@ -359,6 +370,7 @@ def test_family_matches_its_transformers_block(getkey, name, num_shards):
         ("llama4_text", dict(weight_on_input=False)),
         ("nemotron_h", dict(activation="relu")),
         ("gpt_oss", dict(activation_alpha=1.0)),
+        ("longcat_flash", dict(norm_topk=True)),
         ("gpt_oss", dict(activation_limit=None, activation="swiglu")),
     ],
 )
@@ -457,7 +469,7 @@ def test_hub_config_json_keys():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "longcat_flash"}, "model_type='longcat_flash' is not supp"),
+        ({"model_type": "switch_transformers"}, "model_type='switch_transformers'"),
         ({"model_type": "phimoe"}, "model_type='phimoe' is not supported"),
         ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
         (
