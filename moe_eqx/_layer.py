@@ -265,6 +265,7 @@ def _empty_stats(cfg: MoEConfig, num_shards: int) -> MoEStats:
         num_chunks=jnp.array(1, jnp.int32),
         block_rows=jnp.array(0, jnp.int32),
         expert_counts=jnp.zeros((cfg.num_experts,), jnp.int32),
+        nan_tokens=jnp.array(0, jnp.int32),
     )
 
 
@@ -275,7 +276,11 @@ def _single_device_call(
     cfg: MoEConfig, platform: str, router, experts, shared, expert_ids, x
 ):
     tokens = x.shape[0]
-    routing = router(x)
+    # A token with a non-finite value is routed nowhere and computed as zeros (no
+    # gradient meets its NaNs); its output is NaN.
+    finite = jnp.all(jnp.isfinite(x), axis=-1)
+    x = jnp.where(finite[:, None], x, 0)
+    routing = router(x, finite)
     physical, _ = physical_routing(routing, expert_ids)
     pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
     # A gather whose backward is a gather too (not XLA:CPU's serial scatter-add).
@@ -297,6 +302,7 @@ def _single_device_call(
     if cfg.num_identity_experts:
         y = add_identity(y, x, physical.experts, physical.weights, cfg.num_experts)
     y = add_shared(cfg, y, shared, x)
+    y = jnp.where(finite[:, None], y, jnp.nan).astype(y.dtype)
     stats = routed_stats(
         routed=jnp.sum(routing.counts),
         recv_pairs=jnp.sum(pairs.group_sizes, keepdims=True),
@@ -311,6 +317,7 @@ def _single_device_call(
         block_rows=0,
         mean_probs=routing.mean_probs,
         router_z_loss=routing.router_z_loss,
+        nan_tokens=jnp.sum(~finite),
     )
     # No wire on one device: nothing to deduplicate.
     return y, eqx.tree_at(lambda s: s.dedup_ratio, stats, jnp.array(1.0, jnp.float32))

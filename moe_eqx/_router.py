@@ -4,7 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import MoEConfig
 from ._rules import histogram
@@ -138,18 +138,28 @@ class Router(eqx.Module):
             scores = jnp.sqrt(jax.nn.softplus(logits))
         return logits, scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
 
-    def __call__(self, x: Float[Array, "tokens d_model"]) -> Routing:
+    def __call__(
+        self,
+        x: Float[Array, "tokens d_model"],
+        valid: Bool[Array, " tokens"] | None = None,
+    ) -> Routing:
         """Routes tokens to experts.
 
         **Arguments:**
 
         - `x`: `[T, d_model]` token activations.
+        - `valid`: optional `[T]` mask; a token outside it (a non-finite or padding
+            token) is routed nowhere: its pairs get expert id `E +
+            num_identity` and weight 0, and it counts in no statistic (`counts`,
+            `mean_probs` and the losses are over the valid tokens).
 
         **Returns:**
 
         A [`moe_eqx.Routing`][].
         """
         with jax.named_scope("moe_eqx.router"):
+            if valid is not None:
+                x = jnp.where(valid[:, None], x, 0)
             logits, scores, probs = self._scores(x)
             select = jax.lax.stop_gradient(scores)
             if self.bias is not None:
@@ -164,10 +174,20 @@ class Router(eqx.Module):
             else:
                 weights = chosen
             num_experts = self.num_experts
+            z_tokens = jnp.square(jax.nn.logsumexp(logits, axis=-1))
+            if valid is None:
+                mean_probs = jnp.mean(probs, axis=0)
+                z = jnp.mean(z_tokens)
+            else:
+                nowhere = self.weight.shape[1]  # past every expert, identity included
+                experts = jnp.where(valid[:, None], experts, nowhere)
+                weights = jnp.where(valid[:, None], weights, 0.0)
+                n = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+                mean_probs = jnp.sum(jnp.where(valid[:, None], probs, 0.0), axis=0) / n
+                z = jnp.sum(jnp.where(valid, z_tokens, 0.0)) / n
             counts = histogram(experts, num_experts)  # identity picks not counted
-            mean_probs = jnp.mean(probs, axis=0)[:num_experts]
+            mean_probs = mean_probs[:num_experts]
             lb = load_balance_loss(counts, mean_probs)
-            z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
             return Routing(
                 weights=weights,
                 experts=experts,

@@ -58,6 +58,9 @@ class MoEStats(eqx.Module):
     - `block_rows`: rows per destination block of the dense exchange (its buffers hold
         `R * block_rows` rows; 0 for the ragged exchange or one device).
     - `expert_counts`: `[E]` pairs routed to each expert, over all shards.
+    - `nan_tokens`: tokens with a non-finite value, over all shards: routed nowhere
+        (no pair sent or counted, no statistic or gradient from them), their output
+        NaN.
     """
 
     overflow: Bool[Array, ""]
@@ -75,6 +78,7 @@ class MoEStats(eqx.Module):
     num_chunks: Int[Array, ""]
     block_rows: Int[Array, ""]
     expert_counts: Int[Array, " experts"]
+    nan_tokens: Int[Array, ""]
 
     def check(self) -> "MoEStats":
         """Raises [`moe_eqx.LostPairsError`][] if any pair was lost; returns `self`.
@@ -148,7 +152,11 @@ def expert_parallel_shard_body(
     same path and returns the same stats.
     """
     setup = _ShardSetup.of(cfg, num_shards, platform, data_axes, tokens=x.shape[0])
-    routed = _route(setup, router, expert_ids, x)
+    # A token with a non-finite value is routed nowhere and computed as zeros (so
+    # that no gradient meets its NaNs); its output is NaN.
+    finite = jnp.all(jnp.isfinite(x), axis=-1)
+    x = jnp.where(finite[:, None], x, 0)
+    routed = _route(setup, router, expert_ids, x, finite)
     # This shard's experts (biases folded into their weights: `fold_biases`).
     x_in, w_gate_up, w_down, _ = expert_arrays(experts, x, setup.spec.activation)
     inputs = _destinations(setup, routed, x_in, w_gate_up, w_down)
@@ -158,7 +166,8 @@ def expert_parallel_shard_body(
         r = routed.routing
         y = add_identity(y, x, r.experts, r.weights, cfg.num_experts)
     y = add_shared(cfg, y, shared, x)
-    return y, _stats(setup, routed, sent, trip)
+    y = jnp.where(finite[:, None], y, jnp.nan).astype(y.dtype)
+    return y, _stats(setup, routed, sent, trip, jnp.sum(~finite))
 
 
 class _ShardSetup(eqx.Module):
@@ -229,12 +238,13 @@ class _Routed(eqx.Module):
     counts: Int[Array, "shards experts"]  # all shards' per-expert counts, physical
 
 
-def _route(setup: _ShardSetup, router: Router, expert_ids, x) -> _Routed:
-    """Steps 1-2: route, then share the per-expert counts: every plan below is
-    identical on all shards, so every shard takes the same path."""
+def _route(setup: _ShardSetup, router: Router, expert_ids, x, finite) -> _Routed:
+    """Steps 1-2: route (a non-finite token nowhere), then share the per-expert
+    counts: every plan below is identical on all shards, so every shard takes the
+    same path."""
     # Logical expert ids -> physical positions (`expert_ids[p]` is held at `p`): from
     # here on everything (plan, dispatch, GMM, slots) works in physical order.
-    routing, position = physical_routing(router(x), expert_ids)
+    routing, position = physical_routing(router(x, finite), expert_ids)
     counts = jax.lax.all_gather(routing.counts, setup.cfg.axis_name)
     return _Routed(routing=routing, position=position, counts=counts)
 
@@ -328,21 +338,26 @@ def _capped_or_fallback(setup: _ShardSetup, inputs: TripInputs, sent: _Sent):
     )
 
 
-def _stats(setup: _ShardSetup, routed: _Routed, sent: _Sent, trip: TripStats):
+def _stats(setup: _ShardSetup, routed: _Routed, sent: _Sent, trip: TripStats, nan):
     """Step 9: the stats, identical on all shards, counted from what the trips really
     did (summed over the EP groups of the data axes). Three collectives: one
     all-gather of the trip's counts, one mean of the router's float statistics, and
     (with data axes) one sum of the integer counts."""
     cfg, data_axes = setup.cfg, setup.data_axes
     ax = cfg.axis_name
+    nan = nan.astype(jnp.int32)
     per_shard = jax.lax.all_gather(
-        jnp.stack([trip.computed_pairs, trip.recv_rows, trip.dropped_pairs]), ax
-    )  # [R, 3]
+        jnp.stack([trip.computed_pairs, trip.recv_rows, trip.dropped_pairs, nan]), ax
+    )  # [R, 4]
     global_counts = jnp.sum(routed.counts, axis=0).astype(jnp.int32)  # [E] physical
+    # Means over every shard's finite tokens: sums weighted by their counts.
+    finite = (setup.tokens - nan).astype(jnp.float32)
     router_floats = jnp.concatenate(
         [routed.routing.mean_probs, routed.routing.router_z_loss[None]]
     )
-    router_floats = jax.lax.pmean(router_floats, (ax, *data_axes))
+    router_floats = jnp.concatenate([router_floats * finite, finite[None]])
+    router_floats = jax.lax.psum(router_floats, (ax, *data_axes))
+    router_floats = router_floats[:-1] / jnp.maximum(router_floats[-1], 1.0)
     required = required_buffer_factor(
         sent.wire_counts, sent.pair_counts.T, tokens=setup.tokens, top_k=cfg.top_k
     )
@@ -350,7 +365,7 @@ def _stats(setup: _ShardSetup, routed: _Routed, sent: _Sent, trip: TripStats):
         ints = jnp.concatenate([per_shard.ravel(), global_counts])
         ints = jax.lax.psum(ints, data_axes)
         per_shard, global_counts = (
-            ints[: per_shard.size].reshape(-1, 3),
+            ints[: per_shard.size].reshape(-1, 4),
             ints[per_shard.size :],
         )
         required = jax.lax.pmax(required, data_axes)
@@ -368,6 +383,7 @@ def _stats(setup: _ShardSetup, routed: _Routed, sent: _Sent, trip: TripStats):
         block_rows=setup.buffers.block_rows if is_dense(setup.exchange) else 0,
         mean_probs=router_floats[:-1],
         router_z_loss=router_floats[-1],
+        nan_tokens=jnp.sum(per_shard[:, 3]),
     )
 
 
@@ -386,6 +402,7 @@ def routed_stats(
     block_rows,
     mean_probs,
     router_z_loss,
+    nan_tokens=0,
 ) -> MoEStats:
     computed = jnp.sum(recv_pairs)
     return MoEStats(
@@ -405,6 +422,7 @@ def routed_stats(
         num_chunks=jnp.array(num_chunks, jnp.int32),
         block_rows=jnp.array(block_rows, jnp.int32),
         expert_counts=expert_counts,
+        nan_tokens=jnp.asarray(nan_tokens, jnp.int32),
     )
 
 
