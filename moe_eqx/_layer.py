@@ -95,9 +95,12 @@ class MoELayer(eqx.Module):
 
         - `x`: `[..., d_model]`, floating point, any leading dimensions (e.g.
             `[batch, seq, d_model]`); they are flattened into tokens. With a mesh,
-            the tokens are sharded over all of its axes jointly (their number must
-            be divisible by its number of devices). Zero tokens give an empty output
-            and zero counts.
+            the tokens are sharded over all of its axes jointly; any number of them
+            (padded inside to a multiple of the mesh's devices: padding tokens are
+            routed nowhere, sent nowhere, counted in no statistic and get no
+            gradient). Zero tokens give an empty output and zero counts. A token
+            with a non-finite value is routed nowhere: its output is NaN
+            (`stats.nan_tokens`).
         - `mesh`: a mesh with axis `config.axis_name`, over which experts are sharded
             (expert parallelism). `None`: the mesh of `with jax.set_mesh(mesh):` if
             it has that axis, else the mesh the layer's experts are placed on
@@ -119,14 +122,7 @@ class MoELayer(eqx.Module):
         mesh = _resolve_mesh(mesh, ambient, cfg, self.experts.w_gate_up)
         num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
         platform = _resolve_platform(platform, mesh)
-        num_devices = 1 if mesh is None else mesh.size
         num_tokens = math.prod(x.shape[:-1])
-        if num_tokens % num_devices:
-            raise ValueError(
-                f"tokens ({num_tokens}, from `x` of shape {x.shape}) must be divisible "
-                f"by the number of devices of the mesh ({num_devices}: axes "
-                f"{dict(mesh.shape)}), over which they are sharded."
-            )
         if num_tokens == 0:
             return x, _empty_stats(cfg, num_shards)
         if mesh is None:
@@ -360,12 +356,31 @@ def _expert_parallel_call(
     # an explicitly sharded array must name its output sharding.
     shape, x_type = x.shape, jax.typeof(x)
     flat = (math.prod(shape[:-1]), shape[-1])
+    # Any number of tokens: padded to a multiple of the devices (replicated first,
+    # as a count the devices do not divide cannot be split).
+    pad = -flat[0] % mesh.size
     if explicit:
         x = jax.lax.reshape(
-            x, flat, out_sharding=jax.sharding.NamedSharding(mesh, tokens)
+            x, flat, out_sharding=NamedSharding(mesh, P() if pad else tokens)
         )
     else:
         x = x.reshape(flat)
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        per_shard = jax.shard_map(
+            ft.partial(
+                expert_parallel_shard_body,
+                cfg,
+                mesh.shape[ax],
+                platform,
+                other,
+                num_tokens=(flat[0], tuple(mesh.axis_names)),
+            ),
+            mesh=mesh,
+            in_specs=(P(), P(ax), P(), P(), tokens),
+            out_specs=(tokens, P()),
+            check_vma=False,
+        )
     args = (router, experts, shared, expert_ids, x)
     specs = (P(), P(ax), P(), P(), tokens)
     place = _reshard if explicit else _place
@@ -374,13 +389,17 @@ def _expert_parallel_call(
         for a, s in zip(args, specs, strict=True)
     )
     y, stats = per_shard(*args)
+    if pad:
+        if explicit:
+            y = jax.sharding.reshard(y, NamedSharding(mesh, P()))
+        y = y[: flat[0]]
     if not explicit:
         return y.reshape(shape), stats
     # The first leading dimension that the devices divide carries the sharding; then
     # `y` takes `x`'s own sharding, so that `x + y` works whatever it is.
     dims = [None] * len(shape)
     split = next((i for i, n in enumerate(shape[:-1]) if n % mesh.size == 0), None)
-    if split is not None:
+    if split is not None and not pad:
         dims[split] = tuple(mesh.axis_names)
     out = jax.sharding.NamedSharding(mesh, P(*dims))
     y = jax.lax.reshape(y, shape, out_sharding=out)

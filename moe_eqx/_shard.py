@@ -143,6 +143,8 @@ def expert_parallel_shard_body(
     shared: SharedExperts | None,
     expert_ids: Int[Array, " experts"],
     x: Float[Array, "tokens d_model"],
+    *,
+    num_tokens: tuple[int, tuple[str, ...]] | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
     """One shard's part of the expert-parallel layer (inside `shard_map`).
 
@@ -150,11 +152,18 @@ def expert_parallel_shard_body(
     over (data parallelism); each group along them is its own EP group. The overflow
     decision and the stats are combined over them, so that every device takes the
     same path and returns the same stats.
+
+    `num_tokens`: `(T, token_axes)` when the tokens were padded: the first `T` of
+    the global token array (split over `token_axes` jointly, in order) are real;
+    the others are routed nowhere and counted in nothing.
     """
     setup = _ShardSetup.of(cfg, num_shards, platform, data_axes, tokens=x.shape[0])
     # A token with a non-finite value is routed nowhere and computed as zeros (so
     # that no gradient meets its NaNs); its output is NaN.
+    real = _real_tokens(x.shape[0], num_tokens)
     finite = jnp.all(jnp.isfinite(x), axis=-1)
+    nan = jnp.sum(real & ~finite)
+    finite = finite & real
     x = jnp.where(finite[:, None], x, 0)
     routed = _route(setup, router, expert_ids, x, finite)
     # This shard's experts (biases folded into their weights: `fold_biases`).
@@ -167,7 +176,7 @@ def expert_parallel_shard_body(
         y = add_identity(y, x, r.experts, r.weights, cfg.num_experts)
     y = add_shared(cfg, y, shared, x)
     y = jnp.where(finite[:, None], y, jnp.nan).astype(y.dtype)
-    return y, _stats(setup, routed, sent, trip, jnp.sum(~finite))
+    return y, _stats(setup, routed, sent, trip, nan, jnp.sum(finite))
 
 
 class _ShardSetup(eqx.Module):
@@ -338,7 +347,20 @@ def _capped_or_fallback(setup: _ShardSetup, inputs: TripInputs, sent: _Sent):
     )
 
 
-def _stats(setup: _ShardSetup, routed: _Routed, sent: _Sent, trip: TripStats, nan):
+def _real_tokens(tokens: int, num_tokens) -> Bool[Array, " tokens"]:
+    """`[T]` this shard's tokens that are not padding (see `num_tokens` above)."""
+    if num_tokens is None:
+        return jnp.ones((tokens,), bool)
+    total, axes = num_tokens
+    block = jnp.int32(0)
+    for a in axes:
+        block = block * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return block * tokens + jnp.arange(tokens, dtype=jnp.int32) < total
+
+
+def _stats(
+    setup: _ShardSetup, routed: _Routed, sent: _Sent, trip: TripStats, nan, counted
+):
     """Step 9: the stats, identical on all shards, counted from what the trips really
     did (summed over the EP groups of the data axes). Three collectives: one
     all-gather of the trip's counts, one mean of the router's float statistics, and
@@ -350,8 +372,8 @@ def _stats(setup: _ShardSetup, routed: _Routed, sent: _Sent, trip: TripStats, na
         jnp.stack([trip.computed_pairs, trip.recv_rows, trip.dropped_pairs, nan]), ax
     )  # [R, 4]
     global_counts = jnp.sum(routed.counts, axis=0).astype(jnp.int32)  # [E] physical
-    # Means over every shard's finite tokens: sums weighted by their counts.
-    finite = (setup.tokens - nan).astype(jnp.float32)
+    # Means over every shard's counted tokens: sums weighted by their counts.
+    finite = counted.astype(jnp.float32)
     router_floats = jnp.concatenate(
         [routed.routing.mean_probs, routed.routing.router_z_loss[None]]
     )
