@@ -76,8 +76,8 @@ def test_bad_mesh_inputs(getkey):
     with pytest.raises(ValueError, match="num_experts"):
         layer(tokens(getkey(), 16), mesh=mesh(4))
     layer = make_layer(getkey())
-    with pytest.raises(ValueError, match="tokens"):
-        layer(tokens(getkey(), 18), mesh=mesh(4))
+    # A token count the devices do not divide is padded, not refused.
+    assert layer(tokens(getkey(), 18), mesh=mesh(4))[0].shape == (18, 16)
     bad_axis = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])
     with pytest.raises(ValueError, match="axis_name"):
         layer(tokens(getkey(), 16), mesh=bad_axis)
