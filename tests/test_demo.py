@@ -192,7 +192,7 @@ def test_ctrl_c_checkpoints_and_says_how_to_resume(tmp_path, cache_dir):
     assert len(steps) == 1 and 1 <= steps[0] < 100000
     step = steps[0]
     assert f"interrupted after step {step} (Ctrl-C)" in err
-    assert f"checkpoint of step {step} saved: {ck / f'ckpt_{step:010d}.json'}" in err
+    assert f"checkpoint of step {step} saved: {ck / str(step)}" in err
     command = shlex.join(["python", "-m", "moe_eqx.demo", *argv, "--resume"])
     assert f"resume with:\n  {command}\n" in err
 

@@ -9,9 +9,11 @@ their path (`moe_eqx.train.model`, `moe_eqx.train.loop`, ...).
 """
 
 from .checkpoint import (
+    Checkpointer as Checkpointer,
     CheckpointError as CheckpointError,
     list_checkpoints as list_checkpoints,
     load_checkpoint as load_checkpoint,
     read_checkpoint as read_checkpoint,
+    read_metadata as read_metadata,
     save_checkpoint as save_checkpoint,
 )

@@ -25,6 +25,7 @@ import numpy as np
 
 from .._config import MoEConfig
 from .._shard import LostPairsError
+from . import checkpoint as ckpt
 from .data import Feed, ZipfMarkovData
 from .log import Reporter, entropy
 from .model import model_from_args
@@ -207,14 +208,8 @@ def _resume(args, state: TrainState, placement: Placement, runtime, reporter):
     loaded = load_state(args.ckpt_dir, state, runtime, reporter.say)
     if loaded is None:
         return state, None
-    resumed, metadata = loaded
-    # Placed as the first run placed them, so the step reuses its compilation.
-    resumed = TrainState(
-        resumed.step,
-        placement.place(resumed.params, placement.params),
-        placement.place(resumed.opt_state, placement.opt_state),
-        placement.put(resumed.key),
-    )
+    resumed, metadata = loaded  # restored onto `state`'s shardings (each process
+    # its own shards), so the step reuses its compilation
     reporter.say(f"resumed at step {resumed.step}")
     return resumed, metadata
 
@@ -350,24 +345,45 @@ def _hooks(args, runtime: Runtime, static, placement, reporter) -> list[Hook]:
     return hooks
 
 
-def _checkpointer(args, runtime: Runtime, reporter: Reporter, schedule: int, argv):
-    """Saves a state with the metadata a resumed run needs (collective)."""
+class _Saver:
+    """Saves states with the metadata a resumed run needs (collective), through one
+    asynchronous [`moe_eqx.train.checkpoint.Checkpointer`][]; `close` waits for the
+    last save."""
 
-    def save(state: TrainState):
+    def __init__(self, args, reporter: Reporter, schedule: int, argv):
+        self.args, self.reporter, self.schedule, self.argv = (
+            args,
+            reporter,
+            schedule,
+            argv,
+        )
+        self.checkpointer = None
+
+    def __call__(self, state: TrainState):
+        args = self.args
+        if self.checkpointer is None:
+            self.checkpointer = ckpt.Checkpointer(args.ckpt_dir, keep=args.ckpt_keep)
         metadata = {
             "data_step": state.step,
             "seed": args.seed,
-            "argv": argv,
+            "argv": self.argv,
             "steps": args.steps,
-            "schedule_steps": schedule,
+            "schedule_steps": self.schedule,
             "lr": args.lr,
-            "loss": reporter.last_logged_loss(),
+            "loss": self.reporter.last_logged_loss(),
         }
-        return save_state(
-            args.ckpt_dir, state, runtime, keep=args.ckpt_keep, metadata=metadata
-        )
+        return save_state(self.checkpointer, state, metadata=metadata)
 
-    return save
+    def poll(self, state: TrainState) -> TrainState:
+        """A between-steps hook: checksums a finished save."""
+        if self.checkpointer is not None:
+            self.checkpointer.poll()
+        return state
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer = None
 
 
 def run(
@@ -407,7 +423,7 @@ def run(
         if runtime.distributed:
             jax.distributed.shutdown()
         return summary
-    save = _checkpointer(args, runtime, reporter, schedule, argv)
+    save = _Saver(args, reporter, schedule, argv)
     if not args.no_progress:
         reporter.open_bar(args.steps, start)
     try:
@@ -420,16 +436,22 @@ def run(
             log_every=args.log_every,
             checkpoint=save if args.ckpt_dir else None,
             checkpoint_every=args.ckpt_every,
-            between_steps=_hooks(args, runtime, static, placement, reporter),
+            between_steps=[
+                save.poll,
+                *_hooks(args, runtime, static, placement, reporter),
+            ],
             stop_on_ctrl_c=runtime.num_processes == 1,
         )
     finally:
         reporter.close_bar()
     if interrupted:
         reporter.write_json(None)
-        raise Interrupted(
-            _interrupted(args, state, start, save, resume_command(prog, argv))
-        )
+        try:
+            message = _interrupted(args, state, start, save, resume_command(prog, argv))
+        finally:
+            save.close()
+        raise Interrupted(message)
+    save.close()  # the last checkpoint is on disk before the summary says so
     summary = _finish(args, state, runtime, reporter, start)
     if runtime.distributed:
         jax.distributed.shutdown()

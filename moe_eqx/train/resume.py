@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from jaxtyping import PRNGKeyArray, PyTree
 
 from . import checkpoint as ckpt
-from .runtime import Runtime, broadcast_int, gather_to_host
+from .runtime import Runtime, all_agree
 from .step import make_schedule
 
 # Flags that inject failures for tests; a resume command never repeats them.
@@ -45,26 +45,16 @@ class TrainState(NamedTuple):
 
 
 def save_state(
-    directory: str | os.PathLike,
-    state: TrainState,
-    runtime: Runtime,
-    *,
-    keep: int,
-    metadata: dict,
-) -> Path | None:
-    """Checkpoints `state` (collective in a multi-process run: every process calls it;
-    process 0 writes).
+    checkpointer: ckpt.Checkpointer, state: TrainState, *, metadata: dict
+) -> Path:
+    """Starts checkpointing `state` (collective in a multi-process run: every process
+    calls it and writes its own shards); the step loop does not wait for the disk.
 
     **Returns:**
 
-    The manifest written, or `None` on the other processes.
+    The checkpoint's directory.
     """
-    host = gather_to_host(state.tree())
-    if not runtime.lead:
-        return None
-    return ckpt.save_checkpoint(
-        directory, state.step, host, keep=keep, metadata=metadata
-    )
+    return checkpointer.save(state.step, state.tree(), metadata=metadata)
 
 
 def load_state(
@@ -73,8 +63,9 @@ def load_state(
     runtime: Runtime,
     say: Callable[..., None],
 ) -> tuple[TrainState, dict] | None:
-    """Loads the latest good checkpoint; in a multi-process run, process 0 chooses the
-    step and every process loads that one.
+    """Loads the latest good checkpoint, every process its own shards; in a
+    multi-process run the processes agree on each checkpoint's verdict, so all
+    restore the same step.
 
     **Arguments:**
 
@@ -89,20 +80,13 @@ def load_state(
     start). Raises [`moe_eqx.train.CheckpointError`][] when it holds checkpoints
     but none is good.
     """
-    step, tree = -1, None
-    if runtime.lead:
-        try:
-            step, tree = ckpt.load_checkpoint(directory, like.tree())
-        except ckpt.CheckpointError as e:
-            if ckpt.list_checkpoints(directory):
-                raise
-            say(f"--resume: {e} Starting from scratch.")
-    step = broadcast_int(step, runtime)
-    if step < 0:
+    if not ckpt.list_checkpoints(directory):
+        say(f"--resume: no checkpoint in {directory}. Starting from scratch.")
         return None
-    if tree is None:
-        tree = ckpt.read_checkpoint(directory, step, like.tree())
-    metadata = ckpt.read_manifest(directory, step).get("metadata", {})
+    step, tree = ckpt.load_checkpoint(
+        directory, like.tree(), agree=lambda ok: all_agree(ok, runtime)
+    )
+    metadata = ckpt.read_metadata(directory, step)
     state = TrainState(step, tree["params"], tree["opt_state"], tree["key"])
     return state, metadata
 

@@ -182,6 +182,15 @@ def gather_to_host(tree: Any) -> Any:
     return jax.tree.map(get, tree)
 
 
+def all_agree(ok: bool, runtime: Runtime) -> bool:
+    """Whether `ok` holds on every process (collective in a multi-process run)."""
+    if runtime.num_processes == 1:
+        return bool(ok)
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(bool(ok)))))
+
+
 def broadcast_int(value: int, runtime: Runtime) -> int:
     """Process 0's `value` on every process (collective in a multi-process run)."""
     if runtime.num_processes == 1:
