@@ -272,11 +272,11 @@ def _single_device_call(
     cfg: MoEConfig, platform: str, router, experts, shared, expert_ids, x
 ):
     tokens = x.shape[0]
-    # A token with a non-finite value is routed nowhere and computed as zeros (no
-    # gradient meets its NaNs); its output is NaN.
+    # A token with a non-finite value is routed nowhere, and the experts see it as
+    # zeros (their gradients never meet its NaNs); its output is NaN.
     finite = jnp.all(jnp.isfinite(x), axis=-1)
-    x = jnp.where(finite[:, None], x, 0)
     routing = router(x, finite)
+    x = jnp.where(finite[:, None], x, 0)
     physical, _ = physical_routing(routing, expert_ids)
     pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
     # A gather whose backward is a gather too (not XLA:CPU's serial scatter-add).

@@ -151,15 +151,17 @@ class Router(eqx.Module):
         - `valid`: optional `[T]` mask; a token outside it (a non-finite or padding
             token) is routed nowhere: its pairs get expert id `E +
             num_identity` and weight 0, and it counts in no statistic (`counts`,
-            `mean_probs` and the losses are over the valid tokens).
+            `mean_probs` and the losses are over the valid tokens). (A non-finite
+            token still meets the router's weight in its matmul: the weight's
+            gradient is NaN in a batch that has one. Masking `x` here instead
+            would keep a `[T, d_model]` float32 copy alive through the whole
+            layer, which the fallback's memory bound does not allow.)
 
         **Returns:**
 
         A [`moe_eqx.Routing`][].
         """
         with jax.named_scope("moe_eqx.router"):
-            if valid is not None:
-                x = jnp.where(valid[:, None], x, 0)
             logits, scores, probs = self._scores(x)
             select = jax.lax.stop_gradient(scores)
             if self.bias is not None:

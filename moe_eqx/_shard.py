@@ -158,19 +158,21 @@ def expert_parallel_shard_body(
     the others are routed nowhere and counted in nothing.
     """
     setup = _ShardSetup.of(cfg, num_shards, platform, data_axes, tokens=x.shape[0])
-    # A token with a non-finite value is routed nowhere and computed as zeros (so
-    # that no gradient meets its NaNs); its output is NaN.
+    # A token with a non-finite value is routed nowhere (so never sent), and the
+    # shared and identity experts see it as zeros (their gradients never meet its
+    # NaNs); its output is NaN.
     real = _real_tokens(x.shape[0], num_tokens)
     finite = jnp.all(jnp.isfinite(x), axis=-1)
     nan = jnp.sum(real & ~finite)
     finite = finite & real
-    x = jnp.where(finite[:, None], x, 0)
     routed = _route(setup, router, expert_ids, x, finite)
     # This shard's experts (biases folded into their weights: `fold_biases`).
     x_in, w_gate_up, w_down, _ = expert_arrays(experts, x, setup.spec.activation)
     inputs = _destinations(setup, routed, x_in, w_gate_up, w_down)
     sent = _send(setup, inputs)
     y, trip = _capped_or_fallback(setup, inputs, sent)
+    if cfg.num_identity_experts or shared is not None:
+        x = jnp.where(finite[:, None], x, 0)
     if cfg.num_identity_experts:
         r = routed.routing
         y = add_identity(y, x, r.experts, r.weights, cfg.num_experts)
