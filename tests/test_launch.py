@@ -153,6 +153,21 @@ def test_two_processes_match_one_process(single_process, crash_and_restart):
 
 
 @pytest.mark.slow
+def test_killed_and_resumed_is_bitwise_the_uninterrupted_run(
+    tmp_path_factory, crash_and_restart
+):
+    """The same 2 processes x 4 devices, uninterrupted: the run killed at step 14 and
+    resumed from its Orbax checkpoint (each process restoring its own shards onto
+    its own devices) ends with bitwise the same parameters."""
+    d = tmp_path_factory.mktemp("straight2")
+    _ok(_launch(["--save-params", str(d / "p.npz")]))
+    straight, resumed = load_params(d / "p.npz"), crash_and_restart["params"]
+    assert straight.keys() == resumed.keys() and len(straight) > 5
+    for k in straight:
+        np.testing.assert_array_equal(straight[k], resumed[k], err_msg=k)
+
+
+@pytest.mark.slow
 def test_unreachable_coordinator_fails_within_timeout():
     # Only process 1 starts, so nobody hosts the coordinator.
     t0 = time.monotonic()
