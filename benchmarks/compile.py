@@ -196,6 +196,7 @@ class MinimalMoE(eqx.Module):
             num_chunks=jnp.array(1, jnp.int32),
             block_rows=zero,
             expert_counts=jnp.ones((cfg.num_experts,), jnp.int32),
+            nan_tokens=zero,
         )
         return y, stats
 
