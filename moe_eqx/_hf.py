@@ -650,6 +650,18 @@ def _deepseek_v3(r: _Reader) -> dict:
         default="noaux_tc",
         why=" (DeepSeek-V3 scores a group by the sum of its best two experts)",
     )
+    return dict(
+        _v3_routing(r),
+        shared_d_ff=_shared_width(
+            r, "n_shared_experts", int(r.get("moe_intermediate_size"))
+        ),
+    )
+
+
+def _v3_routing(r: _Reader) -> dict:
+    """DeepSeek-V3's routing and experts' keys (also Nemotron-H's and HY-V4's):
+    sigmoid scores with a selection bias, groups scored by their best two,
+    `norm_topk_prob`, `routed_scaling_factor`."""
     n_group = int(r.get("n_group", default=1) or 1)
     return dict(
         d_ff=r.get("moe_intermediate_size"),
@@ -660,9 +672,6 @@ def _deepseek_v3(r: _Reader) -> dict:
         use_router_bias=True,
         norm_topk=bool(r.get("norm_topk_prob", default=True)),
         routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
-        shared_d_ff=_shared_width(
-            r, "n_shared_experts", int(r.get("moe_intermediate_size"))
-        ),
     )
 
 
@@ -693,16 +702,8 @@ def _nemotron_h(r: _Reader) -> dict:
         "moe_latent_size", (None,), why=" (latent projections around the experts)"
     )
     r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
-    n_group = int(r.get("n_group", default=1) or 1)
     return dict(
-        d_ff=r.get("moe_intermediate_size"),
-        num_experts=r.get("n_routed_experts"),
-        score_func="sigmoid",
-        num_groups=n_group,
-        top_groups=int(r.get("topk_group", default=n_group) or n_group),
-        use_router_bias=True,
-        norm_topk=bool(r.get("norm_topk_prob", default=True)),
-        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        _v3_routing(r),
         shared_d_ff=int(r.get("moe_shared_expert_intermediate_size", default=0) or 0),
         activation=_ACTIVATIONS[act],
     )
@@ -735,16 +736,8 @@ def _hy_v4(r: _Reader) -> dict:
     # only (the shared expert is not clamped).
     _swiglu(r)
     f = int(r.get("moe_intermediate_size"))
-    n_group = int(r.get("n_group", default=1) or 1)
     return dict(
-        d_ff=f,
-        num_experts=r.get("n_routed_experts"),
-        score_func="sigmoid",
-        num_groups=n_group,
-        top_groups=int(r.get("topk_group", default=n_group) or n_group),
-        use_router_bias=True,
-        norm_topk=bool(r.get("norm_topk_prob", default=True)),
-        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        _v3_routing(r),
         shared_d_ff=_shared_width(r, "n_shared_experts", f),
         activation_limit=r.get("swiglu_limit", default=None),
         limit_shared=False,
