@@ -3,13 +3,14 @@
 input gradients on one device and under EP4; refused configs; dtypes kept."""
 
 import json
+import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mesh
+from helpers import mesh, recording_safe_open
 
 import moe_eqx as me
 
@@ -574,29 +575,9 @@ def test_layers_from_a_model_directory(tmp_path, getkey, monkeypatch):
         np.testing.assert_allclose(np.asarray(layer(x)[0]), y_hf, rtol=1e-5, atol=1e-5)
 
     read = []
-    real_open = safetensors.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.file = self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.file.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.file.get_tensor(name)
-
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    monkeypatch.setattr(safetensors, "safe_open", recording_safe_open(read))
     (only,) = me.layers_from_hf(tmp_path, 2).values()
-    assert read and all(n.startswith("model.layers.2.mlp.") for n in read)
+    assert read and all(n.startswith("model.layers.2.mlp.") for n, _, _ in read)
     assert jnp.array_equal(only.experts.w_down, layers[2].experts.w_down)
     with pytest.raises(ValueError, match=r"layers \[1\] are not MoE layers"):
         me.layers_from_hf(tmp_path, 1)
@@ -724,42 +705,12 @@ import numpy as np
 import safetensors
 import moe_eqx as me
 
+sys.path.insert(0, sys.argv[4])  # the tests' helpers
+from helpers import recording_safe_open
+
 read = []
 real_open = safetensors.safe_open
-
-
-class Slice:
-    def __init__(self, name, inner):
-        self.name, self.inner = name, inner
-
-    def __getitem__(self, rows):
-        read.append([self.name, rows.start, rows.stop])
-        return self.inner[rows]
-
-
-class Recording:
-    def __init__(self, *args, **kwargs):
-        self.inner = real_open(*args, **kwargs)
-
-    def __enter__(self):
-        self.file = self.inner.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.inner.__exit__(*exc)
-
-    def keys(self):
-        return self.file.keys()
-
-    def get_tensor(self, name):
-        read.append([name, None, None])
-        return self.file.get_tensor(name)
-
-    def get_slice(self, name):
-        return Slice(name, self.file.get_slice(name))
-
-
-safetensors.safe_open = Recording
+safetensors.safe_open = recording_safe_open(read)
 mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
 placed = me.layers_from_hf(sys.argv[3], mesh=mesh)
 safetensors.safe_open = real_open
@@ -810,6 +761,7 @@ def test_each_process_reads_only_its_experts(tmp_path, family):
                 f"127.0.0.1:{port}",
                 str(p),
                 str(tmp_path),
+                str(pathlib.Path(__file__).parent),
             ],
             env=env,
             stdout=subprocess.PIPE,
