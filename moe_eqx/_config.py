@@ -218,15 +218,10 @@ class MoEConfig(eqx.Module):
                 raise ValueError(
                     f"`{name}` must be a positive finite number, got {value!r}."
                 )
-        if (
-            not isinstance(self.num_identity_experts, int)
-            or isinstance(self.num_identity_experts, bool)
-            or self.num_identity_experts < 0
-        ):
-            raise ValueError(
-                f"`num_identity_experts` must be an integer >= 0, got "
-                f"{self.num_identity_experts!r}."
-            )
+        for name in ("num_identity_experts", "shared_d_ff", "num_slots"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
         if self.num_identity_experts and (self.num_groups > 1 or self.weight_on_input):
             raise ValueError(
                 "`num_identity_experts` with group-limited routing or "
@@ -288,14 +283,6 @@ class MoEConfig(eqx.Module):
                 f"`routed_scaling_factor` must be a positive finite number, got "
                 f"{self.routed_scaling_factor!r}."
             )
-        if (
-            not isinstance(self.shared_d_ff, int)
-            or isinstance(self.shared_d_ff, bool)
-            or self.shared_d_ff < 0
-        ):
-            raise ValueError(
-                f"`shared_d_ff` must be an integer >= 0, got {self.shared_d_ff!r}."
-            )
         if self.shared_gate and self.shared_d_ff == 0:
             raise ValueError(
                 "`shared_gate=True` needs a shared expert (`shared_d_ff > 0`)."
@@ -303,14 +290,6 @@ class MoEConfig(eqx.Module):
         if self.on_overflow not in ("fallback", "drop"):
             raise ValueError(
                 f"`on_overflow` must be 'fallback' or 'drop', got {self.on_overflow!r}."
-            )
-        if (
-            not isinstance(self.num_slots, int)
-            or isinstance(self.num_slots, bool)
-            or self.num_slots < 0
-        ):
-            raise ValueError(
-                f"`num_slots` must be an integer >= 0, got {self.num_slots!r}."
             )
         if self.slot_backward not in SLOT_BACKWARDS:
             raise ValueError(
