@@ -397,11 +397,16 @@ def read_checkpoint(
 
 def read_metadata(directory: str | os.PathLike, step: int) -> dict:
     """The metadata saved with the checkpoint of `step`."""
-    path = Path(directory) / str(step) / "metadata" / "metadata"
+    checkpointer = _open(directory)
+    args = ocp.args.Composite(metadata=ocp.args.JsonRestore())
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint metadata {path} is unreadable: {e}") from e
+        return dict(checkpointer._manager.restore(step, args=args).metadata or {})
+    except Exception as e:  # Orbax raises many kinds
+        raise CheckpointError(
+            f"checkpoint {directory}/{step} has no readable metadata: {e}"
+        ) from e
+    finally:
+        checkpointer.close()
 
 
 def _open(directory) -> Checkpointer:
@@ -440,6 +445,18 @@ def load_checkpoint(
     `CheckpointError` when the directory holds no checkpoint, or none is good (the
     message lists why each one was rejected).
     """
+    step, tree, _ = load_latest(directory, like_tree, agree=agree)
+    return step, tree
+
+
+def load_latest(
+    directory: str | os.PathLike,
+    like_tree: PyTree,
+    *,
+    agree: Callable[[bool], bool] = bool,
+) -> tuple[int, PyTree, dict]:
+    """[`load_checkpoint`][moe_eqx.train.load_checkpoint], with the checkpoint's
+    metadata: `(step, tree, metadata)`."""
     checkpointer = _open(directory)
     reasons = []
     try:
@@ -451,7 +468,7 @@ def load_checkpoint(
                 reason = str(e)
             if agree(reason is None):
                 try:
-                    tree, _ = checkpointer.restore(step, like_tree, verify=False)
+                    tree, metadata = checkpointer.restore(step, like_tree, verify=False)
                 except CheckpointError as e:
                     reason = str(e)
                 if agree(reason is None):
@@ -462,7 +479,7 @@ def load_checkpoint(
                             file=sys.stderr,
                             flush=True,
                         )
-                    return step, tree
+                    return step, tree, metadata
             reason = reason or "another process could not read it"
             reasons.append(f"step {step}: {reason}")
             print(

@@ -83,10 +83,9 @@ def load_state(
     if not ckpt.list_checkpoints(directory):
         say(f"--resume: no checkpoint in {directory}. Starting from scratch.")
         return None
-    step, tree = ckpt.load_checkpoint(
+    step, tree, metadata = ckpt.load_latest(
         directory, like.tree(), agree=lambda ok: all_agree(ok, runtime)
     )
-    metadata = ckpt.read_metadata(directory, step)
     state = TrainState(step, tree["params"], tree["opt_state"], tree["key"])
     return state, metadata
 

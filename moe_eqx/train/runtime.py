@@ -189,12 +189,3 @@ def all_agree(ok: bool, runtime: Runtime) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.all(multihost_utils.process_allgather(np.int32(bool(ok)))))
-
-
-def broadcast_int(value: int, runtime: Runtime) -> int:
-    """Process 0's `value` on every process (collective in a multi-process run)."""
-    if runtime.num_processes == 1:
-        return value
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
