@@ -94,6 +94,17 @@ def add_identity(
     return y.astype(routed.dtype)
 
 
+def add_output_bias(
+    y: Float[Array, "*batch d_model"], bias: Float[Array, " d_model"] | None
+) -> Float[Array, "*batch d_model"]:
+    """`y + bias` in float32 (JetMoE's block bias, `MoELayer.output_bias`), or `y`
+    when there is none."""
+    if bias is None:
+        return y
+    bias = bias.astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
+    return (y.astype(jnp.float32) + bias).astype(y.dtype)
+
+
 def scatter_to_tokens(
     rows: Float[Array, "rows d_model"],
     token: Int[Array, " rows"],

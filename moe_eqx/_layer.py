@@ -10,7 +10,7 @@ import jax.random as jr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from ._combine import add_identity, combine, weight_inputs
+from ._combine import add_identity, add_output_bias, combine, weight_inputs
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts, expert_arrays, expert_ffn
@@ -136,7 +136,9 @@ class MoELayer(eqx.Module):
                 self.expert_ids,
                 x.reshape(-1, cfg.d_model),
             )
-            return _add_bias(y.reshape(*batch_shape, cfg.d_model), self), stats
+            return add_output_bias(
+                y.reshape(*batch_shape, cfg.d_model), self.output_bias
+            ), stats
         # A concrete `x` on other devices (e.g. committed to one) joins the mesh, and
         # `y` goes back to where `x` was.
         home = _concrete_sharding(x)
@@ -153,15 +155,7 @@ class MoELayer(eqx.Module):
         if home is not None and back is not None:
             if not back.is_equivalent_to(home, y.ndim):
                 y = jax.device_put(y, home)
-        return _add_bias(y, self), stats
-
-
-def _add_bias(y, layer):
-    """`y + layer.output_bias` (JetMoE's block bias), when the layer has one."""
-    if layer.output_bias is None:
-        return y
-    bias = layer.output_bias.astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
-    return (y.astype(jnp.float32) + bias).astype(y.dtype)
+        return add_output_bias(y, self.output_bias), stats
 
 
 def _check_input(x, cfg: MoEConfig) -> None:

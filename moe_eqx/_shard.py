@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._combine import add_identity
+from ._combine import add_identity, add_output_bias
 from ._config import MoEConfig
 from ._dispatch import send_counts
 from ._exchange import AbstractExchange, exchange_name, is_dense, is_ragged
@@ -546,7 +546,4 @@ def expert_parallel_shard(
         layer.expert_ids,
         x,
     )
-    if layer.output_bias is not None:
-        bias = layer.output_bias.astype(jnp.float32)[None, :]
-        y = (y.astype(jnp.float32) + bias).astype(y.dtype)
-    return y, stats
+    return add_output_bias(y, layer.output_bias), stats
