@@ -32,6 +32,15 @@ def _real(value):
     return value
 
 
+def _axis_names(value):
+    # One name or a sequence of names; anything else reaches `__check_init__`.
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
+
+
 def _boolean(value):
     # NumPy booleans become Python bools; strings such as "false" are not truthy here.
     return bool(value) if isinstance(value, np.bool_) else value
@@ -88,6 +97,12 @@ class MoEConfig(eqx.Module):
         [`moe_eqx.AbstractExchange`][] instance (a `DenseExchange` gets the layer's
         `axis_name` and block size; other instances are used as given).
     - `axis_name`: the expert-parallel mesh axis.
+    - `fsdp_axes`: data-parallel mesh axes that the experts are split over too
+        (FSDP / ZeRO-3): [`moe_eqx.shard_model`][] places them so, and the layer
+        gathers a shard's experts over these axes when it runs; their gradients come
+        back reduce-scattered. `()` (default): experts replicated over the data axes.
+        See `moe_eqx._fsdp` for the split (experts, or `d_ff` when the devices
+        outnumber the experts).
     - `activation`: the experts' (and shared expert's) activation, a name of
         [`moe_eqx.Activation`][]: gated `"swiglu"` (default), `"geglu"`,
         `"geglu_tanh"`, `"swiglu_oai"` (GPT-OSS), or ungated `"relu"`, `"relu2"`,
@@ -142,6 +157,9 @@ class MoEConfig(eqx.Module):
     gmm_backend: str | AbstractGMMBackend = eqx.field(static=True, default="auto")
     exchange: str | AbstractExchange = eqx.field(static=True, default="auto")
     axis_name: str = eqx.field(static=True, default="expert")
+    fsdp_axes: tuple[str, ...] = eqx.field(
+        static=True, default=(), converter=_axis_names
+    )
     group_score: str = eqx.field(static=True, default="top2")
     shared_scale: float | int = eqx.field(static=True, default=1.0, converter=_real)
     activation: str = eqx.field(static=True, default="swiglu")
@@ -322,6 +340,21 @@ class MoEConfig(eqx.Module):
         if not isinstance(self.axis_name, str) or not self.axis_name:
             raise ValueError(
                 f"`axis_name` must be a non-empty string, got {self.axis_name!r}."
+            )
+        axes = self.fsdp_axes
+        if (
+            not isinstance(axes, tuple)
+            or not all(isinstance(a, str) and a for a in axes)
+            or len(set(axes)) != len(axes)
+        ):
+            raise ValueError(
+                "`fsdp_axes` must be distinct non-empty axis names, got "
+                f"{self.fsdp_axes!r}."
+            )
+        if self.axis_name in self.fsdp_axes:
+            raise ValueError(
+                f"`fsdp_axes` {self.fsdp_axes} must not contain the expert axis "
+                f"{self.axis_name!r}: the experts are already split over it."
             )
 
     @property

@@ -14,6 +14,7 @@ from ._combine import add_identity, add_output_bias, combine, weight_inputs
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts, expert_arrays, expert_ffn
+from ._fsdp import expert_specs, fsdp_dim, fsdp_size
 from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
@@ -234,6 +235,7 @@ def _check_mesh(mesh: Mesh, cfg: MoEConfig) -> int:
         )
     num_shards = mesh.shape[cfg.axis_name]
     local_experts(cfg.num_experts, num_shards, shards=f"mesh axis {cfg.axis_name!r}")
+    fsdp_dim(cfg, num_shards, fsdp_size(cfg, mesh.shape))
     return num_shards
 
 
@@ -337,10 +339,11 @@ def _expert_parallel_call(
     # group of devices that share their other coordinates is its own EP group.
     tokens = P(tuple(mesh.axis_names))
     other = tuple(a for a in mesh.axis_names if a != ax)
+    specs = (P(), expert_specs(cfg, experts, mesh.shape), P(), P(), tokens)
     per_shard = jax.shard_map(
         ft.partial(expert_parallel_shard_body, cfg, mesh.shape[ax], platform, other),
         mesh=mesh,
-        in_specs=(P(), P(ax), P(), P(), tokens),
+        in_specs=specs,
         out_specs=(tokens, P()),
         check_vma=False,
     )
@@ -371,16 +374,14 @@ def _expert_parallel_call(
                 num_tokens=(flat[0], tuple(mesh.axis_names)),
             ),
             mesh=mesh,
-            in_specs=(P(), P(ax), P(), P(), tokens),
+            in_specs=specs,
             out_specs=(tokens, P()),
             check_vma=False,
         )
     args = (router, experts, shared, expert_ids, x)
-    specs = (P(), P(ax), P(), P(), tokens)
     place = _reshard if explicit else _place
     args = tuple(
-        jax.tree.map(lambda a, s=s: place(a, mesh, s), a)
-        for a, s in zip(args, specs, strict=True)
+        _place_tree(place, a, s, mesh) for a, s in zip(args, specs, strict=True)
     )
     y, stats = per_shard(*args)
     if pad:
@@ -401,6 +402,19 @@ def _expert_parallel_call(
     if spec is not None and set(_spec_axes(spec)) <= set(mesh.axis_names):
         y = jax.sharding.reshard(y, NamedSharding(mesh, spec))
     return y, stats
+
+
+def _place_tree(place, tree, spec, mesh: Mesh):
+    """`place(leaf, mesh, spec)` at every array of `tree`; `spec` is one
+    `PartitionSpec` for all of them or a tree of them matching `tree`."""
+    if isinstance(spec, P):
+        return jax.tree.map(lambda a: place(a, mesh, spec), tree)
+    return jax.tree.map(
+        lambda a, s: a if a is None else place(a, mesh, s),
+        tree,
+        spec,
+        is_leaf=lambda n: n is None,
+    )
 
 
 def _spec_axes(spec: P) -> list[str]:
@@ -472,30 +486,44 @@ def shard_model(tree: PyTree, mesh: Mesh) -> PyTree:
             return put(node, P())
         _check_mesh(mesh, node.config)
         layer = jax.tree.map(lambda a: put(a, P()), node)
-        split = P(node.config.axis_name)
-        experts = jax.tree.map(lambda a: put(a, split), node.experts)
+        specs = expert_specs(node.config, node.experts, mesh.shape)
+        experts = _place_tree(lambda a, _, s: put(a, s), node.experts, specs, mesh)
         return eqx.tree_at(lambda l: l.experts, layer, experts)
 
     return jax.tree.map(place, tree, is_leaf=lambda n: isinstance(n, MoELayer))
 
 
-def shard_specs(layer: MoELayer) -> MoELayer:
+def shard_specs(layer: MoELayer, mesh: Mesh | None = None) -> MoELayer:
     """The `shard_map` in-specs of a layer for expert parallelism: `P(axis_name)` on
-    the expert weights, `P()` (replicated) on every other array (the router,
-    the shared experts, `expert_ids`). Use it with
+    the expert weights (with `config.fsdp_axes`, their split over the expert and
+    those axes, as [`moe_eqx.shard_model`][] places them), `P()` (replicated) on
+    every other array (the router, the shared experts, `expert_ids`). Use it with
     [`moe_eqx.expert_parallel_shard`][].
 
     **Arguments:**
 
     - `layer`: a [`moe_eqx.MoELayer`][].
+    - `mesh`: the mesh, needed only with `config.fsdp_axes` (whose split depends on
+        the axis sizes); `None` = the ambient one (`jax.set_mesh`).
 
     **Returns:**
 
     A PyTree of the layer's structure with a `PartitionSpec` at every array.
     """
+    cfg = layer.config
     specs = jax.tree.map(lambda _: P(), layer)
-    split = P(layer.config.axis_name)
-    experts = jax.tree.map(lambda _: split, layer.experts)
+    if cfg.fsdp_axes:
+        mesh = mesh if mesh is not None else _ambient_mesh()
+        if mesh is None:
+            raise ValueError(
+                f"`config.fsdp_axes` is {cfg.fsdp_axes}: `shard_specs` needs the mesh "
+                "(`mesh=...` or `with jax.set_mesh(mesh):`) to know how the experts "
+                "are split."
+            )
+        _check_mesh(mesh, cfg)
+        experts = expert_specs(cfg, layer.experts, mesh.shape)
+    else:
+        experts = jax.tree.map(lambda _: P(cfg.axis_name), layer.experts)
     return eqx.tree_at(lambda l: l.experts, specs, experts)
 
 

@@ -14,6 +14,7 @@ from ._dispatch import send_counts
 from ._exchange import AbstractExchange, exchange_name, is_dense, is_ragged
 from ._experts import Experts, SharedExperts, expert_arrays
 from ._fallback import chunked_dropless, fallback_chunking
+from ._fsdp import gather_experts
 from ._gmm import AbstractGMMBackend, resolve_backend
 from ._overflow import (
     BufferSizes,
@@ -156,6 +157,9 @@ def expert_parallel_shard_body(
     `num_tokens`: `(T, token_axes)` when the tokens were padded: the first `T` of
     the global token array (split over `token_axes` jointly, in order) are real;
     the others are routed nowhere and counted in nothing.
+
+    With `cfg.fsdp_axes`, `experts` is this device's part of the shard's experts,
+    gathered here (`moe_eqx._fsdp`).
     """
     setup = _ShardSetup.of(cfg, num_shards, platform, data_axes, tokens=x.shape[0])
     # A token with a non-finite value is routed nowhere (so never sent), and the
@@ -166,6 +170,7 @@ def expert_parallel_shard_body(
     nan = jnp.sum(real & ~finite)
     finite = finite & real
     routed = _route(setup, router, expert_ids, x, finite)
+    experts = gather_experts(cfg, experts, num_shards)
     # This shard's experts (biases folded into their weights: `fold_biases`).
     x_in, w_gate_up, w_down, _ = expert_arrays(experts, x, setup.spec.activation)
     inputs = _destinations(setup, routed, x_in, w_gate_up, w_down)
@@ -484,7 +489,9 @@ def expert_parallel_shard(
     **Arguments:**
 
     - `layer`: a [`moe_eqx.MoELayer`][] whose `experts` hold this shard's `E / R`
-        experts (in-spec `P(axis_name)` on the expert arrays, `P()` elsewhere).
+        experts (in-spec `P(axis_name)` on the expert arrays, `P()` elsewhere), or
+        with `config.fsdp_axes` this device's part of them
+        (`me.shard_specs(layer, mesh)`), gathered here.
     - `x`: `[T, d_model]`, this shard's tokens, floating point.
     - `num_shards`: `R`, the size of the `layer.config.axis_name` mesh axis; checked
         against it (default: that size).
@@ -532,6 +539,12 @@ def expert_parallel_shard(
         raise ValueError(
             f"`data_axes` {tuple(data_axes)} must not contain the expert axis "
             f"{cfg.axis_name!r}."
+        )
+    outside = [a for a in cfg.fsdp_axes if a not in data_axes]
+    if outside:
+        raise ValueError(
+            f"`layer.config.fsdp_axes` {cfg.fsdp_axes} must be among the data axes "
+            f"{tuple(data_axes)} of the enclosing shard_map: {tuple(outside)} is not."
         )
     platform = jax.default_backend() if platform is None else platform
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
