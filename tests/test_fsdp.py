@@ -5,9 +5,12 @@ the optimizer state split with them, re-placement, the caller's own `shard_map`.
 import copy
 import dataclasses
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import optax
 import pytest
 from helpers import (
     assert_nothing_lost,
@@ -133,3 +136,111 @@ def test_values_and_gradients_equal_replicated_layout(getkey, num_experts, dim, 
             g.sharding,
             s,
         )
+
+
+def test_adam_step_state_split_and_equal(getkey):
+    """An optax Adam step on a model of two layers: with the experts split over
+    `data`, the moments are split like the weights (half the bytes per device) and
+    the updated weights and moments equal the replicated layout's."""
+    m = _mesh()
+    opt = optax.adam(1e-2)
+    keys = jr.split(getkey(), 2)
+    model = [make_layer(k) for k in keys]
+    x = jr.normal(getkey(), (64, 16))
+
+    def run(model):
+        params = me.shard_model(model, m)
+        state = me.shard_model(opt.init(eqx.filter(params, eqx.is_inexact_array)), m)
+
+        @jax.jit
+        def step(params, state, x):
+            def loss(params):
+                h = x
+                for layer in params:
+                    h = h + layer(h, mesh=m)[0]
+                return jnp.sum(jnp.square(h))
+
+            grads = eqx.filter_grad(loss)(params)
+            inexact = eqx.filter(params, eqx.is_inexact_array)
+            updates, state = opt.update(grads, state, inexact)
+            return eqx.apply_updates(params, updates), state
+
+        return step(params, state, x)
+
+    # optax is not clean under the suite's strict dtype promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        base = run(model)
+        split = run([_fsdp(layer) for layer in model])
+    mu = split[1][0].mu[0].experts.w_gate_up
+    assert _local_shape(mu) == (1, 16, 48)  # [8 / 8, d_model, 2 d_ff]
+    assert _local_shape(base[1][0].mu[0].experts.w_gate_up) == (2, 16, 48)
+    for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(base), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_experts", [8, 4])
+def test_in_the_callers_shard_map(getkey, num_experts):
+    """`me.expert_parallel_shard` in the caller's own `shard_map` with
+    `me.shard_specs(layer, mesh)`: equal to the layer; the replicated in-specs, or
+    an fsdp axis that is not a data axis of the `shard_map`, give clear errors."""
+    m = _mesh()
+    base = make_layer(getkey(), num_experts=num_experts)
+    layer = me.shard_model(_fsdp(base), m)
+    x = jr.normal(getkey(), (64, 16))
+    tokens = P(("data", "expert"))
+
+    def block(specs, layer, x, **kw):
+        return jax.shard_map(
+            lambda l, x: me.expert_parallel_shard(l, x, **kw),
+            mesh=m,
+            in_specs=(specs, tokens),
+            out_specs=(tokens, P()),
+            check_vma=False,
+        )(layer, jax.device_put(x, NamedSharding(m, tokens)))
+
+    y, stats = block(me.shard_specs(layer, m), layer, x)
+    assert_nothing_lost(stats, 64, 2)
+    np.testing.assert_allclose(y, layer(x, mesh=m)[0], rtol=1e-6, atol=1e-6)
+    # The whole shard's experts on every data device (the replicated in-specs):
+    # not what a layer with `fsdp_axes` expects.
+    whole = _with_config(me.shard_model(base, m), layer.config)
+    with pytest.raises(ValueError, match="shard_specs"):
+        block(_with_config(me.shard_specs(base), layer.config), whole, x)
+    with pytest.raises(ValueError, match="must be among the data axes"):
+        block(me.shard_specs(layer, m), layer, x, data_axes=())
+
+
+def test_rebalance_keeps_the_split(getkey):
+    """`me.rebalance` of a model and its Adam state split over `data`: the layer's
+    function is unchanged and the arrays keep their split placement."""
+    m = _mesh()
+    opt = optax.adam(1e-2)
+    layer = me.shard_model(_fsdp(make_layer(getkey())), m)
+    state = me.shard_model(opt.init(eqx.filter(layer, eqx.is_inexact_array)), m)
+    x = jr.normal(getkey(), (64, 16))
+    before = layer(x, mesh=m)[0]
+    load = np.array([40, 1, 1, 1, 30, 2, 2, 20])
+    with jax.numpy_dtype_promotion("standard"):
+        new, new_state = me.rebalance(layer, state, load, num_shards=4)
+    assert not np.array_equal(np.asarray(new.expert_ids), np.arange(8))
+    np.testing.assert_allclose(new(x, mesh=m)[0], before, rtol=1e-5, atol=1e-6)
+    for a, b in (
+        (new.experts.w_gate_up, layer.experts.w_gate_up),
+        (new_state[0].mu.experts.w_down, layer.experts.w_down),
+    ):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def test_bad_fsdp_settings(getkey):
+    """Clear errors: an fsdp axis the mesh lacks; devices that divide neither the
+    shard's experts nor `d_ff`; `shard_specs` without a mesh."""
+    layer = _fsdp(make_layer(getkey()))
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        me.shard_model(_fsdp(layer, ("model",)), _mesh())
+    odd = _fsdp(make_layer(getkey(), num_experts=4, d_ff=25), ("data",))
+    with pytest.raises(ValueError, match="divide neither"):
+        me.shard_model(odd, _mesh())
+    with pytest.raises(ValueError, match="needs the mesh"):
+        me.shard_specs(layer)
+    with pytest.raises(ValueError, match="expert axis"):
+        me.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, fsdp_axes="expert")
