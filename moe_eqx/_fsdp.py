@@ -58,11 +58,15 @@ def fsdp_dim(cfg: MoEConfig, num_shards: int, size: int) -> str | None:
     )
 
 
-def expert_specs(cfg: MoEConfig, experts, mesh_shape: Mapping[str, int]):
+def expert_specs(cfg: MoEConfig, experts, mesh_shape: Mapping[str, int] | None):
     """The `PartitionSpec` of each array of `experts` (an `Experts`) on a mesh of
-    these axis sizes: `P(axis_name)` without fsdp axes, else the split above."""
+    these axis sizes: `P(axis_name)` without fsdp axes, else the split above.
+    Leading axes beyond an expert array's own (layers stacked for `lax.scan`, as
+    `eqx.filter_vmap` builds them) are not split."""
     ax = cfg.axis_name
-    dim = fsdp_dim(cfg, mesh_shape[ax], fsdp_size(cfg, mesh_shape))
+    dim = None
+    if cfg.fsdp_axes:  # else no mesh needed (`mesh_shape` may be None)
+        dim = fsdp_dim(cfg, mesh_shape[ax], fsdp_size(cfg, mesh_shape))
     fsdp = cfg.fsdp_axes
     if dim is None:
         specs = {name: P(ax) for name in _ARRAYS}
@@ -75,7 +79,27 @@ def expert_specs(cfg: MoEConfig, experts, mesh_shape: Mapping[str, int]):
             "b_gate_up": P(ax, fsdp),
             "b_down": P(ax),  # [E, d_model]: nothing of d_ff in it, and small
         }
+    specs = {
+        name: _lead(getattr(experts, name), _NDIM[name], spec)
+        for name, spec in specs.items()
+    }
     return _with(experts, specs)
+
+
+# The rank of each expert array of one layer.
+_NDIM = {"w_gate_up": 3, "w_down": 3, "b_gate_up": 2, "b_down": 2}
+
+
+def _lead(a, ndim: int, spec: P) -> P:
+    """`spec` behind one `None` per stacked leading axis of `a`."""
+    if a is None:
+        return spec
+    lead = len(a.shape) - ndim
+    if lead < 0:
+        raise ValueError(
+            f"An expert array of shape {a.shape} has fewer than {ndim} axes."
+        )
+    return P(*((None,) * lead), *spec)
 
 
 def gather_experts(cfg: MoEConfig, experts, num_shards: int):

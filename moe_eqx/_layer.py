@@ -521,9 +521,8 @@ def shard_specs(layer: MoELayer, mesh: Mesh | None = None) -> MoELayer:
                 "are split."
             )
         _check_mesh(mesh, cfg)
-        experts = expert_specs(cfg, layer.experts, mesh.shape)
-    else:
-        experts = jax.tree.map(lambda _: P(cfg.axis_name), layer.experts)
+    shape = None if mesh is None else mesh.shape
+    experts = expert_specs(cfg, layer.experts, shape)
     return eqx.tree_at(lambda l: l.experts, specs, experts)
 
 

@@ -244,3 +244,37 @@ def test_bad_fsdp_settings(getkey):
         me.shard_specs(layer)
     with pytest.raises(ValueError, match="expert axis"):
         me.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, fsdp_axes="expert")
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_stacked_layers_placed_per_layer(getkey, fsdp):
+    """Layers stacked for `lax.scan` (`eqx.filter_vmap`): `shard_model` leaves the
+    layers' axis whole and splits each layer's experts (it split the layers' axis
+    before), and the scanned model under `jax.checkpoint` equals the same layers
+    applied one by one."""
+    m = _mesh()
+    layer = make_layer(getkey())
+    cfg = dataclasses.replace(layer.config, fsdp_axes=("data",) if fsdp else ())
+    stack = eqx.filter_vmap(lambda k: me.MoELayer(cfg, key=k))(jr.split(getkey(), 4))
+    placed = me.shard_model(stack, m)
+    local = (4, 1, 16, 48) if fsdp else (4, 2, 16, 48)
+    assert _local_shape(placed.experts.w_gate_up) == local
+    dynamic, static = eqx.partition(placed, eqx.is_array)
+    x = jr.normal(getkey(), (64, 16))
+
+    def scanned(dynamic, x):
+        @jax.checkpoint
+        def body(x, arrays):
+            return x + eqx.combine(arrays, static)(x, mesh=m)[0], None
+
+        return jnp.sum(jnp.square(jax.lax.scan(body, x, dynamic)[0]))
+
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(scanned))(dynamic, x)
+    want = x
+    for i in range(4):
+        one = jax.tree.map(lambda a, i=i: np.asarray(a)[i], dynamic)
+        want = want + eqx.combine(one, static)(want, mesh=m)[0]
+    np.testing.assert_allclose(value, jnp.sum(jnp.square(want)), rtol=1e-5)
+    assert grads.experts.w_down.sharding.is_equivalent_to(
+        placed.experts.w_down.sharding, 4
+    )
