@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import demo_env, run_module
+from helpers import demo_env, load_params, run_module
 
 from moe_eqx.train import cli, list_checkpoints
 from moe_eqx.train.data import ZipfMarkovData
@@ -303,6 +303,12 @@ def test_resume_command_drops_one_off_flags():
         (["--skew-from", "5"], "--skew-from and --skew-to go together"),
         (["--rebalance-every", "4"], "--rebalance-every re-places experts over shards"),
         (["--rebalance-every", "-1"], "--rebalance-every must be >= 0"),
+        (["--fsdp"], "--fsdp splits the experts over the data-parallel groups"),
+        (["--data", "0"], "--data must be >= 1"),
+        (
+            ["--ep", "4", "--data", "2", "--batch", "12"],
+            "--batch (12) must be divisible by --ep x --data (8)",
+        ),
     ],
 )
 def test_bad_flags_are_usage_errors(flags, message, capsys):
@@ -532,3 +538,40 @@ def test_header_quotes_the_skew_phase_floor(tmp_path, cache_dir):
         "in the skew phase (steps 0-0) tokens are drawn uniformly from 2 ids" in header
     )
     assert "~0.693 there" in header
+
+
+def test_fsdp_trains_as_replicated_and_resumes_bitwise(tmp_path, cache_dir):
+    """`--ep 4 --data 2 --fsdp` (experts split over the data groups) trains to the
+    parameters of `--ep 4 --data 2` (experts replicated over them), and killed
+    mid-run, resumes from its Orbax checkpoint onto the split placement and ends
+    bit-identical to its uninterrupted run."""
+    flags = [*TINY, "--ep", "4", "--data", "2", "--steps", "12", "--log-every", "4"]
+    runs = {}
+    for name, extra in (("replicated", []), ("fsdp", ["--fsdp"])):
+        runs[name] = tmp_path / f"{name}.npz"
+        proc = run_demo([*flags, *extra, "--save-params", str(runs[name])], cache_dir)
+        assert "EP 4 x 2 data-parallel groups" in proc.stdout
+    assert "(experts split over them)" in proc.stdout
+    a, b = load_params(runs["replicated"]), load_params(runs["fsdp"])
+    assert a.keys() == b.keys() and len(a) > 5
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    ck = tmp_path / "ck"
+    run_module(
+        "moe_eqx.demo",
+        [*flags, "--fsdp", "--ckpt-dir", str(ck), "--ckpt-every", "4",
+         "--die-at-step", "10"],
+        cache_dir=cache_dir,
+        timeout=180,
+        expect=17,
+    )  # fmt: skip
+    resumed = tmp_path / "resumed.npz"
+    proc = run_demo(
+        [*flags, "--fsdp", "--ckpt-dir", str(ck), "--resume",
+         "--save-params", str(resumed)],
+        cache_dir,
+    )  # fmt: skip
+    assert re.search(r"resumed at step (4|8)", proc.stdout), proc.stdout
+    c = load_params(resumed)
+    for k in b:
+        np.testing.assert_array_equal(b[k], c[k], err_msg=k)

@@ -160,6 +160,20 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         "default 1, or every global device with --distributed",
     )
     g.add_argument(
+        "--data",
+        type=int,
+        default=1,
+        help="data-parallel groups: a mesh axis 'data' of this size before 'expert' "
+        "(--data x --ep devices; the batch is split over all of them)",
+    )
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="split the experts, their gradients and optimizer state over the "
+        "'data' axis too (FSDP / ZeRO-3) instead of replicating them (needs "
+        "--data > 1; each layer is rematerialised in the backward pass)",
+    )
+    g.add_argument(
         "--distributed",
         action="store_true",
         help="join a jax.distributed run (set up by moe_eqx.launch, or "
@@ -275,6 +289,7 @@ def moe_config(args: argparse.Namespace) -> MoEConfig:
         num_slots=args.num_slots,
         dedup=not args.no_dedup,
         gmm_backend=args.gmm_backend,
+        fsdp_axes=("data",) if args.fsdp else (),
         **(_deepseek_options(args) if args.deepseek else {}),
     )
 
@@ -295,6 +310,8 @@ def _check_ranges(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--vocab must be >= 2")
     if a.ep is not None and a.ep < 1:
         p.error("--ep must be >= 1")
+    if a.data < 1:
+        p.error("--data must be >= 1")
     if a.schedule_steps is not None and a.schedule_steps < 1:
         p.error("--schedule-steps must be >= 1")
     if not (math.isfinite(a.lr) and a.lr > 0):
@@ -316,8 +333,14 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> MoEConfig:
         p.error(f"--top-k ({a.top_k}) must not exceed --experts ({a.experts})")
     if a.ep is not None and a.experts % a.ep:
         p.error(f"--experts ({a.experts}) must be divisible by --ep ({a.ep})")
-    if a.ep is not None and a.batch % a.ep:
-        p.error(f"--batch ({a.batch}) must be divisible by --ep ({a.ep})")
+    if a.ep is not None and a.batch % (a.ep * a.data):
+        what = f"--ep ({a.ep})" if a.data == 1 else f"--ep x --data ({a.ep * a.data})"
+        p.error(f"--batch ({a.batch}) must be divisible by {what}")
+    if a.fsdp and a.data < 2:
+        p.error(
+            "--fsdp splits the experts over the data-parallel groups: it needs "
+            "--data > 1"
+        )
     if a.d_model % a.heads:
         p.error(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
     if (a.skew_from is None) != (a.skew_to is None):
@@ -347,8 +370,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = check_args(parser, args)
-    if args.ep is not None and args.ep > 1 and not args.distributed:
-        set_cpu_devices(args.ep)
+    devices = (args.ep or 1) * args.data
+    if devices > 1 and not args.distributed:
+        set_cpu_devices(devices)
     if ENV_LAUNCHER_PID in os.environ:
         exit_with_launcher(int(os.environ[ENV_LAUNCHER_PID]))
     try:

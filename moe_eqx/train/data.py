@@ -144,6 +144,8 @@ class Feed:
     - `placement`: where the batch goes.
     - `args`: the flags (`batch`, `seq`, `experts`, `top_k`, `skew_*`).
     - `ep`: expert-parallel size.
+    - `devices`: the devices the batch is split over (`ep` times the data-parallel
+        groups).
     """
 
     def __init__(
@@ -152,19 +154,20 @@ class Feed:
         placement: Placement,
         args: argparse.Namespace,
         ep: int,
+        devices: int | None = None,
     ):
         self.data = data
         self.placement = placement
         self.seq = args.seq
         self.global_shape = (args.batch, args.seq + 1)
-        self.local_rows = self._local_rows(args.batch, ep)
+        self.local_rows = self._local_rows(args.batch, devices or ep)
         self.skew = (args.skew_from, args.skew_to)
         self.no_bias = np.zeros((args.experts,), np.float32)
         self.skew_bias = self.no_bias.copy()
         # The experts of shard 0 (on one device: the first top_k experts).
         self.skew_bias[: args.experts // ep if ep > 1 else args.top_k] = args.skew_bias
 
-    def _local_rows(self, batch: int, ep: int) -> range:
+    def _local_rows(self, batch: int, devices: int) -> range:
         # Rows of the global batch that live on this process's devices.
         if self.placement.batch is None:
             return range(batch)
@@ -172,7 +175,7 @@ class Feed:
             self.global_shape
         )
         starts = sorted({idx[0].start or 0 for idx in index_map.values()})
-        per_device = batch // ep
+        per_device = batch // devices
         rows = range(starts[0], starts[-1] + per_device)
         if len(rows) != per_device * len(starts):
             raise SystemExit("this process's devices do not hold contiguous batch rows")

@@ -215,10 +215,14 @@ def _resume(args, state: TrainState, placement: Placement, runtime, reporter):
 
 
 def _say_header(args, runtime: Runtime, data: ZipfMarkovData, reporter: Reporter):
+    groups = ""
+    if runtime.data > 1:
+        split = " (experts split over them)" if args.fsdp else ""
+        groups = f" x {runtime.data} data-parallel groups{split}"
     reporter.say(
         f"moe_eqx demo: {args.layers} layers, d_model {args.d_model}, {args.experts} "
         f"experts (top-{args.top_k}), d_ff {args.d_ff}, vocab {args.vocab}; batch "
-        f"{args.batch} x seq {args.seq}; EP {runtime.ep} over "
+        f"{args.batch} x seq {args.seq}; EP {runtime.ep}{groups} over "
         f"{runtime.num_processes} process(es), {jax.device_count()} "
         f"{jax.default_backend()} device(s); buffer_factor {args.buffer_factor}, "
         f"num_slots {args.num_slots}, dedup {not args.no_dedup}, on_overflow "
@@ -260,6 +264,7 @@ def _finish(args, state: TrainState, runtime: Runtime, reporter: Reporter, start
         start=start,
         extra={
             "ep": runtime.ep,
+            "data": runtime.data,
             "processes": runtime.num_processes,
             "devices": jax.device_count(),
         },
@@ -403,7 +408,11 @@ def run(
     [`moe_eqx.train.loop.Interrupted`][] on Ctrl-C, after checkpointing.
     """
     runtime = make_runtime(
-        args.ep, experts=args.experts, batch=args.batch, distributed=args.distributed
+        args.ep,
+        experts=args.experts,
+        batch=args.batch,
+        distributed=args.distributed,
+        data=args.data,
     )
     reporter = Reporter(
         lead=runtime.lead,
@@ -431,7 +440,7 @@ def run(
             state,
             steps=args.steps,
             train_step=train_step,
-            feed=Feed(data, placement, args, runtime.ep),
+            feed=Feed(data, placement, args, runtime.ep, runtime.ep * runtime.data),
             reporter=reporter,
             log_every=args.log_every,
             checkpoint=save if args.ckpt_dir else None,

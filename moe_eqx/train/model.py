@@ -206,6 +206,11 @@ class MoELM(eqx.Module):
             block = eqx.combine(block_arrays, static)
             return block(x, mesh=mesh)
 
+        if self.blocks.moe.config.fsdp_axes:
+            # Experts split over the data axes: each block is recomputed in the
+            # backward pass, which gathers its experts again, so that one block's
+            # gathered experts are alive at a time rather than every block's.
+            layer = jax.checkpoint(layer)
         x, stats = jax.lax.scan(layer, x, dynamic)
         x = rms_norm(x, self.final_norm)
         if self.head is None:

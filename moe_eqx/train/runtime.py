@@ -32,8 +32,10 @@ class Runtime:
 
     - `process`, `num_processes`: this process's index and the process count.
     - `ep`: expert-parallel size (devices on the mesh's "expert" axis).
-    - `mesh`: the 1-D mesh ("expert",) of `ep` devices, or `None` on one device of
-        one process.
+    - `data`: data-parallel groups (devices on the mesh's "data" axis; 1: no such
+        axis).
+    - `mesh`: the mesh ("expert",) of `ep` devices, or ("data", "expert") of
+        `data * ep` with `data > 1`; `None` on one device of one process.
     - `distributed`: whether this is a `jax.distributed` run.
     """
 
@@ -42,6 +44,7 @@ class Runtime:
     ep: int
     mesh: Mesh | None
     distributed: bool
+    data: int = 1
 
     @property
     def lead(self) -> bool:
@@ -102,39 +105,52 @@ def init_distributed() -> None:
     )
 
 
-def _check_devices(ep: int, *, experts: int, batch: int, distributed: bool) -> None:
-    if distributed and ep != jax.device_count():
+def _check_devices(
+    ep: int, *, data: int, experts: int, batch: int, distributed: bool
+) -> None:
+    devices = ep * data
+    flags = f"--ep {ep}" + (f" x --data {data}" if data > 1 else "")
+    if distributed and devices != jax.device_count():
         raise SystemExit(
-            f"--ep {ep} must equal the global device count ({jax.device_count()}) with "
+            f"{flags} must equal the global device count ({jax.device_count()}) with "
             "--distributed: the mesh spans every device of every process."
         )
-    if ep > jax.device_count():
+    if devices > jax.device_count():
         raise SystemExit(
-            f"--ep {ep} needs {ep} devices, but jax sees {jax.device_count()} "
+            f"{flags} needs {devices} devices, but jax sees {jax.device_count()} "
             f"({jax.default_backend()}). On CPU, unset XLA_FLAGS or set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={ep}; on an accelerator "
-            "host, JAX_PLATFORMS=cpu simulates devices on the CPU."
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices}; on an "
+            "accelerator host, JAX_PLATFORMS=cpu simulates devices on the CPU."
         )
     if experts % ep:
         raise SystemExit(f"--experts ({experts}) must be divisible by --ep ({ep}).")
-    if batch % ep:
+    if batch % devices:
         raise SystemExit(
-            f"--batch ({batch}) must be divisible by --ep ({ep}): the batch is "
-            "sharded over the expert axis."
+            f"--batch ({batch}) must be divisible by {flags} ({devices}): the batch "
+            "is sharded over every device."
         )
 
 
 def make_runtime(
-    ep: int | None, *, experts: int, batch: int, distributed: bool
+    ep: int | None,
+    *,
+    experts: int,
+    batch: int,
+    distributed: bool,
+    data: int = 1,
 ) -> Runtime:
     """Joins the `jax.distributed` run if asked, checks the device count and builds
     the mesh.
 
     **Arguments:**
 
-    - `ep`: the `--ep` flag (`None`: 1, or every global device with `distributed`).
-    - `experts`, `batch`: must be divisible by the expert-parallel size.
+    - `ep`: the `--ep` flag (`None`: 1, or every global device with `distributed`,
+        divided by `data`).
+    - `experts`, `batch`: must be divisible by the expert-parallel size (the batch
+        by the device count).
     - `distributed`: join a `jax.distributed` run first.
+    - `data`: the `--data` flag: data-parallel groups, a mesh axis "data" before
+        "expert" when > 1.
 
     **Returns:**
 
@@ -144,10 +160,17 @@ def make_runtime(
     if distributed:
         init_distributed()
     if ep is None:
-        ep = jax.device_count() if distributed else 1
-    _check_devices(ep, experts=experts, batch=batch, distributed=distributed)
+        ep = jax.device_count() // data if distributed else 1
+    _check_devices(ep, data=data, experts=experts, batch=batch, distributed=distributed)
     mesh = None
-    if ep > 1 or distributed:
+    if data > 1:
+        mesh = jax.make_mesh(
+            (data, ep),
+            ("data", "expert"),
+            axis_types=(jax.sharding.AxisType.Auto,) * 2,
+            devices=jax.devices()[: data * ep],
+        )
+    elif ep > 1 or distributed:
         mesh = jax.make_mesh(
             (ep,),
             ("expert",),
@@ -160,6 +183,7 @@ def make_runtime(
         ep=ep,
         mesh=mesh,
         distributed=distributed,
+        data=data,
     )
 
 

@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._layer import MoEStats
+from .._layer import MoEStats, shard_specs
 from .model import MoELM
 from .runtime import gather_to_host
 
@@ -164,14 +164,20 @@ def make_placement(
         return placement, params, placement.place(gather_to_host(opt_state), None)
     replicated = NamedSharding(mesh, P())
     param_shardings = jax.tree.map(lambda _: replicated, params)
+    # The stacked layers' experts: split over "expert" (and with `--fsdp` over
+    # "data" too), as `moe_eqx.shard_model` places them.
+    moe = params.blocks.moe
+    experts = jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        shard_specs(moe, mesh).experts,
+        is_leaf=lambda s: isinstance(s, P),
+    )
     param_shardings = eqx.tree_at(
-        lambda m: (m.blocks.moe.experts.w_gate_up, m.blocks.moe.experts.w_down),
-        param_shardings,
-        (NamedSharding(mesh, P(None, "expert")),) * 2,
+        lambda m: m.blocks.moe.experts, param_shardings, experts
     )
-    placement = Placement(
-        mesh, param_shardings, None, replicated, NamedSharding(mesh, P("expert"))
-    )
+    # The batch over every device (both axes jointly with "data").
+    batch = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    placement = Placement(mesh, param_shardings, None, replicated, batch)
     params = placement.place(params, param_shardings)
     opt_state = jax.jit(optimizer.init)(trainable(params))
     # Moments inherit the parameters' shardings; scalars (step counts) come out on
