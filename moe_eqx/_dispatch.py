@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._permute import inverse_permutation, permute_rows
-from ._rules import cumsum, histogram
+from ._rules import cumsum, div, histogram, rem
 
 
 class SortedPairs(eqx.Module):
@@ -57,7 +57,7 @@ def _sort_pairs(
     # gather read every candidate slot (rows x per_row), and a receiver's rows are
     # mostly empty slots, where the scatter-add touches only the pairs.
     pairs = SortedPairs(
-        row=order // per_row,
+        row=div(order, per_row),
         weight=jnp.where(in_range, permute_rows(weights, order, inverse), 0.0),
         group_sizes=kept,
     )
@@ -89,7 +89,7 @@ def sort_by_expert(
         order = _stable_order(flat, num_experts)
         inverse = inverse_permutation(order, tokens * k)
         return SortedPairs(
-            row=order // k,
+            row=div(order, k),
             weight=permute_rows(weights.ravel(), order, inverse),
             group_sizes=_histogram(flat, num_experts),
             order=order,
@@ -105,7 +105,7 @@ def _stable_order(flat: Int[Array, " pairs"], num_groups: int) -> Int[Array, " p
     # One int32 key per pair, `group * num + pair`, is unique, so an unstable sort of a
     # single array gives the stable order, faster than a stable (key, index) sort.
     key = flat.astype(jnp.int32) * num + jnp.arange(num, dtype=jnp.int32)
-    return jnp.sort(key) % num
+    return rem(jnp.sort(key), num)
 
 
 class WireRows(eqx.Module):
@@ -186,7 +186,7 @@ def dedup_rows(
         order = _stable_order(dest, num_shards + 1)[:num_rows]
         inverse = inverse_permutation(order, tokens * k)
         return WireRows(
-            token=order // k,
+            token=div(order, k),
             groups=groups.reshape(tokens * k, width)[order],
             # A gather both ways (its plain transpose is a scatter-add).
             weights=permute_rows(wts.reshape(tokens * k, width), order, inverse),

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._autodiff import custom_linear, symbolic_zeros_to_none
+from ._rules import div
 
 
 def inverse_permutation(
@@ -113,7 +114,7 @@ def sum_rows(
 
 
 def _rows_of(order: Array, inverse: Array, num_rows: int) -> Array:
-    return order // _per_row(inverse, num_rows)
+    return div(order, _per_row(inverse, num_rows))
 
 
 def _gather_rows(res, x):

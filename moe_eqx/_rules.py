@@ -36,6 +36,18 @@ def per_token_counts(*, top_k: int, local_groups: int, dedup: bool) -> tuple[int
 # several times over in a layer's forward and backward.
 
 
+def div(x: jax.Array, n: int) -> jax.Array:
+    """`x // n` for non-negative integers `x` and `n > 0`: one `lax.div` (truncating,
+    equal to floor division there) instead of `jnp.floor_divide`'s sign corrections
+    (about a dozen ops each, compiled every time)."""
+    return lax.div(x, jnp.asarray(n, x.dtype))
+
+
+def rem(x: jax.Array, n: int) -> jax.Array:
+    """`x % n` for non-negative integers `x` and `n > 0` (`lax.rem`; see `div`)."""
+    return lax.rem(x, jnp.asarray(n, x.dtype))
+
+
 def cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
     """Inclusive cumulative sum along `axis` of a short array (`O(n^2)` work)."""
     x = jnp.moveaxis(x, axis, -1)

@@ -25,7 +25,7 @@ from ._overflow import (
 from ._placement import physical_routing
 from ._planner import assign_destinations, default_max_exports, plan_duplication
 from ._router import Router, Routing, load_balance_loss
-from ._rules import local_experts
+from ._rules import div, local_experts, rem
 from ._slots import gather_slot_weights
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
 
@@ -276,8 +276,8 @@ def _destinations(
     if setup.num_slots == 0:
         # A pair routed to no expert (id `E`: an identity expert) is sent nowhere.
         routed_here = experts < cfg.num_experts
-        dest_shard = jnp.where(routed_here, experts // num_local, -1)
-        dest_group = jnp.where(routed_here, experts % num_local, -1)
+        dest_shard = jnp.where(routed_here, div(experts, num_local), -1)
+        dest_group = jnp.where(routed_here, rem(experts, num_local), -1)
     else:
         shard = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
         # C bounds the slot copies of one shard's experts: the slot exchange is sized

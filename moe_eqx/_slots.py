@@ -38,7 +38,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._autodiff import custom_linear
 from ._planner import most_exports
-from ._rules import all_to_all, exclusive_cumsum
+from ._rules import all_to_all, div, exclusive_cumsum, rem
 
 SLOT_BACKWARDS = ("auto", "all_gather", "home")
 SLOT_EXCHANGES = ("dense", "ragged")
@@ -111,8 +111,8 @@ def slot_routes(
     num_shards, num_slots = slot_expert.shape
     slot_expert = slot_expert.astype(jnp.int32)
     filled = slot_expert >= 0
-    owner = jnp.where(filled, slot_expert // num_local, -1)
-    local = jnp.where(filled, slot_expert % num_local, 0)
+    owner = jnp.where(filled, div(slot_expert, num_local), -1)
+    local = jnp.where(filled, rem(slot_expert, num_local), 0)
     onehot = (owner[..., None] == jnp.arange(num_shards)[None, None, :]).astype(
         jnp.int32
     )  # [d, s, h]
