@@ -1,5 +1,7 @@
 """`MoELayer`: the stages composed, on one device or expert-parallel in `shard_map`."""
 
+import copy
+import dataclasses
 import functools as ft
 import math
 
@@ -447,10 +449,13 @@ def _resolve_platform(platform: str | None, mesh: Mesh | None) -> str:
     return _PLATFORMS[platform]
 
 
-def shard_model(tree: PyTree, mesh: Mesh) -> PyTree:
+def shard_model(
+    tree: PyTree, mesh: Mesh, *, fsdp_axes: str | tuple[str, ...] | None = None
+) -> PyTree:
     """Places a whole model, or its optimizer state, for a mesh: in every
     [`moe_eqx.MoELayer`][] found in `tree` the experts are split over its
-    `config.axis_name`; every other array is replicated over the mesh.
+    `config.axis_name` (and over `config.fsdp_axes`, see below); every other array is
+    replicated over the mesh.
 
     Training steps then compile once: the gradients and updated parameters of an
     expert-parallel model come back placed this way, and unplaced initial parameters
@@ -466,10 +471,20 @@ def shard_model(tree: PyTree, mesh: Mesh) -> PyTree:
     (Inexact arrays only: a layer's integer `expert_ids` is placement state, not a
     weight; it has no gradient and no optimizer state.)
 
+    With data axes in `fsdp_axes` (FSDP / ZeRO-3) the experts, and with them their
+    optimizer state, are split over those axes too, so no two devices hold the same
+    expert weights; the layer gathers them when it runs and their gradients come
+    back reduce-scattered (see `MoEConfig.fsdp_axes`). Layers stacked for `lax.scan`
+    keep their layers' axis whole.
+
     **Arguments:**
 
     - `tree`: any PyTree (an Equinox model, an optax state, ...).
     - `mesh`: the mesh; the experts' axis must divide their number.
+    - `fsdp_axes`: `None` (default): each layer's `config.fsdp_axes`. Else the data
+        axes (a name or a tuple; `()` for none) to split every layer's experts over:
+        the layers come back with their `config.fsdp_axes` set to them, so pass the
+        same value for the model and for its optimizer state.
 
     **Returns:**
 
@@ -484,6 +499,8 @@ def shard_model(tree: PyTree, mesh: Mesh) -> PyTree:
     def place(node):
         if not isinstance(node, MoELayer):
             return put(node, P())
+        if fsdp_axes is not None:
+            node = with_fsdp_axes(node, fsdp_axes)
         _check_mesh(mesh, node.config)
         layer = jax.tree.map(lambda a: put(a, P()), node)
         specs = expert_specs(node.config, node.experts, mesh.shape)
@@ -493,7 +510,23 @@ def shard_model(tree: PyTree, mesh: Mesh) -> PyTree:
     return jax.tree.map(place, tree, is_leaf=lambda n: isinstance(n, MoELayer))
 
 
-def shard_specs(layer: MoELayer, mesh: Mesh | None = None) -> MoELayer:
+def with_fsdp_axes(layer: MoELayer, fsdp_axes: str | tuple[str, ...]) -> MoELayer:
+    """`layer` with `config.fsdp_axes` replaced (same arrays)."""
+    cfg = dataclasses.replace(layer.config, fsdp_axes=fsdp_axes)
+    if cfg == layer.config:
+        return layer
+    # `config` is a static field, which `eqx.tree_at` does not reach.
+    new = copy.copy(layer)
+    object.__setattr__(new, "config", cfg)
+    return new
+
+
+def shard_specs(
+    layer: MoELayer,
+    mesh: Mesh | None = None,
+    *,
+    fsdp_axes: str | tuple[str, ...] | None = None,
+) -> MoELayer:
     """The `shard_map` in-specs of a layer for expert parallelism: `P(axis_name)` on
     the expert weights (with `config.fsdp_axes`, their split over the expert and
     those axes, as [`moe_eqx.shard_model`][] places them), `P()` (replicated) on
@@ -505,11 +538,15 @@ def shard_specs(layer: MoELayer, mesh: Mesh | None = None) -> MoELayer:
     - `layer`: a [`moe_eqx.MoELayer`][].
     - `mesh`: the mesh, needed only with `config.fsdp_axes` (whose split depends on
         the axis sizes); `None` = the ambient one (`jax.set_mesh`).
+    - `fsdp_axes`: as in [`moe_eqx.shard_model`][] (the specs then describe the layer
+        that `shard_model(..., fsdp_axes=...)` returns).
 
     **Returns:**
 
     A PyTree of the layer's structure with a `PartitionSpec` at every array.
     """
+    if fsdp_axes is not None:
+        layer = with_fsdp_axes(layer, fsdp_axes)
     cfg = layer.config
     specs = jax.tree.map(lambda _: P(), layer)
     if cfg.fsdp_axes:

@@ -148,9 +148,11 @@ def test_adam_step_state_split_and_equal(getkey):
     model = [make_layer(k) for k in keys]
     x = jr.normal(getkey(), (64, 16))
 
-    def run(model):
-        params = me.shard_model(model, m)
-        state = me.shard_model(opt.init(eqx.filter(params, eqx.is_inexact_array)), m)
+    def run(model, fsdp_axes=None):
+        # `shard_model(..., fsdp_axes=...)` sets the layers' `config.fsdp_axes`.
+        params = me.shard_model(model, m, fsdp_axes=fsdp_axes)
+        init = opt.init(eqx.filter(params, eqx.is_inexact_array))
+        state = me.shard_model(init, m, fsdp_axes=fsdp_axes)
 
         @jax.jit
         def step(params, state, x):
@@ -170,7 +172,8 @@ def test_adam_step_state_split_and_equal(getkey):
     # optax is not clean under the suite's strict dtype promotion.
     with jax.numpy_dtype_promotion("standard"):
         base = run(model)
-        split = run([_fsdp(layer) for layer in model])
+        split = run(model, fsdp_axes="data")
+    assert all(layer.config.fsdp_axes == ("data",) for layer in split[0])
     mu = split[1][0].mu[0].experts.w_gate_up
     assert _local_shape(mu) == (1, 16, 48)  # [8 / 8, d_model, 2 d_ff]
     assert _local_shape(base[1][0].mu[0].experts.w_gate_up) == (2, 16, 48)
