@@ -168,6 +168,34 @@ def test_killed_and_resumed_is_bitwise_the_uninterrupted_run(
 
 
 @pytest.mark.slow
+def test_fsdp_across_processes_killed_and_resumed_is_bitwise(tmp_path):
+    """2 processes x 4 devices as `--ep 4 --data 2 --fsdp`: the experts split over
+    both mesh axes, so each process holds half of every expert shard. Killed at step
+    10 and resumed from its Orbax checkpoint (each process restoring its own pieces),
+    the run ends with bitwise the parameters of the uninterrupted run."""
+    fsdp = ["--data", "2", "--fsdp", "--steps", "16"]
+    straight = tmp_path / "straight.npz"
+    proc = _ok(_launch([*fsdp, "--save-params", str(straight)]))
+    assert "EP 4 x 2 data-parallel groups (experts split over them)" in proc.stdout
+    ck = tmp_path / "ck"
+    died = _launch([*fsdp, "--ckpt-dir", str(ck), "--ckpt-every", "4",
+                    "--die-at-step", "10"])  # fmt: skip
+    assert died.returncode != 0
+    checkpoints = ckpt.list_checkpoints(ck)
+    assert checkpoints in ([4, 8], [4]), checkpoints
+    resumed = tmp_path / "resumed.npz"
+    proc = _ok(
+        _launch([*fsdp, "--ckpt-dir", str(ck), "--resume",
+                 "--save-params", str(resumed)])
+    )  # fmt: skip
+    assert f"[p0] resumed at step {checkpoints[-1]}" in proc.stdout
+    a, b = load_params(straight), load_params(resumed)
+    assert a.keys() == b.keys() and len(a) > 5
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.slow
 def test_unreachable_coordinator_fails_within_timeout():
     # Only process 1 starts, so nobody hosts the coordinator.
     t0 = time.monotonic()
