@@ -315,6 +315,27 @@ def test_expert_parallel_lowers(
         assert _collectives(ops) > _collectives(drop), (ops, drop)
 
 
+@pytest.mark.parametrize(("platform", "gmm_backend", "dtype"), _PATHS)
+def test_experts_split_over_data_lower(platform, gmm_backend, dtype, request):
+    """Experts split over a data axis too (`fsdp_axes`, 2 x 4 mesh), forward and
+    backward: the experts' gather and the gradients' reduce-scatter lower for the
+    platform."""
+    _prepare(platform, gmm_backend, request)
+    layer, x = _layer(gmm_backend, dtype, fsdp_axes=("data",))
+    mesh = jax.make_mesh(
+        (2, 4),
+        ("data", AXIS),
+        devices=jax.devices("cpu")[:8],
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
+    text = _lower(layer, x, mesh, platform, backward=True).as_text()
+    ops = _ops(text)
+    _check_gmm(ops, gmm_backend, True, platform)
+    assert ops["ragged_all_to_all"] >= 4, ops
+    assert ops["reduce_scatter"] >= 2, ops  # d w_gate_up, d w_down
+    assert ops["all_gather"] >= 3, ops  # w_gate_up, w_down, the counts
+
+
 # ---------------------------------------------------------------------------------
 # The platform argument.
 
