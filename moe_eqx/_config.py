@@ -100,9 +100,10 @@ class MoEConfig(eqx.Module):
     - `fsdp_axes`: data-parallel mesh axes that the experts are split over too
         (FSDP / ZeRO-3): [`moe_eqx.shard_model`][] places them so, and the layer
         gathers a shard's experts over these axes when it runs; their gradients come
-        back reduce-scattered. `()` (default): experts replicated over the data axes.
-        See `moe_eqx._fsdp` for the split (experts, or `d_ff` when the devices
-        outnumber the experts).
+        back reduce-scattered. The experts' dimension is split over the expert axis
+        and these jointly when their `D` devices divide a shard's `E / R` experts,
+        else each expert's `d_ff` dimension over them. `()` (default): experts
+        replicated over the data axes.
     - `activation`: the experts' (and shared expert's) activation, a name of
         [`moe_eqx.Activation`][]: gated `"swiglu"` (default), `"geglu"`,
         `"geglu_tanh"`, `"swiglu_oai"` (GPT-OSS), or ungated `"relu"`, `"relu2"`,
