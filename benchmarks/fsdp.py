@@ -24,6 +24,7 @@ float32 moments (14 bytes per parameter).
 """
 
 import argparse
+import dataclasses
 import re
 import sys
 
@@ -151,7 +152,7 @@ def main(argv=None) -> None:
     layer_mib = 3 * args.experts * args.d_model * args.d_ff * 4 / MIB
     rows = []
     for fsdp_axes in ((), ("data",)):
-        c = me.MoEConfig(**{**_fields(cfg), "fsdp_axes": fsdp_axes})
+        c = dataclasses.replace(cfg, fsdp_axes=fsdp_axes)
         r = measure(c, args.layers, args.tokens, mesh, jr.key(0))
         rows.append({"experts": "split over data" if fsdp_axes else "replicated", **r})
     base, split = rows
@@ -197,12 +198,6 @@ def main(argv=None) -> None:
         sys.exit(
             "FAILED: the state is not halved, or the peak grew by more than a layer"
         )
-
-
-def _fields(cfg):
-    import dataclasses
-
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
 if __name__ == "__main__":

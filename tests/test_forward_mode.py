@@ -2,7 +2,8 @@
 `jax.linearize`, `jax.jacfwd`, Hessian-vector products (`jax.jvp` of `jax.grad`) and
 `jax.hessian`, each equal to the same transform of the dense oracle
 `moe_eqx.reference_moe`, on one device and expert parallel in drop and fallback
-modes (with the fallback really running) and with duplication slots."""
+modes (with the fallback really running), with duplication slots, and with the
+experts split over a data axis too (`fsdp_axes`)."""
 
 import equinox as eqx
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import make_layer, mesh, tokens
+from helpers import cpu_devices, make_layer, mesh, tokens
 
 import moe_eqx as me
 
@@ -22,13 +23,25 @@ CASES = {
     # A small buffer: the fallback runs its chunks (checked below).
     "EP4 fallback": (4, dict(buffer_factor=0.5)),
     "EP4 fallback + slots": (4, dict(buffer_factor=0.5, num_slots=1)),
+    # Experts split over a data axis too (2 x 4 mesh): over the experts' dimension,
+    # or (one expert per shard) over d_ff.
+    "2x4 FSDP fallback": ((2, 4), dict(buffer_factor=0.5, fsdp_axes=("data",))),
+    "2x4 FSDP d_ff drop": (
+        (2, 4),
+        dict(num_experts=4, on_overflow="drop", fsdp_axes=("data",)),
+    ),
 }
 
 
 def _setup(key, case):
-    num_shards, overrides = CASES[case]
+    shape, overrides = CASES[case]
+    if isinstance(shape, tuple):
+        num_shards = shape[-1]
+        m = jax.make_mesh(shape, ("data", "expert"), devices=cpu_devices()[:8])
+    else:
+        num_shards = shape
+        m = None if num_shards == 1 else mesh(num_shards)
     layer = make_layer(key, mesh_size=num_shards, top_k=2, **overrides)
-    m = None if num_shards == 1 else mesh(num_shards)
     return layer, m
 
 

@@ -1,8 +1,8 @@
 """Experts split over data axes too (`config.fsdp_axes`, FSDP / ZeRO-3): placement,
 values and gradients equal to the replicated layout, gradients reduce-scattered,
-the optimizer state split with them, re-placement, the caller's own `shard_map`."""
+the optimizer state split with them, re-placement, the caller's own `shard_map`.
+Forward-mode autodiff with the split: `tests/test_forward_mode.py`."""
 
-import copy
 import dataclasses
 
 import equinox as eqx
@@ -23,6 +23,7 @@ from helpers import (
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moe_eqx as me
+from moe_eqx._layer import with_fsdp_axes
 
 
 def _mesh(shape=(2, 4), names=("data", "expert")):
@@ -31,15 +32,7 @@ def _mesh(shape=(2, 4), names=("data", "expert")):
 
 def _fsdp(layer, axes=("data",)):
     """The same layer (same weights) with `fsdp_axes` set."""
-    cfg = dataclasses.replace(layer.config, fsdp_axes=tuple(axes))
-    return _with_config(layer, cfg)
-
-
-def _with_config(layer, cfg):
-    # `config` is a static field: not a leaf that `eqx.tree_at` reaches.
-    layer = copy.copy(layer)
-    object.__setattr__(layer, "config", cfg)
-    return layer
+    return with_fsdp_axes(layer, axes)
 
 
 def _local_shape(a):
@@ -206,9 +199,9 @@ def test_in_the_callers_shard_map(getkey, num_experts):
     np.testing.assert_allclose(y, layer(x, mesh=m)[0], rtol=1e-6, atol=1e-6)
     # The whole shard's experts on every data device (the replicated in-specs):
     # not what a layer with `fsdp_axes` expects.
-    whole = _with_config(me.shard_model(base, m), layer.config)
+    whole = _fsdp(me.shard_model(base, m))
     with pytest.raises(ValueError, match="shard_specs"):
-        block(_with_config(me.shard_specs(base), layer.config), whole, x)
+        block(_fsdp(me.shard_specs(base)), whole, x)
     with pytest.raises(ValueError, match="must be among the data axes"):
         block(me.shard_specs(layer, m), layer, x, data_axes=())
 
@@ -281,26 +274,3 @@ def test_stacked_layers_placed_per_layer(getkey, fsdp):
     assert grads.experts.w_down.sharding.is_equivalent_to(
         placed.experts.w_down.sharding, 4
     )
-
-
-@pytest.mark.parametrize("num_experts", [8, 4])
-def test_forward_mode(getkey, num_experts):
-    """`jax.jvp` in the parameters and the input through the layer with experts split
-    over `data` equals the oracle's."""
-    m = _mesh()
-    layer = _fsdp(make_layer(getkey(), num_experts=num_experts))
-    params, static = eqx.partition(layer, eqx.is_inexact_array)
-    tangents = jax.tree.map(lambda a: jr.normal(getkey(), a.shape, a.dtype), params)
-    x = jr.normal(getkey(), (64, 16))
-    t_x = jr.normal(getkey(), x.shape)
-
-    def f(params, x):
-        return eqx.combine(params, static)(x, mesh=m)[0]
-
-    def f_ref(params, x):
-        return me.reference_moe(eqx.combine(params, static), x)
-
-    got = jax.jit(lambda p, x: jax.jvp(f, (p, x), (tangents, t_x)))(params, x)
-    want = jax.jvp(f_ref, (params, x), (tangents, t_x))
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=5e-5, atol=5e-5)
