@@ -860,6 +860,17 @@ _FAMILIES = {
 }
 
 
+# MoE families whose routing this layer does not compute, and why.
+_REFUSED = {
+    "phimoe": "its sparsemixer router picks two experts through a jitter "
+    "threshold, in evaluation too; the layer's top-k routing is not that",
+    "switch_transformers": "its router drops the pairs past each expert's capacity "
+    "in token order; the layer never drops a token it can compute",
+    "nllb-moe": "its top-2 router drops the pairs past each expert's capacity in "
+    "token order; the layer never drops a token it can compute",
+}
+
+
 def config_from_hf(hf_config, **overrides) -> MoEConfig:
     """The [`moe_eqx.MoEConfig`][] of a Hugging Face MoE model's blocks, read from its
     config.
@@ -908,8 +919,9 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
         hf = hf["text_config"]
     model_type = hf.get("model_type")
     if model_type not in _FAMILIES:
+        why = f": {_REFUSED[model_type]}" if model_type in _REFUSED else ""
         raise ValueError(
-            f"model_type={model_type!r} is not supported by `config_from_hf` "
+            f"model_type={model_type!r} is not supported by `config_from_hf`{why} "
             f"(supported: {', '.join(sorted(_FAMILIES))})."
         )
     bad = sorted(set(overrides) - set(_OWN_FIELDS))

@@ -492,6 +492,22 @@ def test_configs_it_cannot_map_are_refused(change, message):
         me.config_from_hf(hf)
 
 
+@pytest.mark.parametrize(
+    ("config_class", "message"),
+    [
+        ("PhimoeConfig", "sparsemixer"),
+        ("SwitchTransformersConfig", "capacity"),
+        ("NllbMoeConfig", "capacity"),
+    ],
+)
+def test_refused_families_say_why(config_class, message):
+    """The families this layer does not compute are refused, from their real
+    transformers configs, with the reason."""
+    hf = getattr(transformers, config_class)().to_dict()
+    with pytest.raises(ValueError, match=f"model_type='{hf['model_type']}'.*{message}"):
+        me.config_from_hf(hf)
+
+
 def test_mixtral_jitter_and_overrides_refused():
     cfg, _ = _block("mixtral")
     with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
