@@ -30,7 +30,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .._autodiff import custom_linear, symbolic_zeros_to_none
-from .._rules import acc_dtype, cumsum, match_varying
+from .._rules import acc_dtype, cumsum, div, match_varying
 from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc
 
 # Window rows: between these, from the rows per group (static shapes).
@@ -49,8 +49,9 @@ def window_rows(num_rows: int, num_groups: int, tile_rows: int | None = None) ->
     return max(1, min(tile_rows, num_rows))
 
 
+# The indices below are never negative: no wrap-around select is needed.
 def _index(a, i):
-    return lax.dynamic_index_in_dim(a, i, keepdims=False)
+    return lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)
 
 
 def _for_windows(
@@ -78,27 +79,34 @@ def _for_windows(
             keep = ((rows >= first) & (rows < begin + size))[:, None]
             return body(carry, ctx, start, keep)
 
-        carry, ctx = lax.fori_loop(0, (size + window - 1) // window, one, (carry, ctx))
+        count = div(size + window - 1, window)
+        carry, ctx = lax.fori_loop(0, count, one, (carry, ctx))
         return carry if leave is None else leave(carry, g, ctx)
 
     return lax.fori_loop(0, sizes.shape[0], group, carry)
 
 
+def _set_index(a, value, i):
+    return lax.dynamic_update_index_in_dim(a, value, i, 0, allow_negative_indices=False)
+
+
 def _take(a, start, window: int):
-    return lax.dynamic_slice_in_dim(a, start, window)
+    return lax.dynamic_slice_in_dim(a, start, window, allow_negative_indices=False)
 
 
 def _put(a, rows, start, keep):
     """Writes the window's owned rows into `a`, keeping the others."""
     rows = jnp.where(keep, rows.astype(a.dtype), _take(a, start, rows.shape[0]))
-    return lax.dynamic_update_slice_in_dim(a, rows, start, 0)
+    return lax.dynamic_update_slice_in_dim(
+        a, rows, start, 0, allow_negative_indices=False
+    )
 
 
 def _leave(carry, g, ctx):
     """Stores the group's summed weight gradient `ctx[1]` (if any) as `carry[1][g]`."""
     if ctx[1] is None:
         return carry
-    return carry[0], lax.dynamic_update_index_in_dim(carry[1], ctx[1], g, 0)
+    return carry[0], _set_index(carry[1], ctx[1], g)
 
 
 def _dot(a, b, dtype):
@@ -320,8 +328,8 @@ def _ffn_backward(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
     def leave(carry, g, ctx):
         d_x, d_gu, d_dn = carry
         if want_w:
-            d_gu = lax.dynamic_update_index_in_dim(d_gu, ctx[2][0], g, 0)
-            d_dn = lax.dynamic_update_index_in_dim(d_dn, ctx[2][1], g, 0)
+            d_gu = _set_index(d_gu, ctx[2][0], g)
+            d_dn = _set_index(d_dn, ctx[2][1], g)
         return d_x, d_gu, d_dn
 
     if num_rows > 0:
