@@ -21,7 +21,7 @@ from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
 from ._router import Router
-from ._rules import has_explicit_axes, int_sum, local_experts
+from ._rules import has_explicit_axes, local_experts
 from ._shard import MoEStats, add_shared, expert_parallel_shard_body, routed_stats
 
 
@@ -272,7 +272,7 @@ def _single_device_call(
     tokens = x.shape[0]
     # A token with a non-finite value is routed nowhere, and the experts see it as
     # zeros (their gradients never meet its NaNs); its output is NaN.
-    finite = int_sum(~jnp.isfinite(x), axis=-1) == 0
+    finite = jnp.all(jnp.isfinite(x), axis=-1)
     routing = router(x, finite)
     x = jnp.where(finite[:, None], x, 0)
     physical, _ = physical_routing(routing, expert_ids)
@@ -311,7 +311,7 @@ def _single_device_call(
         block_rows=0,
         mean_probs=routing.mean_probs,
         router_z_loss=routing.router_z_loss,
-        nan_tokens=int_sum(~finite),
+        nan_tokens=jnp.sum(~finite),
     )
     # No wire on one device: nothing to deduplicate.
     return y, eqx.tree_at(lambda s: s.dedup_ratio, stats, jnp.array(1.0, jnp.float32))

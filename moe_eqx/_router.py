@@ -7,7 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._config import MoEConfig
-from ._rules import histogram, int_sum
+from ._rules import histogram
 
 
 class Routing(eqx.Module):
@@ -184,7 +184,7 @@ class Router(eqx.Module):
                 nowhere = self.weight.shape[1]  # past every expert, identity included
                 experts = jnp.where(valid[:, None], experts, nowhere)
                 weights = jnp.where(valid[:, None], weights, 0.0)
-                n = jnp.maximum(int_sum(valid), 1).astype(jnp.float32)
+                n = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
                 mean_probs = jnp.sum(jnp.where(valid[:, None], probs, 0.0), axis=0) / n
                 z = jnp.sum(jnp.where(valid, z_tokens, 0.0)) / n
             counts = histogram(experts, num_experts)  # identity picks not counted

@@ -48,53 +48,14 @@ def rem(x: jax.Array, n: int) -> jax.Array:
     return lax.rem(x, jnp.asarray(n, x.dtype))
 
 
-# XLA:CPU splits a reduction over an axis longer than this into a reduce-window and
-# a reduce, two kernels to compile (its tree-reduction rewrite, for float accuracy).
-_REDUCE_CHUNK = 32
-
-
-def _chunked_sum(x: jax.Array, axis: int) -> jax.Array:
-    """`x.sum(axis)`, `_REDUCE_CHUNK` elements at a time; an optimisation barrier keeps
-    the levels apart until XLA:CPU's tree-reduction rewrite has passed, after which
-    they fuse into one kernel."""
-    n = x.shape[axis]
-    while n > _REDUCE_CHUNK:
-        m = -(-n // _REDUCE_CHUNK)
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, m * _REDUCE_CHUNK - n)
-        x = jnp.pad(x, pad)
-        x = x.reshape(*x.shape[:axis], m, _REDUCE_CHUNK, *x.shape[axis + 1 :])
-        x = lax.optimization_barrier(jnp.sum(x, axis=axis + 1))
-        n = m
-    return jnp.sum(x, axis=axis)
-
-
-def int_sum(x: jax.Array, axis: int | None = None, dtype=jnp.int32) -> jax.Array:
-    """Sum of integers or booleans (exact in any order) along `axis` (`None`: all), as
-    `dtype`. On CPU a long axis is reduced in levels that XLA compiles as one kernel
-    (`_chunked_sum`); other platforms reduce it directly."""
-    x = jnp.asarray(x).astype(dtype)
-    if axis is None:
-        x, axis = x.reshape(-1), 0
-    axis = axis % x.ndim
-    if x.shape[axis] <= _REDUCE_CHUNK:
-        return jnp.sum(x, axis=axis)
-    return lax.platform_dependent(
-        x,
-        cpu=lambda x: _chunked_sum(x, axis),
-        default=lambda x: jnp.sum(x, axis=axis),
-    )
-
-
 def cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
-    """Inclusive cumulative sum along `axis` of a short integer array (`O(n^2)`
-    work)."""
+    """Inclusive cumulative sum along `axis` of a short array (`O(n^2)` work)."""
     x = jnp.moveaxis(x, axis, -1)
     i = jnp.arange(x.shape[-1], dtype=jnp.int32)
     upper = i[:, None] <= i[None, :]  # [j, i]: element j counts towards i
     upper = upper.reshape((1,) * (x.ndim - 1) + upper.shape)
     terms = jnp.where(upper, x[..., :, None], jnp.zeros((), x.dtype))
-    out = int_sum(terms, axis=-2, dtype=x.dtype)
+    out = jnp.sum(terms, axis=-2, dtype=x.dtype)
     return jnp.moveaxis(out, -1, axis)
 
 
@@ -107,13 +68,13 @@ def histogram(index: jax.Array, size: int) -> jax.Array:
     """`[size]` int32 counts of each value `0..size-1` in `index` (other values are
     not counted)."""
     bins = jnp.arange(size, dtype=jnp.int32)
-    return int_sum(index.reshape(-1)[:, None] == bins[None, :], axis=0)
+    return jnp.sum(index.reshape(-1)[:, None] == bins[None, :], axis=0, dtype=jnp.int32)
 
 
 def count_at_or_below(boundaries: jax.Array, values: jax.Array) -> jax.Array:
     """For each value, how many `boundaries` are `<=` it: `searchsorted(boundaries,
     values, side="right")` for sorted `boundaries`."""
-    return int_sum(boundaries[None, :] <= values[:, None], axis=1)
+    return jnp.sum(boundaries[None, :] <= values[:, None], axis=1, dtype=jnp.int32)
 
 
 def all_to_all(x: jax.Array, axis_name, *, materialise: bool = True) -> jax.Array:

@@ -25,7 +25,7 @@ from ._overflow import (
 from ._placement import physical_routing
 from ._planner import assign_destinations, default_max_exports, plan_duplication
 from ._router import Router, Routing, load_balance_loss
-from ._rules import div, int_sum, local_experts, rem
+from ._rules import div, local_experts, rem
 from ._slots import gather_slot_weights
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
 
@@ -166,8 +166,8 @@ def expert_parallel_shard_body(
     # shared and identity experts see it as zeros (their gradients never meet its
     # NaNs); its output is NaN.
     real = _real_tokens(x.shape[0], num_tokens)
-    finite = int_sum(~jnp.isfinite(x), axis=-1) == 0
-    nan = int_sum(real & ~finite)
+    finite = jnp.all(jnp.isfinite(x), axis=-1)
+    nan = jnp.sum(real & ~finite)
     finite = finite & real
     routed = _route(setup, router, expert_ids, x, finite)
     experts = gather_experts(cfg, experts, num_shards)
@@ -183,7 +183,7 @@ def expert_parallel_shard_body(
         y = add_identity(y, x, r.experts, r.weights, cfg.num_experts)
     y = add_shared(cfg, y, shared, x)
     y = jnp.where(finite[:, None], y, jnp.nan).astype(y.dtype)
-    return y, _stats(setup, routed, sent, trip, nan, int_sum(finite))
+    return y, _stats(setup, routed, sent, trip, nan, jnp.sum(finite))
 
 
 class _ShardSetup(eqx.Module):

@@ -25,7 +25,7 @@ from ._gmm import AbstractGMMBackend, GradAcc
 from ._gmm._base import SWIGLU, Activation
 from ._overflow import BufferSizes
 from ._permute import sum_rows
-from ._rules import count_at_or_below, int_sum
+from ._rules import count_at_or_below
 
 
 class TripSpec(eqx.Module):
@@ -162,7 +162,7 @@ def expert_parallel_trip(
     y = return_rows(y_rows, wire, plan, exchange, bufs)
     stats = TripStats(
         computed_pairs=jnp.sum(pairs.group_sizes).astype(jnp.int32),
-        recv_rows=int_sum(jnp.any(recv_groups >= 0, axis=1)),
+        recv_rows=jnp.sum(jnp.any(recv_groups >= 0, axis=1)).astype(jnp.int32),
         dropped_pairs=(
             _unsent_pairs(wire, plan, bufs.send_rows) + dropped_at_receiver
         ).astype(jnp.int32),
@@ -374,4 +374,4 @@ def _unsent_pairs(wire: WireRows, plan: ExchangePlan, send_rows: int) -> Int[Arr
     row_dest = jnp.clip(count_at_or_below(starts, row) - 1, 0, num_shards - 1)
     is_real = row < jnp.sum(wire.send_counts)
     unsent = is_real & (row - starts[row_dest] >= plan.sizes[plan.shard, row_dest])
-    return int_sum(jnp.where(unsent, wire.num_pairs, 0))
+    return jnp.sum(jnp.where(unsent, wire.num_pairs, 0))
