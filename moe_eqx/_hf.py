@@ -861,13 +861,15 @@ _FAMILIES = {
 
 
 # MoE families whose routing this layer does not compute, and why.
+_CAPACITY_DROPS = (
+    "router drops the pairs past each expert's capacity in token order; the layer "
+    "never drops a token it can compute"
+)
 _REFUSED = {
     "phimoe": "its sparsemixer router picks two experts through a jitter "
     "threshold, in evaluation too; the layer's top-k routing is not that",
-    "switch_transformers": "its router drops the pairs past each expert's capacity "
-    "in token order; the layer never drops a token it can compute",
-    "nllb-moe": "its top-2 router drops the pairs past each expert's capacity in "
-    "token order; the layer never drops a token it can compute",
+    "switch_transformers": f"its {_CAPACITY_DROPS}",
+    "nllb-moe": f"its top-2 {_CAPACITY_DROPS}",
 }
 
 
