@@ -49,7 +49,8 @@ def window_rows(num_rows: int, num_groups: int, tile_rows: int | None = None) ->
     return max(1, min(tile_rows, num_rows))
 
 
-# The indices below are never negative: no wrap-around select is needed.
+# The index helpers below (`_index`, `_set_index`, `_take`, `_put`) only ever see
+# non-negative indices: no wrap-around select is needed.
 def _index(a, i):
     return lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)
 
