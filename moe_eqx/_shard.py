@@ -296,18 +296,15 @@ def _destinations(
         dest_shard, dest_group = assign_destinations(
             plan, routed.counts, experts, shard, num_local_experts=num_local
         )
-        w_gate_up, w_down = (
-            gather_slot_weights(
-                w,
-                plan.slot_expert,
-                num_local,
-                cfg.axis_name,
-                max_exports=max_exports,
-                backward=cfg.slot_backward,
-                exchange="ragged" if is_ragged(setup.exchange) else "dense",
-                with_home=True,
-            )
-            for w in (w_gate_up, w_down)
+        w_gate_up, w_down = gather_slot_weights(
+            (w_gate_up, w_down),
+            plan.slot_expert,
+            num_local,
+            cfg.axis_name,
+            max_exports=max_exports,
+            backward=cfg.slot_backward,
+            exchange="ragged" if is_ragged(setup.exchange) else "dense",
+            with_home=True,
         )
     return TripInputs(
         x=x,

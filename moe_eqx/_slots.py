@@ -28,13 +28,15 @@ collective runs. The offsets of both ragged trips come from `slot_routes`, a pur
 function of the slot table that the tests check against `emulate_ragged_all_to_all`.
 """
 
+import functools as ft
 from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from ._autodiff import custom_linear
 from ._planner import most_exports
@@ -267,6 +269,10 @@ class _SlotRes(NamedTuple):
 
 
 def _slots_of(res: _SlotRes, w_home):
+    return jtu.tree_map(ft.partial(_slots_of_one, res), w_home)
+
+
+def _slots_of_one(res: _SlotRes, w_home):
     slots = _forward(
         w_home,
         res.routes,
@@ -280,8 +286,12 @@ def _slots_of(res: _SlotRes, w_home):
 
 
 def _slots_of_t(res: _SlotRes, ct):
-    """The home gradient: each home shard sums the slot gradients of its experts
+    """The home gradients: each home shard sums the slot gradients of its experts
     (and, `with_home`, its own), in float32."""
+    return jtu.tree_map(ft.partial(_slots_of_t_one, res), ct)
+
+
+def _slots_of_t_one(res: _SlotRes, ct):
     g_slots = ct[res.num_local :] if res.with_home else ct
     routes, shard = res.routes, res.shard
     if res.backward == "all_gather":
@@ -325,7 +335,11 @@ def _slot_weights(
         exchange=exchange,
         with_home=with_home,
     )
-    return custom_linear(_slots_of, _slots_of_t, res, w_home)
+    groups = slot_expert.shape[1] + (num_local if with_home else 0)
+    out = jtu.tree_map(
+        lambda w: jax.ShapeDtypeStruct((groups, *w.shape[1:]), w.dtype), w_home
+    )
+    return custom_linear(_slots_of, _slots_of_t, res, w_home, out)
 
 
 def slot_backward_copies(
@@ -414,7 +428,7 @@ def check_slot_exports(
 
 
 def gather_slot_weights(
-    w_home: Float[Array, "local_experts ..."],
+    w_home: PyTree[Float[Array, "local_experts ..."]],
     slot_expert: Int[Array, "shards slots"],
     num_local: int,
     axis_name: str,
@@ -423,7 +437,7 @@ def gather_slot_weights(
     backward: str = "auto",
     exchange: str = "dense",
     with_home: bool = False,
-) -> Float[Array, "groups ..."]:
+) -> PyTree[Float[Array, "groups ..."]]:
     """Fetches the weights of this shard's slot experts from their home shards.
 
     Called inside `shard_map` over `axis_name`. Memory and wire bytes per device are
@@ -431,7 +445,9 @@ def gather_slot_weights(
 
     **Arguments:**
 
-    - `w_home`: `[L, ...]` this shard's home expert weights.
+    - `w_home`: `[L, ...]` this shard's home expert weights, or a PyTree of such
+        arrays (e.g. `(w_gate_up, w_down)`): one set of routes and one custom
+        derivative serve them all, and each array has its own exchange.
     - `slot_expert`: `[R, S]` the plan's slot table (identical on all shards; -1
         empty), e.g. `plan_duplication(..., max_exports=C).slot_expert`.
     - `num_local`: `L`.
@@ -450,7 +466,7 @@ def gather_slot_weights(
     **Returns:**
 
     `[S, ...]` the weights of `slot_expert[shard]` (zeros for empty slots), or
-    `[L + S, ...]` with `with_home`.
+    `[L + S, ...]` with `with_home`; for a PyTree, a PyTree of these.
     """
     _check_args(slot_expert, num_local, max_exports, backward, exchange)
     num_shards, num_slots = slot_expert.shape
@@ -461,8 +477,13 @@ def gather_slot_weights(
     if num_shards == 1:
         # One shard: the weights are all here, no collective (a plan never puts a
         # home expert in a slot, so a table from the planner is all empty).
-        slots = _take(w_home, jnp.where(slot_expert[0] >= 0, slot_expert[0], -1))
-        return jnp.concatenate([w_home, slots]) if with_home else slots
+        idx = jnp.where(slot_expert[0] >= 0, slot_expert[0], -1)
+
+        def one(w):
+            slots = _take(w, idx)
+            return jnp.concatenate([w, slots]) if with_home else slots
+
+        return jtu.tree_map(one, w_home)
     mode = choose_slot_backward(
         backward,
         num_shards=num_shards,
