@@ -122,9 +122,8 @@ def _slot_fn(num_shards, num_local, **kwargs):
     m = auto_mesh(num_shards)
 
     def body(w_home, slot_expert):
-        return mi.gather_slot_weights(
-            w_home, slot_expert, num_local, "expert", **kwargs
-        )[None]
+        out = mi.gather_slot_weights(w_home, slot_expert, num_local, "expert", **kwargs)
+        return jax.tree.map(lambda o: o[None], out)
 
     return jax.jit(
         jax.shard_map(
@@ -218,6 +217,53 @@ def test_gather_slot_weights_finite_differences(getkey, backward):
         2 * eps
     )
     np.testing.assert_allclose(fd, jnp.sum(g * d), rtol=1e-3)
+
+
+@pytest.mark.parametrize("exchange", ["dense", "ragged"])
+@pytest.mark.parametrize("backward", ["all_gather", "home"])
+@pytest.mark.parametrize("case", ["mixed", "one_home_exports_all", "one_shard"])
+def test_gather_slot_weights_of_a_pytree(
+    getkey, ragged_on_cpu, case, backward, exchange
+):
+    """A tuple of weights (different shapes and dtypes, as `w_gate_up` and `w_down`)
+    goes through one call: each leaf as if gathered alone, with its home weights in
+    front, and each leaf's gradient its own (the leaves are never mixed)."""
+    r, local, table = _TABLES[case] if case != "one_shard" else (1, 3, [[1, -1]])
+    table = jnp.asarray(table, jnp.int32)
+    ws = (
+        jr.normal(getkey(), (r * local, 3, 5)),
+        jr.normal(getkey(), (r * local, 4)).astype(jnp.bfloat16),
+    )
+    kwargs = dict(backward=backward, exchange=exchange, with_home=True)
+    f = _slot_fn(r, local, **kwargs)
+    groups = local + table.shape[1]
+    cts = (
+        jr.normal(getkey(), (r, groups, 3, 5)),
+        jr.normal(getkey(), (r, groups, 4)).astype(jnp.bfloat16),
+    )
+
+    def direct(w):
+        home = w.reshape(r, local, *w.shape[1:])
+        return jnp.concatenate([home, _direct(w, table).astype(w.dtype)], axis=1)
+
+    def loss(fn, ws):
+        out = fn(ws)
+        return sum(
+            jnp.sum(o.astype(jnp.float32) * c.astype(jnp.float32))
+            for o, c in zip(out, cts)
+        )
+
+    out = f(ws, table)
+    for o, w in zip(out, ws, strict=True):
+        assert o.dtype == w.dtype
+        np.testing.assert_array_equal(o, direct(w))
+    got = jax.grad(lambda ws: loss(lambda v: f(v, table), ws))(ws)
+    want = jax.grad(lambda ws: loss(lambda v: tuple(map(direct, v)), ws))(ws)
+    for g, w_ in zip(got, want, strict=True):
+        assert g.dtype == w_.dtype
+        np.testing.assert_allclose(
+            g.astype(jnp.float32), w_.astype(jnp.float32), rtol=1e-2, atol=1e-2
+        )
 
 
 def test_gather_slot_weights_one_shard_has_no_collective(getkey):
