@@ -1,10 +1,12 @@
 """mkdocs hooks (mkdocs.yml `hooks:`).
 
-1. The README is the one source of the overview pages. A line `<!-- readme: Title -->`
-   in a page is replaced by the body of the README's `## Title` section (up to the
-   next `## ` heading, without the heading itself); `<!-- readme: intro -->` is the
-   text between the README's title and its first `## ` heading. A title the README
-   does not have fails the build, naming it.
+1. The pages under docs/ are the documentation's source; the home page shows the
+   README's landing sections, included from it. A line `<!-- readme: Title -->` in a
+   page is replaced by the body of the README's `## Title` section (up to the next
+   `## ` heading, without the heading itself); `<!-- readme: intro -->` is the text
+   between the README's title and its first `## ` heading. A title the README does
+   not have fails the build, naming it. The README links to the pages as
+   `docs/page.md` (from the repository's root); included, they become `page.md`.
 2. Every public name has an API page. The public names are those `moe_eqx/__init__.py`,
    `moe_eqx/internal.py` and `moe_eqx/train/__init__.py` re-export
    (`from ._x import name as name`) and the
@@ -24,6 +26,7 @@ _README = _ROOT / "README.md"
 _PACKAGES = ("moe_eqx", "moe_eqx.internal", "moe_eqx.train")  # re-exports documented
 _DIRECTIVE = re.compile(r"^<!-- readme: (.+?) -->[ \t]*$", re.MULTILINE)
 _FENCE = re.compile(r"^(```|~~~)")
+_DOCS_LINK = re.compile(r"\]\(docs/")  # a README link into docs/, made page-relative
 _ENTRY = re.compile(r"^::: (moe_eqx[\w.]*)[ \t]*$", re.MULTILINE)
 
 log = logging.getLogger("mkdocs.hooks.moe_eqx")
@@ -71,7 +74,7 @@ def on_page_markdown(markdown, page, **kwargs):
                 f"{page.file.src_path}: README.md has no section {title!r} "
                 f"(it has {known})."
             )
-        return sections[title]
+        return _DOCS_LINK.sub("](", sections[title])
 
     return _DIRECTIVE.sub(replace, markdown)
 

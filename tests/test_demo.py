@@ -363,7 +363,9 @@ def test_data_is_a_pure_function_of_seed_and_step():
 
 
 def _readme_commands(module: str) -> list[list[str]]:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    root = Path(__file__).resolve().parent.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    readme = "\n".join(page.read_text() for page in pages)
     commands = []
     for line in readme.splitlines():
         line = line.split("#", 1)[0].strip().rstrip("`")
@@ -375,7 +377,8 @@ def _readme_commands(module: str) -> list[list[str]]:
 
 
 def test_readme_commands_parse():
-    # Every demo and launcher command line of the README is accepted as written.
+    # Every demo and launcher command line of the README and the docs pages is
+    # accepted as written.
     demo = [
         c
         for c in _readme_commands("moe_eqx.demo")
@@ -386,7 +389,7 @@ def test_readme_commands_parse():
         parser = cli.build_parser()
         cli.check_args(parser, parser.parse_args(args))
     launches = _readme_commands("moe_eqx.launch")
-    assert launches, "the README shows the launcher"
+    assert launches, "the docs show the launcher"
     for args in launches:
         parsed = launch_parser().parse_args(args)
         demo_args = [a for a in parsed.demo_args if a != "--"]

@@ -320,7 +320,7 @@ def test_fallback_value_is_its_value_and_grad_value(getkey):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("pass_", ["forward", "fwd+bwd"])
 def test_fallback_peak_memory_within_capped(getkey, pass_, dtype):
-    """The fallback's memory claim (the README's "How it works", **Overflow**): the
+    """The fallback's memory claim (docs/how-it-works.md, **Overflow**): the
     layer with the fallback compiles to no more memory than the capped-only layer
     (`on_overflow="drop"`) plus one `[T, d_model]` buffer, in the forward and the
     backward, where the weights outweigh the activations (so a second weight-gradient

@@ -1,6 +1,6 @@
 """The layer on the caller's mesh and arrays: the output keeps the input's sharding,
 the ambient mesh (`jax.set_mesh`) is used, a placed layer and an input on other
-devices work, and the README's Python blocks run as pasted."""
+devices work, and the Python blocks of the README and the docs pages run as pasted."""
 
 import pathlib
 import re
@@ -105,16 +105,32 @@ def test_input_on_one_device(getkey):
     np.testing.assert_allclose(np.asarray(y), ref, rtol=2e-5, atol=2e-5)
 
 
-def _readme_python_blocks() -> list[str]:
-    readme = pathlib.Path(__file__).parents[1] / "README.md"
-    return re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+_ROOT = pathlib.Path(__file__).parents[1]
+# Each page with Python blocks, and how many it has at least (so that losing a block,
+# or a page's blocks, fails here rather than passing with less to run).
+_PAGES_WITH_CODE = {"README.md": 2, "docs/guide.md": 4}
 
 
-def test_readme_python_blocks_run_as_pasted():
-    """Every Python block of the README, in order, in one fresh interpreter with 8
-    simulated devices (the first block sets them up)."""
-    blocks = _readme_python_blocks()
-    assert len(blocks) >= 4
-    code = "\n".join(blocks) + "\nprint('README blocks ran')\n"
+def _python_blocks(page: str) -> list[str]:
+    text = (_ROOT / page).read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def _pages() -> list[str]:
+    docs = sorted(p.relative_to(_ROOT).as_posix() for p in _ROOT.glob("docs/*.md"))
+    return [p for p in ["README.md", *docs] if _python_blocks(p)]
+
+
+def test_pages_keep_their_python_blocks():
+    found = {page: len(_python_blocks(page)) for page in _PAGES_WITH_CODE}
+    assert all(found[page] >= n for page, n in _PAGES_WITH_CODE.items()), found
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_page_python_blocks_run_as_pasted(page):
+    """Every Python block of one page (the README, or a page under docs/), in order,
+    in one fresh interpreter: a page's blocks are one script, which sets up its own
+    8 simulated devices."""
+    code = "\n".join(_python_blocks(page)) + f"\nprint('{page} ran')\n"
     out = run_python(code, timeout=600)
-    assert "README blocks ran" in out
+    assert f"{page} ran" in out
