@@ -125,8 +125,8 @@ class MoEConfig(eqx.Module):
     - `output_bias`: a bias added once to every token's output, after the routed and
         shared experts (JetMoE), `layer.output_bias [d_model]`.
     - `router_logit_bias`: a trained bias added to the router's logits (GPT-OSS),
-        `layer.router.logit_bias [E]`; unlike `use_router_bias`'s, it changes the
-        weights too.
+        `layer.router.logit_bias [E + num_identity_experts]`; unlike
+        `use_router_bias`'s, it changes the weights too.
     """
 
     d_model: int = eqx.field(static=True, converter=_integer)

@@ -60,7 +60,9 @@ def layer_from_hf_state_dict(
       (DeepSeek-V3), `e_score_correction_bias [E]` (MiniMax-M2), `expert_bias [E]`
       (LFM2-MoE) or `gate.moe_statics.e_score_correction_bias [1, E]` (ERNIE-4.5).
       HunYuan-V1-MoE's router is at `gate.wg.weight`, AFMoE's at
-      `router.gate.weight`, DBRX's at `router.layer.weight`.
+      `router.gate.weight`, DBRX's at `router.layer.weight`. With identity experts
+      (`config.num_identity_experts = I`, LongCat-Flash's `router.classifier.weight`)
+      the router and its bias are `E + I` wide.
     - routed experts, one of:
         - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`,
           `experts.{i}.up_proj.weight [F, H]`, `experts.{i}.down_proj.weight [H, F]`
@@ -886,8 +888,8 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     `deepseek_v4` (`sqrt(softplus)` scores, clamped SwiGLU), `hy_v3`, `hy_v4`,
     `llama4_text` (weights on the experts' inputs; `transposed_experts=True`),
     `gpt_oss` (biases, clamped activation), `jetmoe` (an output bias),
-    `longcat_flash` (identity experts); the
-    README's table of models lists the keys each reads (always
+    `longcat_flash` (identity experts); the documentation's table of models
+    (`docs/models.md`) lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
     does not compute (an activation it lacks, DeepSeek's `topk_method` other

@@ -46,8 +46,8 @@ class MoELayer(eqx.Module):
 
     **Fields:**
 
-    - `router`: the [`moe_eqx.Router`][] (`router.weight: [d_model, E]`, optional
-        `bias`, `logit_bias: [E]`).
+    - `router`: the [`moe_eqx.Router`][] (`router.weight: [d_model, E + I]`, optional
+        `bias` and `logit_bias: [E + I]`, with `I = config.num_identity_experts`).
     - `experts`: the [`moe_eqx.Experts`][] (`w_gate_up: [E, d_model, 2 d_ff]` (`d_ff`
         ungated), `w_down: [E, d_ff, d_model]`, optional biases `b_gate_up`,
         `b_down`).

@@ -58,7 +58,10 @@ class Router(eqx.Module):
     """Linear router with softmax, sigmoid or `sqrt(softplus)` scores and
     (group-limited) top-k selection.
 
-    `logits = x @ weight (+ logit_bias)` in float32. The optional `logit_bias`
+    `logits = x @ weight (+ logit_bias)` in float32, with `weight [d_model, E + I]`
+    and the optional `bias` and `logit_bias` `[E + I]`: the routed experts' columns,
+    then those of the `I = config.num_identity_experts` identity experts (0 unless
+    set). The optional `logit_bias`
     (`config.router_logit_bias`, GPT-OSS) is a trained parameter of the logits. The
     optional `bias` only changes which experts are selected (aux-loss-free balancing),
     never the weights; it receives no gradient, and [`moe_eqx.update_router_bias`][]

@@ -1,4 +1,4 @@
-"""The stages composed for one shard (the steps of "How it works" in the README):
+"""The stages composed for one shard (the steps of the documentation's "How it works"):
 callable inside a user's own `shard_map`. [`moe_eqx.MoELayer`][] wraps it in one."""
 
 import dataclasses

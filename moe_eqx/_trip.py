@@ -1,6 +1,6 @@
-"""One expert-parallel round trip on one shard, the capped path (the README's "How it
-works"): dedup dispatch -> exchange -> expand to pairs -> expert GMM -> combine per wire
-row -> exchange back -> sum per token. Runs inside `shard_map`.
+"""One expert-parallel round trip on one shard, the capped path (the documentation's
+"How it works"): dedup dispatch -> exchange -> expand to pairs -> expert GMM -> combine
+per wire row -> exchange back -> sum per token. Runs inside `shard_map`.
 """
 
 import functools as ft
