@@ -21,7 +21,7 @@ def combine(
 
     With `pairs.order` and `pairs.inverse` set (as [`moe_eqx.sort_by_expert`][] does),
     this is a gather by `inverse` with the weights folded in, and its backward a
-    gather by `order` (`moe_eqx._permute.unpermute_sum`); else a scatter-add over
+    gather by `order` ([`moe_eqx.internal.unpermute_sum`][]); else a scatter-add over
     `pairs.row` (slower on XLA:CPU, which runs scatters serially; see
     `docs/measured.md`).
 

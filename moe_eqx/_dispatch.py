@@ -23,8 +23,8 @@ class SortedPairs(eqx.Module):
         `r * per_row + j` is row `r`'s `j`-th pair), so `row = order // per_row`.
     - `inverse`: optional `[N = rows * per_row]` sorted position of each candidate
         pair (`>= P` for one that was not kept). With `order`, it lets
-        [`moe_eqx.combine`][] and `moe_eqx._permute.permute_rows` run as gathers in both
-        directions instead of scatter-adds (see `moe_eqx._permute`). `None` when the
+        [`moe_eqx.combine`][] and [`moe_eqx.internal.permute_rows`][] run as gathers in
+        both directions instead of scatter-adds. `None` when the
         pairs were not built as a permutation.
     """
 
@@ -81,7 +81,7 @@ def sort_by_expert(
 
     [`moe_eqx.internal.SortedPairs`][] with `T * k` pairs, `row` = token index, and `order` /
     `inverse` set (a full permutation of the `T * k` pairs): the weights' gradient,
-    [`moe_eqx.combine`][] and `moe_eqx._permute.permute_rows` are then gathers.
+    [`moe_eqx.combine`][] and [`moe_eqx.internal.permute_rows`][] are then gathers.
     """
     with jax.named_scope("moe_eqx.dispatch"):
         tokens, k = experts.shape
@@ -126,8 +126,9 @@ class WireRows(eqx.Module):
     - `order`: `[N]` the candidate pair `t * k + j` each row was built from (its first
         pair on that shard), so `token = order // k`.
     - `inverse`: `[T * k]` the row of each candidate pair (`>= N` for one that is not a
-        row), the inverse of `order`: the gathers of `moe_eqx._permute` move tokens to
-        rows and rows back to tokens in both directions without scatter-adds.
+        row), the inverse of `order`: with it, [`moe_eqx.internal.sum_rows`][] sums
+        each token's rows back into it by gathers, not a scatter-add (on the return
+        trip, and in the backward of the gather of tokens into rows).
     - `num_tokens`: `T`.
     """
 

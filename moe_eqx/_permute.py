@@ -1,5 +1,5 @@
 """Pair permutations as gathers in both directions (custom transposes, see
-`moe_eqx._autodiff`).
+[`moe_eqx.internal.custom_linear`][]).
 
 Sorting pairs by group is a permutation: pair `p = r * per_row + j` (the `j`-th pair of
 row `r`) lands at position `inverse[p]` of the sorted order, and `order[i]` is the pair
@@ -14,8 +14,8 @@ Assumptions (the callers' contract):
 - `inverse` has `num_rows * per_row` entries, one per candidate pair; `order` has
     `C <= num_rows * per_row` entries, `inverse[order[i]] = i` for all `i < C`, and
     every other entry of `inverse` is `>= C` (a candidate that was not kept: it
-    contributes nothing and gets a zero gradient). `moe_eqx._permute.inverse_permutation`
-    builds such an `inverse` from `order`.
+    contributes nothing and gets a zero gradient).
+    [`moe_eqx.internal.inverse_permutation`][] builds such an `inverse` from `order`.
 - With `C == num_rows * per_row` (a full permutation, the single-device layer), the
     gathers are emitted without bounds handling.
 - Pairs that must not contribute to a combine (padding, unused entries) have weight 0
@@ -210,15 +210,15 @@ def unpermute_sum(
     """Combine gather: `y[r] = sum_j weight[q] values[q]`, `q = inverse[r * per_row +
     j]`, `per_row = N / num_rows`; candidates not kept (`q >= C`) add nothing.
 
-    The transpose of `moe_eqx._permute.permute_rows` with the weights folded in, so its
-    backward is a gather by `order`: `d_values[i] = weight[i] dy[order[i] // per_row]`
+    The transpose of [`moe_eqx.internal.permute_rows`][] with the weights folded in,
+    so its backward is a gather by `order`: `d_values[i] = weight[i] dy[order[i] // per_row]`
     and `d_weight[i] = <dy[order[i] // per_row], values[i]>`.
 
     **Arguments:**
 
     - `values`: `[C, d]` per-pair values in sorted order (expert outputs).
     - `weight`: `[C]` per-pair weights in sorted order.
-    - `order`, `inverse`: as for `moe_eqx._permute.permute_rows`.
+    - `order`, `inverse`: as for [`moe_eqx.internal.permute_rows`][].
     - `num_rows`: `R`.
 
     **Returns:**

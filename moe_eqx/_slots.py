@@ -1,5 +1,5 @@
 """Slot weights of duplicated experts, a linear map with its own transpose
-(`moe_eqx._autodiff.custom_linear`).
+([`moe_eqx.internal.custom_linear`][]).
 
 Forward: each home shard exports the copies of its experts that the plan put in other
 shards' slots, at most `C` of them (`max_exports`, the plan's out-degree bound); one

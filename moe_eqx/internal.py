@@ -6,7 +6,7 @@ They are documented and tested, but they change more freely than the top level.
     fallback's chunking, `fallback_chunking`; buffer sizes, `buffer_sizes`,
     `BufferSizes`, `required_buffer_factor`.
 - Dispatch and combine: `dedup_rows`, `WireRows`, `send_counts`, `expand_rows`,
-    `SortedPairs`, `scatter_to_tokens`, and the gathers of `moe_eqx._permute`
+    `SortedPairs`, `scatter_to_tokens`, and the gathers with their own transposes
     (`permute_rows`, `unpermute_sum`, `sum_rows`, `inverse_permutation`).
 - Exchange: `ExchangePlan`, `make_exchange_plan`, `exchange_name`, `make_exchange`,
     `emulate_ragged_all_to_all` (the semantics of `lax.ragged_all_to_all`, for CPU
