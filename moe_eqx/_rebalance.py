@@ -261,11 +261,11 @@ def plan_placement(
     the one that moves fewer experts wins unless the other's largest load is lower
     by more than `tolerance` (then the lower sum of squares). A swap is made only
     if it lowers the larger of its two shard loads by more than `tolerance`: with a
-    stable load, re-placement then moves few experts (routing noise alone moved
-    100-200 of 256 per window without it; `benchmarks/rebalance.py`). The result is laid out to move as few experts as possible (a group of
-    experts goes to the shard that holds most of them, and an expert that stays on
-    its shard keeps its slot). Deterministic; runs on the host (NumPy) between
-    steps, in milliseconds (`benchmarks/rebalance.py`).
+    stable load, re-placement then moves few experts rather than chasing routing
+    noise (measured in `docs/measured.md`). The result is laid out to move as few
+    experts as possible (a group of experts goes to the shard that holds most of
+    them, and an expert that stays on its shard keeps its slot). Deterministic; runs
+    on the host (NumPy) between steps (its time is in `docs/measured.md`).
 
     **Arguments:**
 
