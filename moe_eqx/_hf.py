@@ -16,6 +16,7 @@ import jax.random as jr
 import numpy as np
 
 from ._config import MoEConfig
+from ._hf_quant import Stored, checkpoint_dtype, quant_format, quantized_tensors
 from ._layer import MoELayer
 from ._rules import local_experts
 
@@ -119,10 +120,14 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
     keys = {k[len(prefix) :]: k for k in state_dict if k.startswith(prefix)}
     used: set[str] = set()
 
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def get(name: str, shape: tuple[int, ...], lazy: bool = False):
+        # `lazy`: a quantized tensor stays unread, for `_PerExpert` to dequantize
+        # one expert at a time.
         if name not in keys:
             raise ValueError(f"missing key {prefix + name!r} in the state dict.")
-        value = np.asarray(state_dict[keys[name]])
+        value = state_dict[keys[name]]
+        if not (lazy and isinstance(value, Stored)):
+            value = np.asarray(value)
         if value.shape != shape:
             raise ValueError(
                 f"{prefix + name!r} has shape {value.shape}, expected {shape} "
@@ -236,9 +241,20 @@ def _gpt_oss_experts(get, e, h, f):
     def halves(a):
         return np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)
 
-    w_gate_up = halves(get("experts.gate_up_proj", (e, h, 2 * f)))
+    w_gate_up = get("experts.gate_up_proj", (e, h, 2 * f), lazy=True)
+    w_down = get("experts.down_proj", (e, f, h), lazy=True)
+    if isinstance(w_gate_up, Stored):  # MXFP4: dequantized one expert at a time
+        w_gate_up = _PerExpert(
+            [w_gate_up.rows(i, i + 1) for i in range(e)],
+            w_gate_up.shape,
+            lambda p: halves(np.asarray(p)[0]),
+        )
+    else:
+        w_gate_up = halves(w_gate_up)
+    if isinstance(w_down, Stored):
+        pieces = [w_down.rows(i, i + 1) for i in range(e)]
+        w_down = _PerExpert(pieces, w_down.shape, lambda p: np.asarray(p)[0])
     b_gate_up = halves(get("experts.gate_up_proj_bias", (e, 2 * f)))
-    w_down = get("experts.down_proj", (e, f, h))
     b_down = get("experts.down_proj_bias", (e, h))
     return w_gate_up, w_down, (b_gate_up, b_down)
 
@@ -255,8 +271,8 @@ def _ungated_experts(keys, get, e, h, f, first=0):
             "experts.{i}.up_proj/down_proj."
         )
     experts = range(first, first + e)
-    up = [get(f"experts.{i}.up_proj.weight", (f, h)) for i in experts]
-    down = [get(f"experts.{i}.down_proj.weight", (h, f)) for i in experts]
+    up = [get(f"experts.{i}.up_proj.weight", (f, h), lazy=True) for i in experts]
+    down = [get(f"experts.{i}.down_proj.weight", (h, f), lazy=True) for i in experts]
     return _PerExpert(up, (e, h, f)), _PerExpert(down, (e, f, h))
 
 
@@ -293,32 +309,44 @@ def _routed_experts(keys, get, e, h, f, transposed: bool, first: int = 0):
     gate_name, up_name, down_name = names
     gate_up, down = [], []
     for i in range(first, first + e):
-        gate = get(f"experts.{i}.{gate_name}.weight", (f, h))
-        up = get(f"experts.{i}.{up_name}.weight", (f, h))
+        gate = get(f"experts.{i}.{gate_name}.weight", (f, h), lazy=True)
+        up = get(f"experts.{i}.{up_name}.weight", (f, h), lazy=True)
         gate_up.append((gate, up))
-        down.append(get(f"experts.{i}.{down_name}.weight", (h, f)))
+        down.append(get(f"experts.{i}.{down_name}.weight", (h, f), lazy=True))
     return _PerExpert(gate_up, (e, h, 2 * f)), _PerExpert(down, (e, f, h))
 
 
 class _PerExpert:
-    """An `[E, ...]` array given as its experts' (transposed) pieces, assembled on
-    the device one expert at a time into a buffer updated in place, so that the
-    import holds the result and one expert, not a host copy of the whole array."""
+    """An `[E, ...]` array given as its experts' pieces, assembled on the device one
+    expert at a time into a buffer updated in place, so that the import holds the
+    result and one expert, not a host copy of the whole array. Expert `i` is
+    `layout(pieces[i])`: by default the transpose of an `[out, in]` piece, or of a
+    tuple's pieces side by side. A piece may be a quantized tensor (`Stored`), read
+    and dequantized only then."""
 
-    def __init__(self, pieces, shape):
+    def __init__(self, pieces, shape, layout=None):
         self.pieces, self.shape = pieces, shape
+        self.layout = _transposed if layout is None else layout
         first = pieces[0]
-        self.dtype = np.result_type(*first) if isinstance(first, tuple) else first.dtype
+        if isinstance(first, tuple):
+            self.dtype = np.result_type(*(p.dtype for p in first))
+        else:
+            self.dtype = first.dtype
 
     def piece(self, i):
-        p = self.pieces[i]
-        return np.concatenate([q.T for q in p], axis=1) if isinstance(p, tuple) else p.T
+        return self.layout(self.pieces[i])
 
     def to_device(self, dtype):
         out = jnp.zeros(self.shape, dtype)
         for i in range(self.shape[0]):
             out = _set_expert(out, i, jnp.asarray(self.piece(i), dtype))
         return out
+
+
+def _transposed(p):
+    if isinstance(p, tuple):
+        return np.concatenate([np.asarray(q).T for q in p], axis=1)
+    return np.asarray(p).T
 
 
 @ft.partial(jax.jit, donate_argnums=0)
@@ -896,7 +924,12 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     than `"noaux_tc"` or `scoring_func` other than `"sigmoid"`, a nonzero
     `router_jitter_noise`, ERNIE's `use_bias`) is a `ValueError` naming the key and
     value. A multimodal config's `text_config` is
-    read when the top level is not itself an MoE model.
+    read when the top level is not itself an MoE model. A `quantization_config` is
+    read too: FP8 with block scales (`quant_method="fp8"`) and MXFP4 (`"mxfp4"`)
+    leave the config as it is ([`moe_eqx.layers_from_hf`][] dequantizes the
+    weights); any other method (`awq`, `gptq`, `bitsandbytes`, ...) or FP8 variant
+    (a `fmt` other than E4M3, a static `activation_scheme`, a null
+    `weight_block_size`) is a `ValueError` naming it.
 
     **Arguments:**
 
@@ -917,6 +950,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
             f"`hf_config` must be a config.json mapping or a transformers config, "
             f"got {type(hf_config).__name__}."
         )
+    quant_format(hf)  # a quantized checkpoint's format: refused unless read exactly
     if hf.get("model_type") not in _FAMILIES and isinstance(
         hf.get("text_config"), Mapping
     ):
@@ -1064,13 +1098,27 @@ def layers_from_hf(
     `get_slice`). A multi-process (`jax.distributed`) run then never holds another
     process's experts.
 
+    Quantized checkpoints (the config's `quantization_config`) load dequantized to
+    `dtype`, exactly as transformers' own dequantization: FP8 with block scales
+    (`quant_method="fp8"`: each `weight` `float8_e4m3fn` times its
+    `weight_scale_inv`, one float32 scale per `weight_block_size` block, the last
+    block of an axis partial where the block does not divide it) and MXFP4
+    (`"mxfp4"`, GPT-OSS: `experts.gate_up_proj_blocks`/`_scales` and
+    `down_proj_blocks`/`_scales`, FP4 E2M1 values with an E8M0 exponent per 32).
+    Each expert is read and
+    dequantized alone, just before it is placed (with a `mesh`, only this process's
+    experts), so the import holds the layers and one expert's tensors. A missing
+    scale tensor, an FP8 tensor without one, or another `quant_method` is a
+    `ValueError` naming it.
+
     **Arguments:**
 
     - `directory`: the model directory.
     - `layers`: a layer index, a list of them, or `None` for every MoE layer (a layer
         whose block has a router and routed experts; dense layers are skipped). An
         index that is not an MoE layer is a `ValueError`.
-    - `dtype`: the layers' parameter dtype (default: the checkpoint's).
+    - `dtype`: the layers' parameter dtype (default: the checkpoint's; for a
+        quantized checkpoint, the config's `torch_dtype`).
     - `mesh`: optional `jax.sharding.Mesh` with the axis `config.axis_name`.
     - `overrides`: the library's own config fields, as for `config_from_hf`.
 
@@ -1086,6 +1134,9 @@ def layers_from_hf(
         raise FileNotFoundError(f"no config.json in {directory}.")
     hf = json.loads(config_path.read_text())
     config = config_from_hf(hf, **overrides)
+    quant = quant_format(hf)
+    if quant is not None and dtype is None:
+        dtype = checkpoint_dtype(hf)
     text = hf.get("text_config") if hf.get("model_type") not in _FAMILIES else hf
     model_type = (text or {}).get("model_type")
     transposed = model_type in _TRANSPOSED_EXPERTS
@@ -1109,6 +1160,13 @@ def layers_from_hf(
             for n in files:
                 if n.startswith(beside):
                     names[i][n] = prefixes[i] + "shared_mlp." + n[len(beside) :]
+    # Quantized tensors are read later, one expert at a time, and dequantized.
+    stored: dict[str, Stored] = {}
+    if quant is not None:
+        opened = {}
+        for i in wanted:
+            names[i], found = quantized_tensors(quant, names[i], files, dtype, opened)
+            stored.update(found)
     blocks = None
     if mesh is not None:
         if config.axis_name not in mesh.shape:
@@ -1124,9 +1182,15 @@ def layers_from_hf(
         blocks = _local_blocks(mesh, config.axis_name, config.num_experts)
     # What to read: whole tensors, or (with a mesh) rows of the fused expert tensors.
     reads: dict[pathlib.Path, dict[str, tuple | None]] = {}
+    tensors: dict[str, Any] = dict(stored)
     for i in wanted:
         for n in names[i]:
             rel = n[len(prefixes[i]) :]
+            if n in stored:
+                if _expert_of(rel) is None and rel not in _FUSED_EXPERT_TENSORS:
+                    # A shared expert: dequantized once, whatever the expert blocks.
+                    tensors[n] = np.asarray(stored[n])
+                continue
             rows = None
             if blocks is not None:
                 expert = _expert_of(rel)
@@ -1138,7 +1202,6 @@ def layers_from_hf(
                     unit = 1 if unit is None else getattr(config, unit)
                     rows = _merged({(a * unit, b * unit) for a, b in blocks.values()})
             reads.setdefault(files[n], {})[n] = rows
-    tensors = {}
     for path, group in reads.items():
         with safe_open(path, framework="np") as f:
             for name, rows in group.items():
@@ -1181,6 +1244,8 @@ def _placed_layer(config, mesh, blocks, names, tensors, prefix, dtype, transpose
             if expert is not None and not a <= expert < b:
                 continue
             value = tensors.get(n)
+            if isinstance(value, Stored) and rel in _FUSED_EXPERT_TENSORS:
+                value = value.rows(a, b)  # MXFP4's: one row per expert
             if isinstance(value, dict):  # rows of a fused tensor, by range read
                 unit = _FUSED_EXPERT_TENSORS[rel]
                 unit = 1 if unit is None else getattr(config, unit)
