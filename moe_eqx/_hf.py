@@ -2,8 +2,8 @@
 state dict of NumPy arrays (`layer_from_hf_state_dict`); nothing is downloaded."""
 
 import dataclasses
-import functools as ft
 import json
+import math
 import pathlib
 import re
 from collections.abc import Mapping
@@ -317,9 +317,9 @@ def _routed_experts(keys, get, e, h, f, transposed: bool, first: int = 0):
 
 
 class _PerExpert:
-    """An `[E, ...]` array given as its experts' pieces, assembled on the device one
-    expert at a time into a buffer updated in place, so that the import holds the
-    result and one expert, not a host copy of the whole array. Expert `i` is
+    """An `[E, ...]` array given as its experts' pieces, written one expert at a time
+    into one host buffer that becomes the array, so that the import holds the
+    result and one expert, not a second copy of the whole array. Expert `i` is
     `layout(pieces[i])`: by default the transpose of an `[out, in]` piece, or of a
     tuple's pieces side by side. A piece may be a quantized tensor (`Stored`), read
     and dequantized only then."""
@@ -337,10 +337,14 @@ class _PerExpert:
         return self.layout(self.pieces[i])
 
     def to_device(self, dtype):
-        out = jnp.zeros(self.shape, dtype)
+        out = _aligned_empty(self.shape, dtype)
         for i in range(self.shape[0]):
-            out = _set_expert(out, i, jnp.asarray(self.piece(i), dtype))
-        return out
+            out[i] = self.piece(i)
+        # The CPU runtime aliases an aligned host buffer instead of copying it;
+        # another device gets one copy. (Writing each expert into a device array
+        # instead converts a whole bfloat16 array to float32 and back per expert on
+        # XLA:CPU.)
+        return jax.device_put(out, may_alias=True)
 
 
 def _transposed(p):
@@ -349,9 +353,13 @@ def _transposed(p):
     return np.asarray(p).T
 
 
-@ft.partial(jax.jit, donate_argnums=0)
-def _set_expert(out, i, piece):
-    return out.at[i].set(piece)
+def _aligned_empty(shape, dtype, alignment=64):
+    """An uninitialised host array whose data starts on an `alignment`-byte boundary
+    (the CPU runtime aliases only such buffers)."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(size + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + size].view(dtype).reshape(shape)
 
 
 def _shared_expert(config: MoEConfig, keys, get, h):
