@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._combine import add_identity, add_output_bias, combine, weight_inputs
+from ._compat import concrete_mesh
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts, expert_arrays, expert_ffn
@@ -121,7 +122,7 @@ class MoELayer(eqx.Module):
         """
         cfg = self.config
         _check_input(x, cfg)
-        ambient = _ambient_mesh()
+        ambient = concrete_mesh()
         mesh = _resolve_mesh(mesh, ambient, cfg, self.experts.w_gate_up)
         num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
         platform = _resolve_platform(platform, mesh)
@@ -186,22 +187,6 @@ def _concrete_sharding(a):
     if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
         return a.sharding
     return None
-
-
-def _ambient_mesh() -> Mesh | None:
-    """The concrete mesh of `with jax.set_mesh(mesh):`, also under `jax.jit` (where
-    `jax.sharding.get_mesh` refuses; its concrete mesh is kept by jax's own mesh
-    context), or `None`."""
-    try:
-        from jax._src.mesh import get_concrete_mesh
-
-        mesh = get_concrete_mesh()
-    except (ImportError, AttributeError):
-        try:
-            mesh = jax.sharding.get_mesh()
-        except ValueError:
-            return None
-    return None if mesh is None or mesh.empty else mesh
 
 
 def _resolve_mesh(
@@ -550,7 +535,7 @@ def shard_specs(
     cfg = layer.config
     specs = jax.tree.map(lambda _: P(), layer)
     if cfg.fsdp_axes:
-        mesh = mesh if mesh is not None else _ambient_mesh()
+        mesh = mesh if mesh is not None else concrete_mesh()
         if mesh is None:
             raise ValueError(
                 f"`config.fsdp_axes` is {cfg.fsdp_axes}: `shard_specs` needs the mesh "
