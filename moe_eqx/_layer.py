@@ -23,7 +23,13 @@ from ._permute import permute_rows
 from ._placement import physical_routing
 from ._router import Router
 from ._rules import has_explicit_axes, local_experts
-from ._shard import MoEStats, add_shared, expert_parallel_shard_body, routed_stats
+from ._shard import (
+    MoEStats,
+    add_shared,
+    expert_parallel_shard_body,
+    resolve_platform,
+    routed_stats,
+)
 
 
 def _auto_mesh(mesh: Mesh) -> Mesh:
@@ -417,21 +423,11 @@ def _reshard(a, mesh: Mesh, spec: P):
     return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
 
 
-_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
-
-
 def _resolve_platform(platform: str | None, mesh: Mesh | None) -> str:
-    if platform is None:
-        # The mesh's devices, not the default backend, decide what "auto" means: a
-        # CPU mesh on a GPU machine still needs the dense exchange.
-        if mesh is None:
-            return jax.default_backend()
-        return mesh.devices.flat[0].platform
-    if platform not in _PLATFORMS:
-        raise ValueError(
-            f"`platform` must be one of {tuple(_PLATFORMS)} or None, got {platform!r}."
-        )
-    return _PLATFORMS[platform]
+    # The mesh's devices, not the default backend, decide what "auto" means: a CPU
+    # mesh on a GPU machine still needs the dense exchange.
+    devices = None if mesh is None else mesh.devices.flat[0].platform
+    return resolve_platform(platform, devices)
 
 
 def shard_model(

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._combine import add_identity, add_output_bias
+from ._compat import abstract_mesh_platform
 from ._config import MoEConfig
 from ._dispatch import send_counts
 from ._exchange import AbstractExchange, exchange_name, is_dense, is_ragged
@@ -452,6 +453,23 @@ def routed_stats(
     )
 
 
+PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def resolve_platform(platform: str | None, devices: str | None) -> str:
+    """The platform that `"auto"` backends resolve for: `platform` if given (one of
+    `PLATFORMS`, else a `ValueError` naming it), else `devices` (the platform of
+    the devices the program runs on, if known), else `jax.default_backend()`."""
+    if platform is None:
+        platform = devices if devices is not None else jax.default_backend()
+        return PLATFORMS.get(platform, platform)
+    if platform not in PLATFORMS:
+        raise ValueError(
+            f"`platform` must be one of {tuple(PLATFORMS)} or None, got {platform!r}."
+        )
+    return PLATFORMS[platform]
+
+
 def _manual_axes() -> tuple[str, ...]:
     """The mesh axes the current `shard_map` is manual over (empty outside one)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -495,14 +513,17 @@ def expert_parallel_shard(
     - `data_axes`: the other mesh axes the tokens are sharded over (each group along
         them is its own EP group; the overflow decision and the stats are combined
         over them). Default: every other manual axis of the enclosing `shard_map`.
-    - `platform`: the devices' platform, for the `"auto"` exchange and GMM backend
-        (default: the default backend).
+    - `platform`: what the `"auto"` exchange and GMM backend resolve for: `"cpu"`,
+        `"gpu"` (or `"cuda"`, `"rocm"`) or `"tpu"`. `None`: the platform of the
+        enclosing `shard_map`'s devices (else `jax.default_backend()`). Set it to
+        lower for another platform than the devices'.
 
     **Returns:**
 
     `(y, stats)`: `[T, d_model]` and [`moe_eqx.MoEStats`][], identical on every shard.
     """
     cfg = layer.config
+    platform = resolve_platform(platform, abstract_mesh_platform())
     if x.ndim != 2 or x.shape[-1] != cfg.d_model:
         raise ValueError(f"`x` must be [tokens, {cfg.d_model}], got {x.shape}.")
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -543,8 +564,6 @@ def expert_parallel_shard(
             f"`layer.config.fsdp_axes` {cfg.fsdp_axes} must be among the data axes "
             f"{tuple(data_axes)} of the enclosing shard_map: {tuple(outside)} is not."
         )
-    platform = jax.default_backend() if platform is None else platform
-    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
     y, stats = expert_parallel_shard_body(
         cfg,
         num_shards,
