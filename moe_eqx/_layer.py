@@ -150,9 +150,9 @@ class MoELayer(eqx.Module):
                 y.reshape(*batch_shape, cfg.d_model), self.output_bias
             ), stats
         # A concrete `x` on other devices (e.g. committed to one) joins the mesh, and
-        # `y` goes back to where `x` was.
-        home = _concrete_sharding(x)
-        if home is not None and home.device_set != set(mesh.devices.flat):
+        # `y` goes where `x` is (`_home`).
+        home = _home(x, ambient)
+        if home is not None and x.sharding.device_set != set(mesh.devices.flat):
             x = jax.device_put(x, NamedSharding(mesh, P()))
         args = (self.router, self.experts, self.shared_experts, self.expert_ids, x)
         if ambient is not None and ambient != mesh:
@@ -186,6 +186,17 @@ def _check_input(x, cfg: MoEConfig) -> None:
         raise ValueError(
             f"`x` has d_model {x.shape[-1]}, but `config.d_model` is {cfg.d_model}."
         )
+
+
+def _home(x, ambient: Mesh | None):
+    """Where the output of a concrete `x` goes (`None` for a tracer): `x`'s sharding;
+    inside `with jax.set_mesh(mesh):`, for an `x` that was never placed
+    (uncommitted), replicated over that mesh, which is where jax puts what is
+    computed from such an `x` there (so `x + y` works)."""
+    home = _concrete_sharding(x)
+    if home is not None and ambient is not None and not x.committed:
+        return NamedSharding(ambient, P())
+    return home
 
 
 def _concrete_sharding(a):
@@ -563,8 +574,44 @@ def reference_moe(
 
     **Returns:**
 
-    The shape and dtype of `x`.
+    The shape and dtype of `x`, and its sharding when `x` is split over `Explicit`
+    mesh axes (the oracle itself computes on replicated arrays).
     """
+    # Its dense scatters and einsums have no sharding rule for tokens or experts split
+    # over `Explicit` axes: such arrays are replicated, and the result split as `x`.
+    explicit = _explicit_sharding(x)
+    layer = jax.tree.map(lambda a: _replicate(a) if eqx.is_array(a) else a, layer)
+    y = _reference(layer, _replicate(x))
+    if explicit is not None:
+        y = jax.sharding.reshard(y, explicit)
+    return y
+
+
+def _explicit_sharding(a):
+    """`a`'s sharding (its type's, so also for a tracer) if it is split over some
+    `Explicit` mesh axis, else `None`."""
+    sharding = jax.typeof(a).sharding
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not has_explicit_axes(sharding.mesh):
+        return None
+    explicit = {
+        name
+        for name, kind in zip(
+            sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True
+        )
+        if kind == jax.sharding.AxisType.Explicit
+    }
+    return sharding if explicit & set(_spec_axes(spec)) else None
+
+
+def _replicate(a):
+    if _explicit_sharding(a) is None:
+        return a
+    sharding = jax.typeof(a).sharding
+    return jax.sharding.reshard(a, NamedSharding(sharding.mesh, P()))
+
+
+def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"]):
     batch_shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     routing = layer.router(x)
