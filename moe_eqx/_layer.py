@@ -262,6 +262,7 @@ def _empty_stats(cfg: MoEConfig, num_shards: int) -> MoEStats:
         block_rows=jnp.array(0, jnp.int32),
         expert_counts=jnp.zeros((cfg.num_experts,), jnp.int32),
         nan_tokens=jnp.array(0, jnp.int32),
+        identity_counts=jnp.zeros((cfg.num_identity_experts,), jnp.int32),
     )
 
 
@@ -314,6 +315,7 @@ def _single_device_call(
         mean_probs=routing.mean_probs,
         router_z_loss=routing.router_z_loss,
         nan_tokens=jnp.sum(~finite),
+        identity_counts=routing.identity_counts,
     )
     # No wire on one device: nothing to deduplicate.
     return y, eqx.tree_at(lambda s: s.dedup_ratio, stats, jnp.array(1.0, jnp.float32))

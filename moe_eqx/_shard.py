@@ -59,7 +59,11 @@ class MoEStats(eqx.Module):
         this call.
     - `block_rows`: rows per destination block of the dense exchange (its buffers hold
         `R * block_rows` rows; 0 for the ragged exchange or one device).
-    - `expert_counts`: `[E]` pairs routed to each expert, over all shards.
+    - `expert_counts`: `[E]` pairs routed to each routed expert, over all shards
+        (identity experts' pairs not included).
+    - `identity_counts`: `[I]` pairs routed to each identity expert
+        (`config.num_identity_experts`), over all shards; `[0]` without them. With
+        `expert_counts`, the counts that [`moe_eqx.update_router_bias`][] balances.
     - `nan_tokens`: tokens with a non-finite value, over all shards: routed nowhere
         (no pair sent or counted, no statistic or gradient from them), their output
         NaN.
@@ -81,6 +85,11 @@ class MoEStats(eqx.Module):
     block_rows: Int[Array, ""]
     expert_counts: Int[Array, " experts"]
     nan_tokens: Int[Array, ""]
+    # A default, so that stats built by hand for a layer without identity experts
+    # need not name it.
+    identity_counts: Int[Array, " identity"] = eqx.field(
+        default_factory=lambda: jnp.zeros((0,), jnp.int32)
+    )
 
     def check(self) -> "MoEStats":
         """Raises [`moe_eqx.LostPairsError`][] if any pair was lost; returns `self`.
@@ -373,9 +382,18 @@ def _stats(
     cfg, data_axes = setup.cfg, setup.data_axes
     ax = cfg.axis_name
     nan = nan.astype(jnp.int32)
+    identity = routed.routing.identity_counts
     per_shard = jax.lax.all_gather(
-        jnp.stack([trip.computed_pairs, trip.recv_rows, trip.dropped_pairs, nan]), ax
-    )  # [R, 4]
+        jnp.concatenate(
+            [
+                jnp.stack(
+                    [trip.computed_pairs, trip.recv_rows, trip.dropped_pairs, nan]
+                ),
+                identity.astype(jnp.int32),
+            ]
+        ),
+        ax,
+    )  # [R, 4 + I]
     global_counts = jnp.sum(routed.counts, axis=0).astype(jnp.int32)  # [E] physical
     # Means over every shard's counted tokens: sums weighted by their counts.
     finite = counted.astype(jnp.float32)
@@ -392,7 +410,7 @@ def _stats(
         ints = jnp.concatenate([per_shard.ravel(), global_counts])
         ints = jax.lax.psum(ints, data_axes)
         per_shard, global_counts = (
-            ints[: per_shard.size].reshape(-1, 4),
+            ints[: per_shard.size].reshape(per_shard.shape),
             ints[per_shard.size :],
         )
         required = jax.lax.pmax(required, data_axes)
@@ -411,6 +429,7 @@ def _stats(
         mean_probs=router_floats[:-1],
         router_z_loss=router_floats[-1],
         nan_tokens=jnp.sum(per_shard[:, 3]),
+        identity_counts=jnp.sum(per_shard[:, 4:], axis=0),
     )
 
 
@@ -429,6 +448,7 @@ def routed_stats(
     block_rows,
     mean_probs,
     router_z_loss,
+    identity_counts,
     nan_tokens=0,
 ) -> MoEStats:
     computed = jnp.sum(recv_pairs)
@@ -450,6 +470,7 @@ def routed_stats(
         block_rows=jnp.array(block_rows, jnp.int32),
         expert_counts=expert_counts,
         nan_tokens=jnp.asarray(nan_tokens, jnp.int32),
+        identity_counts=identity_counts.astype(jnp.int32),
     )
 
 
