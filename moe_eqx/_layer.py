@@ -1,6 +1,5 @@
 """`MoELayer`: the stages composed, on one device or expert-parallel in `shard_map`."""
 
-import copy
 import dataclasses
 import functools as ft
 import math
@@ -26,6 +25,7 @@ from ._rules import has_explicit_axes, local_experts
 from ._shard import (
     MoEStats,
     add_shared,
+    check_stage_configs,
     expert_parallel_shard_body,
     resolve_platform,
     routed_stats,
@@ -65,7 +65,10 @@ class MoELayer(eqx.Module):
         `experts.w_gate_up[p]` is expert `expert_ids[p]`, on shard `p // (E / R)`.
         Identity by default; [`moe_eqx.rebalance_experts`][] re-places experts. The
         router and its bias keep logical ids.
-    - `config`: the static [`moe_eqx.MoEConfig`][].
+    - `config`: the [`moe_eqx.MoEConfig`][] (all static: no arrays). The router and
+        the experts hold it too, each reading its own settings from it; change it
+        with `layer.with_config(...)`, which changes it everywhere (a call
+        refuses a layer whose stages hold another config).
     - `output_bias`: `[d_model]` added to every token's output with
         `config.output_bias` (JetMoE), else `None`.
     """
@@ -74,7 +77,9 @@ class MoELayer(eqx.Module):
     experts: Experts
     shared_experts: SharedExperts | None
     expert_ids: Int[Array, " experts"]
-    config: MoEConfig = eqx.field(static=True)
+    # A field, not a static one, so that `eqx.tree_at` reaches it: an `MoEConfig` has
+    # only static fields, so it is still all in the tree's structure.
+    config: MoEConfig
     output_bias: Float[Array, " d_model"] | None = None
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
@@ -127,6 +132,7 @@ class MoELayer(eqx.Module):
         and a [`moe_eqx.MoEStats`][].
         """
         cfg = self.config
+        check_stage_configs(self)
         _check_input(x, cfg)
         ambient = concrete_mesh()
         mesh = _resolve_mesh(mesh, ambient, cfg, self.experts.w_gate_up)
@@ -167,6 +173,28 @@ class MoELayer(eqx.Module):
                 y = jax.device_put(y, home)
         return add_output_bias(y, self.output_bias), stats
 
+    def with_config(self, **changes) -> "MoELayer":
+        """The layer with fields of its config replaced, in the layer and in each of
+        its stages (the router's, the experts' and the shared experts' `config`),
+        on the same arrays: e.g. `layer.with_config(num_slots=2, buffer_factor=1.5)`.
+
+        **Arguments:**
+
+        - `changes`: [`moe_eqx.MoEConfig`][] fields and their new values. A change
+            that the layer's arrays do not fit (`d_ff`, `num_experts`, a gated
+            activation for an ungated one, `shared_d_ff`, ...) is a `ValueError`
+            naming the arrays: build a new layer for it.
+
+        **Returns:**
+
+        The new [`moe_eqx.MoELayer`][].
+        """
+        cfg = dataclasses.replace(self.config, **changes)
+        if all(c == cfg for c in _configs(self)):
+            return self
+        _check_arrays_fit(self, cfg)
+        return eqx.tree_at(_configs, self, replace=(cfg,) * len(_configs(self)))
+
 
 def _check_input(x, cfg: MoEConfig) -> None:
     # Checked here, not only by the type annotations: those are enforced only where
@@ -185,6 +213,39 @@ def _check_input(x, cfg: MoEConfig) -> None:
     if x.shape[-1] != cfg.d_model:
         raise ValueError(
             f"`x` has d_model {x.shape[-1]}, but `config.d_model` is {cfg.d_model}."
+        )
+
+
+def _configs(layer: MoELayer) -> tuple[MoEConfig, ...]:
+    """Every config the layer holds: its own and its stages'."""
+    stages = (layer, layer.router, layer.experts, layer.shared_experts)
+    return tuple(s.config for s in stages if s is not None)
+
+
+def _check_arrays_fit(layer: MoELayer, cfg: MoEConfig) -> None:
+    """The arrays of a layer built from `cfg` are those of `layer` (same names, same
+    trailing shapes; leading axes of stacked layers aside), else a `ValueError`."""
+    skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
+
+    def shapes(tree):
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return {jax.tree_util.keystr(p): tuple(a.shape) for p, a in leaves}
+
+    want, have = shapes(skeleton), shapes(layer)
+    bad = sorted(
+        name
+        for name in set(want) | set(have)
+        if name not in want
+        or name not in have
+        or have[name][len(have[name]) - len(want[name]) :] != want[name]
+    )
+    if bad:
+        raise ValueError(
+            f"The layer's arrays {bad} do not fit the new config ("
+            + ", ".join(
+                f"{n}: {have.get(n, 'absent')} for {want.get(n, 'absent')}" for n in bad
+            )
+            + "): build a new layer for it."
         )
 
 
@@ -494,7 +555,7 @@ def shard_model(
         if not isinstance(node, MoELayer):
             return put(node, P())
         if fsdp_axes is not None:
-            node = with_fsdp_axes(node, fsdp_axes)
+            node = node.with_config(fsdp_axes=fsdp_axes)
         _check_mesh(mesh, node.config)
         layer = jax.tree.map(lambda a: put(a, P()), node)
         specs = expert_specs(node.config, node.experts, mesh.shape)
@@ -505,14 +566,9 @@ def shard_model(
 
 
 def with_fsdp_axes(layer: MoELayer, fsdp_axes: str | tuple[str, ...]) -> MoELayer:
-    """`layer` with `config.fsdp_axes` replaced (same arrays)."""
-    cfg = dataclasses.replace(layer.config, fsdp_axes=fsdp_axes)
-    if cfg == layer.config:
-        return layer
-    # `config` is a static field, which `eqx.tree_at` does not reach.
-    new = copy.copy(layer)
-    object.__setattr__(new, "config", cfg)
-    return new
+    """`layer` with `config.fsdp_axes` replaced (same arrays): `layer.with_config(
+    fsdp_axes=fsdp_axes)`."""
+    return layer.with_config(fsdp_axes=fsdp_axes)
 
 
 def shard_specs(
@@ -540,7 +596,7 @@ def shard_specs(
     A PyTree of the layer's structure with a `PartitionSpec` at every array.
     """
     if fsdp_axes is not None:
-        layer = with_fsdp_axes(layer, fsdp_axes)
+        layer = layer.with_config(fsdp_axes=fsdp_axes)
     cfg = layer.config
     specs = jax.tree.map(lambda _: P(), layer)
     if cfg.fsdp_axes:
@@ -579,6 +635,7 @@ def reference_moe(
     The shape and dtype of `x`, and its sharding when `x` is split over `Explicit`
     mesh axes (the oracle itself computes on replicated arrays).
     """
+    check_stage_configs(layer)
     # Its dense scatters and einsums have no sharding rule for tokens or experts split
     # over `Explicit` axes: such arrays are replicated, and the result split as `x`.
     explicit = _explicit_sharding(x)

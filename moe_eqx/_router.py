@@ -71,24 +71,28 @@ class Router(eqx.Module):
     `min(2, experts per group)` selection scores (DeepSeek-V3), or with
     `group_score="max"` its best one (DeepSeek-V2); each token chooses its `top_k`
     experts among the experts of its `top_groups` best groups.
+
+    **Fields:**
+
+    - `weight`: `[d_model, E + I]` (`I = config.num_identity_experts`).
+    - `bias`: `[E + I]` selection bias with `config.use_router_bias`, else `None`.
+    - `config`: the [`moe_eqx.MoEConfig`][] whose routing settings (`top_k`,
+        `score_func`, `norm_topk`, `num_groups`, `top_groups`, `group_score`,
+        `num_identity_experts`) it computes; they read as attributes too
+        (`router.top_k`).
+    - `logit_bias`: `[E + I]` with `config.router_logit_bias`, else `None`.
     """
 
     weight: Float[Array, "d_model experts"]
     bias: Float[Array, " experts"] | None
+    config: MoEConfig
     logit_bias: Float[Array, " experts"] | None = None
-    top_k: int = eqx.field(static=True)
-    score_func: str = eqx.field(static=True)
-    norm_topk: bool = eqx.field(static=True)
-    num_groups: int = eqx.field(static=True)
-    top_groups: int = eqx.field(static=True)
-    group_score: str = eqx.field(static=True, default="top2")
-    num_identity: int = eqx.field(static=True, default=0)
 
     def __init__(self, config: MoEConfig, *, key: PRNGKeyArray):
         scale = 1.0 / (config.d_model**0.5)
         # Identity experts (LongCat-Flash) are the last `num_identity` columns.
         columns = config.num_experts + config.num_identity_experts
-        self.num_identity = config.num_identity_experts
+        self.config = config
         self.weight = scale * jr.normal(key, (config.d_model, columns), jnp.float32)
         self.bias = (
             jnp.zeros((columns,), jnp.float32) if config.use_router_bias else None
@@ -96,17 +100,40 @@ class Router(eqx.Module):
         self.logit_bias = (
             jnp.zeros((columns,), jnp.float32) if config.router_logit_bias else None
         )
-        self.top_k = config.top_k
-        self.score_func = config.score_func
-        self.norm_topk = config.norm_topk
-        self.num_groups = config.num_groups
-        self.top_groups = config.top_groups
-        self.group_score = config.group_score
 
+    # The routing settings, read from `config` (not copied: one value per setting).
     @property
     def num_experts(self) -> int:
         """`E`, the routed experts (identity experts not counted)."""
-        return self.weight.shape[1] - self.num_identity
+        return self.config.num_experts
+
+    @property
+    def num_identity(self) -> int:
+        return self.config.num_identity_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k
+
+    @property
+    def score_func(self) -> str:
+        return self.config.score_func
+
+    @property
+    def norm_topk(self) -> bool:
+        return self.config.norm_topk
+
+    @property
+    def num_groups(self) -> int:
+        return self.config.num_groups
+
+    @property
+    def top_groups(self) -> int:
+        return self.config.top_groups
+
+    @property
+    def group_score(self) -> str:
+        return self.config.group_score
 
     def _group_mask(self, select: Float[Array, "tokens experts"]) -> Array:
         tokens, num_experts = select.shape

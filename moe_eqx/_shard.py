@@ -491,6 +491,27 @@ def resolve_platform(platform: str | None, devices: str | None) -> str:
     return PLATFORMS[platform]
 
 
+def check_stage_configs(layer) -> None:
+    """Each stage of `layer` holds the layer's own config (one value per setting),
+    else a `ValueError` naming the stage and the fields that differ (as after an
+    `eqx.tree_at` on `layer.config` alone)."""
+    cfg = layer.config
+    for name in ("router", "experts", "shared_experts"):
+        stage = getattr(layer, name)
+        if stage is None or stage.config == cfg:
+            continue
+        fields = [
+            f.name
+            for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(stage.config, f.name)
+        ]
+        raise ValueError(
+            f"`layer.{name}.config` differs from `layer.config` in {fields}: change "
+            "a layer's config with `layer.with_config(...)`, which changes it in "
+            "every stage."
+        )
+
+
 def _manual_axes() -> tuple[str, ...]:
     """The mesh axes the current `shard_map` is manual over (empty outside one)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -544,6 +565,7 @@ def expert_parallel_shard(
     `(y, stats)`: `[T, d_model]` and [`moe_eqx.MoEStats`][], identical on every shard.
     """
     cfg = layer.config
+    check_stage_configs(layer)
     platform = resolve_platform(platform, abstract_mesh_platform())
     if x.ndim != 2 or x.shape[-1] != cfg.d_model:
         raise ValueError(f"`x` must be [tokens, {cfg.d_model}], got {x.shape}.")
