@@ -223,21 +223,28 @@ def _configs(layer: MoELayer) -> tuple[MoEConfig, ...]:
 
 
 def _check_arrays_fit(layer: MoELayer, cfg: MoEConfig) -> None:
-    """The arrays of a layer built from `cfg` are those of `layer` (same names, same
-    trailing shapes; leading axes of stacked layers aside), else a `ValueError`."""
+    """A layer built from `cfg` has `layer`'s arrays (same places; same trailing
+    shapes, leading axes of stacked layers aside), else a `ValueError`. `layer` may
+    also be a tree of the layer's structure with other leaves (`PartitionSpec`s,
+    `None` where filtered out), whose places alone are compared."""
     skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
 
-    def shapes(tree):
-        leaves = jax.tree_util.tree_leaves_with_path(tree)
-        return {jax.tree_util.keystr(p): tuple(a.shape) for p, a in leaves}
+    def leaves(tree):
+        flat = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda a: a is None)
+        return {jax.tree_util.keystr(p): getattr(a, "shape", None) for p, a in flat}
 
-    want, have = shapes(skeleton), shapes(layer)
+    want, have = leaves(skeleton), leaves(layer)
     bad = sorted(
         name
         for name in set(want) | set(have)
         if name not in want
         or name not in have
-        or have[name][len(have[name]) - len(want[name]) :] != want[name]
+        or (
+            want[name] is not None
+            and have[name] is not None
+            and tuple(have[name][len(have[name]) - len(want[name]) :])
+            != tuple(want[name])
+        )
     )
     if bad:
         raise ValueError(
