@@ -188,7 +188,7 @@ def _is_dynamic(x) -> bool:
     return x is _MISSING
 
 
-_MISSING = eqxi._primitive._missing_dynamic
+from ._compat import missing_dynamic as _MISSING  # noqa: E402, I001
 
 
 _custom_linear_p = eqxi.create_vprim(

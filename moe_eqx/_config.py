@@ -14,6 +14,20 @@ from ._slots import SLOT_BACKWARDS
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "dense", "mosaic_gpu")
 EXCHANGES = ("auto", "dense", "ragged")
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+# How a layer is parallelised and buffered, as opposed to what it computes: the fields
+# that no model's config sets (`config_from_hf`'s overrides).
+PARALLEL_FIELDS = (
+    "buffer_factor",
+    "on_overflow",
+    "num_slots",
+    "slot_backward",
+    "max_slot_exports",
+    "dedup",
+    "gmm_backend",
+    "exchange",
+    "axis_name",
+    "fsdp_axes",
+)
 
 
 def _integer(value):

@@ -33,32 +33,38 @@ class Experts(eqx.Module):
         `[E, d_model]` per-expert biases of the two projections with
         `config.expert_bias` (GPT-OSS: `act(x @ W1_e + b1_e) @ Wd_e + bd_e`, the whole
         output weighted), else `None`.
-    - `activation`: the [`moe_eqx.Activation`][] (static), from
-        `config.expert_activation`.
+    - `config`: the [`moe_eqx.MoEConfig`][]; `activation` reads
+        `config.expert_activation` from it.
     """
 
     w_gate_up: Float[Array, "experts d_model two_d_ff"]
     w_down: Float[Array, "experts d_ff d_model"]
+    config: MoEConfig
     b_gate_up: Float[Array, "experts two_d_ff"] | None = None
     b_down: Float[Array, "experts d_model"] | None = None
-    activation: Activation = eqx.field(static=True, default=SWIGLU)
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         _check_float(dtype)
         gu_key, down_key = jr.split(key)
         e, h, f = config.num_experts, config.d_model, config.d_ff
-        self.activation = config.expert_activation
+        self.config = config
+        width = config.expert_activation.width(f)
         self.w_gate_up = (
-            jr.normal(gu_key, (e, h, self.activation.width(f)), jnp.float32) / h**0.5
+            jr.normal(gu_key, (e, h, width), jnp.float32) / h**0.5
         ).astype(dtype)
         self.w_down = (jr.normal(down_key, (e, f, h), jnp.float32) / f**0.5).astype(
             dtype
         )
         if config.expert_bias:
-            self.b_gate_up = jnp.zeros((e, self.activation.width(f)), dtype)
+            self.b_gate_up = jnp.zeros((e, width), dtype)
             self.b_down = jnp.zeros((e, h), dtype)
         else:
             self.b_gate_up = self.b_down = None
+
+    @property
+    def activation(self) -> Activation:
+        """The experts' [`moe_eqx.Activation`][], `config.expert_activation`."""
+        return self.config.expert_activation
 
     @property
     def num_experts(self) -> int:
@@ -185,13 +191,14 @@ class SharedExperts(eqx.Module):
         (`[d_model, shared_d_ff]` for an ungated activation).
     - `w_down`: `[shared_d_ff, d_model]`.
     - `gate`: `[d_model]` with `config.shared_gate`, else `None`.
-    - `activation`: the [`moe_eqx.Activation`][] (static).
+    - `config`: the [`moe_eqx.MoEConfig`][]; `activation` reads
+        `config.shared_activation` from it.
     """
 
     w_gate_up: Float[Array, "d_model two_d_ff"]
     w_down: Float[Array, "d_ff d_model"]
     gate: Float[Array, " d_model"] | None
-    activation: Activation = eqx.field(static=True, default=SWIGLU)
+    config: MoEConfig
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         if config.shared_d_ff < 1:
@@ -199,8 +206,8 @@ class SharedExperts(eqx.Module):
         _check_float(dtype)
         gu_key, down_key, gate_key = jr.split(key, 3)
         h, f = config.d_model, config.shared_d_ff
-        self.activation = config.shared_activation
-        width = self.activation.width(f)
+        self.config = config
+        width = config.shared_activation.width(f)
         self.w_gate_up = (jr.normal(gu_key, (h, width), jnp.float32) / h**0.5).astype(
             dtype
         )
@@ -210,6 +217,11 @@ class SharedExperts(eqx.Module):
             if config.shared_gate
             else None
         )
+
+    @property
+    def activation(self) -> Activation:
+        """The shared expert's [`moe_eqx.Activation`][], `config.shared_activation`."""
+        return self.config.shared_activation
 
     def __call__(
         self, x: Float[Array, "tokens d_model"]

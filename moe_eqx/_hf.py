@@ -2,8 +2,10 @@
 state dict of NumPy arrays (`layer_from_hf_state_dict`); nothing is downloaded."""
 
 import dataclasses
+import difflib
 import json
 import math
+import os
 import pathlib
 import re
 from collections.abc import Mapping
@@ -15,9 +17,9 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from ._config import MoEConfig
+from ._config import PARALLEL_FIELDS, MoEConfig
 from ._hf_quant import Stored, checkpoint_dtype, quant_format, quantized_tensors
-from ._layer import MoELayer
+from ._layer import MoELayer, shard_model
 from ._rules import local_experts
 
 # Router weight `[E, H]` and selection-bias `[E]` keys, as the families name them
@@ -398,19 +400,6 @@ def _shared_expert(config: MoEConfig, keys, get, h):
 
 # ---------------------------------------------------------------------------------
 # Configs.
-
-# The library's own settings, which no model config sets: `config_from_hf`'s overrides.
-_OWN_FIELDS = (
-    "buffer_factor",
-    "on_overflow",
-    "num_slots",
-    "slot_backward",
-    "max_slot_exports",
-    "dedup",
-    "gmm_backend",
-    "exchange",
-    "axis_name",
-)
 
 
 class _Reader:
@@ -941,22 +930,29 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
 
     **Arguments:**
 
-    - `hf_config`: the `config.json` mapping, or a `transformers` config object
-        (anything with `to_dict()`).
-    - `overrides`: the library's own fields (`buffer_factor`, `on_overflow`,
-        `num_slots`, `slot_backward`, `max_slot_exports`, `dedup`, `gmm_backend`,
-        `exchange`, `axis_name`); a field the model's config sets is refused.
+    - `hf_config`: the `config.json` mapping, a `transformers` config object
+        (anything with `to_dict()`), or the path (`str` or `os.PathLike`) of a model
+        directory or of its `config.json`.
+    - `overrides`: the library's own fields, how the layer is parallelised
+        (`buffer_factor`, `on_overflow`, `num_slots`, `slot_backward`,
+        `max_slot_exports`, `dedup`, `gmm_backend`, `exchange`, `axis_name`,
+        `fsdp_axes`); a field that describes the model is refused (its config sets
+        it), and an unknown name is a `ValueError` suggesting the closest field.
 
     **Returns:**
 
     The config; build the layer from the block's weights with
     [`moe_eqx.layer_from_hf_state_dict`][].
     """
+    _check_overrides(overrides)
+    if isinstance(hf_config, str | os.PathLike):
+        hf_config = _read_config_json(hf_config)
     hf = hf_config.to_dict() if hasattr(hf_config, "to_dict") else hf_config
     if not isinstance(hf, Mapping):
         raise TypeError(
-            f"`hf_config` must be a config.json mapping or a transformers config, "
-            f"got {type(hf_config).__name__}."
+            "`hf_config` must be a config.json mapping, a transformers config, or "
+            f"the path of a model directory or config.json, got "
+            f"{type(hf_config).__name__}."
         )
     quant_format(hf)  # a quantized checkpoint's format: refused unless read exactly
     if hf.get("model_type") not in _FAMILIES and isinstance(
@@ -970,12 +966,6 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
             f"model_type={model_type!r} is not supported by `config_from_hf`{why} "
             f"(supported: {', '.join(sorted(_FAMILIES))})."
         )
-    bad = sorted(set(overrides) - set(_OWN_FIELDS))
-    if bad:
-        raise ValueError(
-            f"overrides {bad} are set by the model's config, not by the caller "
-            f"(overridable: {', '.join(_OWN_FIELDS)})."
-        )
     r = _Reader(hf)
     fields = _FAMILIES[model_type](r)
     if "top_k" not in fields:
@@ -984,6 +974,36 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
         fields["d_model"] = r.get("hidden_size")
     fields.update(d_model=int(fields["d_model"]), top_k=int(fields["top_k"]))
     return MoEConfig(**fields, **overrides)
+
+
+def _check_overrides(overrides: Mapping[str, Any]) -> None:
+    """Only the library's own fields (`PARALLEL_FIELDS`) may be overridden: a model
+    field is the model's config's, and an unknown name is most likely misspelt."""
+    fields = [f.name for f in dataclasses.fields(MoEConfig)]
+    for name in sorted(overrides):
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f"; did you mean `{close[0]}`?" if close else ""
+            raise ValueError(
+                f"unknown field `{name}` of `MoEConfig`{hint} (overridable: "
+                f"{', '.join(PARALLEL_FIELDS)})."
+            )
+    model = sorted(set(overrides) - set(PARALLEL_FIELDS))
+    if model:
+        raise ValueError(
+            f"overrides {model} describe the model, which its config sets, not the "
+            f"caller (overridable: {', '.join(PARALLEL_FIELDS)})."
+        )
+
+
+def _read_config_json(path) -> dict:
+    """The mapping in `path`, a model directory's `config.json` or the file itself."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}.")
+    return json.loads(path.read_text())
 
 
 # ---------------------------------------------------------------------------------
@@ -1100,7 +1120,8 @@ def layers_from_hf(
     package's NumPy reader (bfloat16 stays bfloat16). Nothing is downloaded.
 
     With a `mesh`, the layers come back placed as [`moe_eqx.shard_model`][] places
-    them (experts split over `config.axis_name`, everything else replicated), and each
+    them (experts split over `config.axis_name`, and `config.fsdp_axes` if set;
+    everything else replicated), and each
     process reads only the experts its own devices hold: their per-expert tensors,
     or their rows of a fused tensor (a slice read through `safetensors`' lazy
     `get_slice`). A multi-process (`jax.distributed`) run then never holds another
@@ -1137,10 +1158,7 @@ def layers_from_hf(
     from safetensors import safe_open
 
     directory = pathlib.Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"no config.json in {directory}.")
-    hf = json.loads(config_path.read_text())
+    hf = _read_config_json(directory / "config.json")
     config = config_from_hf(hf, **overrides)
     quant = quant_format(hf)
     if quant is not None and dtype is None:
@@ -1285,4 +1303,7 @@ def _placed_layer(config, mesh, blocks, names, tensors, prefix, dtype, transpose
 
     experts = jax.tree.map(experts_leaf, *(l.experts for l in by_block.values()))
     layer = jax.tree.map(replicated, first)
-    return eqx.tree_at(lambda l: l.experts, layer, experts)
+    layer = eqx.tree_at(lambda l: l.experts, layer, experts)
+    if config.fsdp_axes:  # each device keeps its part of its shard's experts
+        layer = shard_model(layer, mesh)
+    return layer

@@ -1,6 +1,5 @@
 """`MoELayer`: the stages composed, on one device or expert-parallel in `shard_map`."""
 
-import copy
 import dataclasses
 import functools as ft
 import math
@@ -13,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._combine import add_identity, add_output_bias, combine, weight_inputs
+from ._compat import concrete_mesh
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts, expert_arrays, expert_ffn
@@ -22,7 +22,14 @@ from ._permute import permute_rows
 from ._placement import physical_routing
 from ._router import Router
 from ._rules import has_explicit_axes, local_experts
-from ._shard import MoEStats, add_shared, expert_parallel_shard_body, routed_stats
+from ._shard import (
+    MoEStats,
+    add_shared,
+    check_stage_configs,
+    expert_parallel_shard_body,
+    resolve_platform,
+    routed_stats,
+)
 
 
 def _auto_mesh(mesh: Mesh) -> Mesh:
@@ -58,7 +65,10 @@ class MoELayer(eqx.Module):
         `experts.w_gate_up[p]` is expert `expert_ids[p]`, on shard `p // (E / R)`.
         Identity by default; [`moe_eqx.rebalance_experts`][] re-places experts. The
         router and its bias keep logical ids.
-    - `config`: the static [`moe_eqx.MoEConfig`][].
+    - `config`: the [`moe_eqx.MoEConfig`][] (all static: no arrays). The router and
+        the experts hold it too, each reading its own settings from it; change it
+        with `layer.with_config(...)`, which changes it everywhere (a call
+        refuses a layer whose stages hold another config).
     - `output_bias`: `[d_model]` added to every token's output with
         `config.output_bias` (JetMoE), else `None`.
     """
@@ -67,7 +77,9 @@ class MoELayer(eqx.Module):
     experts: Experts
     shared_experts: SharedExperts | None
     expert_ids: Int[Array, " experts"]
-    config: MoEConfig = eqx.field(static=True)
+    # A field, not a static one, so that `eqx.tree_at` reaches it: an `MoEConfig` has
+    # only static fields, so it is still all in the tree's structure.
+    config: MoEConfig
     output_bias: Float[Array, " d_model"] | None = None
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
@@ -120,8 +132,9 @@ class MoELayer(eqx.Module):
         and a [`moe_eqx.MoEStats`][].
         """
         cfg = self.config
+        check_stage_configs(self)
         _check_input(x, cfg)
-        ambient = _ambient_mesh()
+        ambient = concrete_mesh()
         mesh = _resolve_mesh(mesh, ambient, cfg, self.experts.w_gate_up)
         num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
         platform = _resolve_platform(platform, mesh)
@@ -143,9 +156,9 @@ class MoELayer(eqx.Module):
                 y.reshape(*batch_shape, cfg.d_model), self.output_bias
             ), stats
         # A concrete `x` on other devices (e.g. committed to one) joins the mesh, and
-        # `y` goes back to where `x` was.
-        home = _concrete_sharding(x)
-        if home is not None and home.device_set != set(mesh.devices.flat):
+        # `y` goes where `x` is (`_home`).
+        home = _home(x, ambient)
+        if home is not None and x.sharding.device_set != set(mesh.devices.flat):
             x = jax.device_put(x, NamedSharding(mesh, P()))
         args = (self.router, self.experts, self.shared_experts, self.expert_ids, x)
         if ambient is not None and ambient != mesh:
@@ -159,6 +172,28 @@ class MoELayer(eqx.Module):
             if not back.is_equivalent_to(home, y.ndim):
                 y = jax.device_put(y, home)
         return add_output_bias(y, self.output_bias), stats
+
+    def with_config(self, **changes) -> "MoELayer":
+        """The layer with fields of its config replaced, in the layer and in each of
+        its stages (the router's, the experts' and the shared experts' `config`),
+        on the same arrays: e.g. `layer.with_config(num_slots=2, buffer_factor=1.5)`.
+
+        **Arguments:**
+
+        - `changes`: [`moe_eqx.MoEConfig`][] fields and their new values. A change
+            that the layer's arrays do not fit (`d_ff`, `num_experts`, a gated
+            activation for an ungated one, `shared_d_ff`, ...) is a `ValueError`
+            naming the arrays: build a new layer for it.
+
+        **Returns:**
+
+        The new [`moe_eqx.MoELayer`][].
+        """
+        cfg = dataclasses.replace(self.config, **changes)
+        if all(c == cfg for c in _configs(self)):
+            return self
+        _check_arrays_fit(self, cfg)
+        return eqx.tree_at(_configs, self, replace=(cfg,) * len(_configs(self)))
 
 
 def _check_input(x, cfg: MoEConfig) -> None:
@@ -181,27 +216,62 @@ def _check_input(x, cfg: MoEConfig) -> None:
         )
 
 
+def _configs(layer: MoELayer) -> tuple[MoEConfig, ...]:
+    """Every config the layer holds: its own and its stages'."""
+    stages = (layer, layer.router, layer.experts, layer.shared_experts)
+    return tuple(s.config for s in stages if s is not None)
+
+
+def _check_arrays_fit(layer: MoELayer, cfg: MoEConfig) -> None:
+    """A layer built from `cfg` has `layer`'s arrays (same places; same trailing
+    shapes, leading axes of stacked layers aside), else a `ValueError`. `layer` may
+    also be a tree of the layer's structure with other leaves (`PartitionSpec`s,
+    `None` where filtered out), whose places alone are compared."""
+    skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
+
+    def leaves(tree):
+        flat = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda a: a is None)
+        return {jax.tree_util.keystr(p): getattr(a, "shape", None) for p, a in flat}
+
+    want, have = leaves(skeleton), leaves(layer)
+    bad = sorted(
+        name
+        for name in set(want) | set(have)
+        if name not in want
+        or name not in have
+        or (
+            want[name] is not None
+            and have[name] is not None
+            and tuple(have[name][len(have[name]) - len(want[name]) :])
+            != tuple(want[name])
+        )
+    )
+    if bad:
+        raise ValueError(
+            f"The layer's arrays {bad} do not fit the new config ("
+            + ", ".join(
+                f"{n}: {have.get(n, 'absent')} for {want.get(n, 'absent')}" for n in bad
+            )
+            + "): build a new layer for it."
+        )
+
+
+def _home(x, ambient: Mesh | None):
+    """Where the output of a concrete `x` goes (`None` for a tracer): `x`'s sharding;
+    inside `with jax.set_mesh(mesh):`, for an `x` that was never placed
+    (uncommitted), replicated over that mesh, which is where jax puts what is
+    computed from such an `x` there (so `x + y` works)."""
+    home = _concrete_sharding(x)
+    if home is not None and ambient is not None and not x.committed:
+        return NamedSharding(ambient, P())
+    return home
+
+
 def _concrete_sharding(a):
     """The sharding of a concrete array (`None` for a tracer)."""
     if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
         return a.sharding
     return None
-
-
-def _ambient_mesh() -> Mesh | None:
-    """The concrete mesh of `with jax.set_mesh(mesh):`, also under `jax.jit` (where
-    `jax.sharding.get_mesh` refuses; its concrete mesh is kept by jax's own mesh
-    context), or `None`."""
-    try:
-        from jax._src.mesh import get_concrete_mesh
-
-        mesh = get_concrete_mesh()
-    except (ImportError, AttributeError):
-        try:
-            mesh = jax.sharding.get_mesh()
-        except ValueError:
-            return None
-    return None if mesh is None or mesh.empty else mesh
 
 
 def _resolve_mesh(
@@ -260,6 +330,7 @@ def _empty_stats(cfg: MoEConfig, num_shards: int) -> MoEStats:
         block_rows=jnp.array(0, jnp.int32),
         expert_counts=jnp.zeros((cfg.num_experts,), jnp.int32),
         nan_tokens=jnp.array(0, jnp.int32),
+        identity_counts=jnp.zeros((cfg.num_identity_experts,), jnp.int32),
     )
 
 
@@ -312,6 +383,7 @@ def _single_device_call(
         mean_probs=routing.mean_probs,
         router_z_loss=routing.router_z_loss,
         nan_tokens=jnp.sum(~finite),
+        identity_counts=routing.identity_counts,
     )
     # No wire on one device: nothing to deduplicate.
     return y, eqx.tree_at(lambda s: s.dedup_ratio, stats, jnp.array(1.0, jnp.float32))
@@ -432,21 +504,11 @@ def _reshard(a, mesh: Mesh, spec: P):
     return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
 
 
-_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
-
-
 def _resolve_platform(platform: str | None, mesh: Mesh | None) -> str:
-    if platform is None:
-        # The mesh's devices, not the default backend, decide what "auto" means: a
-        # CPU mesh on a GPU machine still needs the dense exchange.
-        if mesh is None:
-            return jax.default_backend()
-        return mesh.devices.flat[0].platform
-    if platform not in _PLATFORMS:
-        raise ValueError(
-            f"`platform` must be one of {tuple(_PLATFORMS)} or None, got {platform!r}."
-        )
-    return _PLATFORMS[platform]
+    # The mesh's devices, not the default backend, decide what "auto" means: a CPU
+    # mesh on a GPU machine still needs the dense exchange.
+    devices = None if mesh is None else mesh.devices.flat[0].platform
+    return resolve_platform(platform, devices)
 
 
 def shard_model(
@@ -500,7 +562,7 @@ def shard_model(
         if not isinstance(node, MoELayer):
             return put(node, P())
         if fsdp_axes is not None:
-            node = with_fsdp_axes(node, fsdp_axes)
+            node = node.with_config(fsdp_axes=fsdp_axes)
         _check_mesh(mesh, node.config)
         layer = jax.tree.map(lambda a: put(a, P()), node)
         specs = expert_specs(node.config, node.experts, mesh.shape)
@@ -511,14 +573,9 @@ def shard_model(
 
 
 def with_fsdp_axes(layer: MoELayer, fsdp_axes: str | tuple[str, ...]) -> MoELayer:
-    """`layer` with `config.fsdp_axes` replaced (same arrays)."""
-    cfg = dataclasses.replace(layer.config, fsdp_axes=fsdp_axes)
-    if cfg == layer.config:
-        return layer
-    # `config` is a static field, which `eqx.tree_at` does not reach.
-    new = copy.copy(layer)
-    object.__setattr__(new, "config", cfg)
-    return new
+    """`layer` with `config.fsdp_axes` replaced (same arrays): `layer.with_config(
+    fsdp_axes=fsdp_axes)`."""
+    return layer.with_config(fsdp_axes=fsdp_axes)
 
 
 def shard_specs(
@@ -546,11 +603,11 @@ def shard_specs(
     A PyTree of the layer's structure with a `PartitionSpec` at every array.
     """
     if fsdp_axes is not None:
-        layer = with_fsdp_axes(layer, fsdp_axes)
+        layer = layer.with_config(fsdp_axes=fsdp_axes)
     cfg = layer.config
     specs = jax.tree.map(lambda _: P(), layer)
     if cfg.fsdp_axes:
-        mesh = mesh if mesh is not None else _ambient_mesh()
+        mesh = mesh if mesh is not None else concrete_mesh()
         if mesh is None:
             raise ValueError(
                 f"`config.fsdp_axes` is {cfg.fsdp_axes}: `shard_specs` needs the mesh "
@@ -582,8 +639,45 @@ def reference_moe(
 
     **Returns:**
 
-    The shape and dtype of `x`.
+    The shape and dtype of `x`, and its sharding when `x` is split over `Explicit`
+    mesh axes (the oracle itself computes on replicated arrays).
     """
+    check_stage_configs(layer)
+    # Its dense scatters and einsums have no sharding rule for tokens or experts split
+    # over `Explicit` axes: such arrays are replicated, and the result split as `x`.
+    explicit = _explicit_sharding(x)
+    layer = jax.tree.map(lambda a: _replicate(a) if eqx.is_array(a) else a, layer)
+    y = _reference(layer, _replicate(x))
+    if explicit is not None:
+        y = jax.sharding.reshard(y, explicit)
+    return y
+
+
+def _explicit_sharding(a):
+    """`a`'s sharding (its type's, so also for a tracer) if it is split over some
+    `Explicit` mesh axis, else `None`."""
+    sharding = jax.typeof(a).sharding
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not has_explicit_axes(sharding.mesh):
+        return None
+    explicit = {
+        name
+        for name, kind in zip(
+            sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True
+        )
+        if kind == jax.sharding.AxisType.Explicit
+    }
+    return sharding if explicit & set(_spec_axes(spec)) else None
+
+
+def _replicate(a):
+    if _explicit_sharding(a) is None:
+        return a
+    sharding = jax.typeof(a).sharding
+    return jax.sharding.reshard(a, NamedSharding(sharding.mesh, P()))
+
+
+def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"]):
     batch_shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     routing = layer.router(x)

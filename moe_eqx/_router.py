@@ -18,8 +18,10 @@ class Routing(eqx.Module):
     - `weights`: `[T, k]` float32 routing weights of the chosen experts.
     - `experts`: `[T, k]` int32 chosen experts, distinct per token; `E + j` is
         identity expert `j` (`config.num_identity_experts`), which returns its input.
-    - `counts`: `[E]` int32 pairs routed to each expert from these tokens (identity
-        experts' pairs are computed at home and not counted).
+    - `counts`: `[E]` int32 pairs routed to each routed expert from these tokens
+        (identity experts' pairs are computed at home and not counted here).
+    - `identity_counts`: `[I]` int32 pairs routed to each identity expert
+        (`config.num_identity_experts`; `[0]` without them) from these tokens.
     - `mean_probs`: `[E]` float32 mean normalised score per expert (for the balance loss).
     - `load_balance_loss`: scalar `E * sum_e f_e * P_e` over these tokens.
     - `router_z_loss`: scalar `mean(logsumexp(logits)^2)` over these tokens.
@@ -31,6 +33,7 @@ class Routing(eqx.Module):
     mean_probs: Float[Array, " experts"]
     load_balance_loss: Float[Array, ""]
     router_z_loss: Float[Array, ""]
+    identity_counts: Int[Array, " identity"]
 
 
 def load_balance_loss(
@@ -71,24 +74,28 @@ class Router(eqx.Module):
     `min(2, experts per group)` selection scores (DeepSeek-V3), or with
     `group_score="max"` its best one (DeepSeek-V2); each token chooses its `top_k`
     experts among the experts of its `top_groups` best groups.
+
+    **Fields:**
+
+    - `weight`: `[d_model, E + I]` (`I = config.num_identity_experts`).
+    - `bias`: `[E + I]` selection bias with `config.use_router_bias`, else `None`.
+    - `config`: the [`moe_eqx.MoEConfig`][] whose routing settings (`top_k`,
+        `score_func`, `norm_topk`, `num_groups`, `top_groups`, `group_score`,
+        `num_identity_experts`) it computes; they read as attributes too
+        (`router.top_k`).
+    - `logit_bias`: `[E + I]` with `config.router_logit_bias`, else `None`.
     """
 
     weight: Float[Array, "d_model experts"]
     bias: Float[Array, " experts"] | None
+    config: MoEConfig
     logit_bias: Float[Array, " experts"] | None = None
-    top_k: int = eqx.field(static=True)
-    score_func: str = eqx.field(static=True)
-    norm_topk: bool = eqx.field(static=True)
-    num_groups: int = eqx.field(static=True)
-    top_groups: int = eqx.field(static=True)
-    group_score: str = eqx.field(static=True, default="top2")
-    num_identity: int = eqx.field(static=True, default=0)
 
     def __init__(self, config: MoEConfig, *, key: PRNGKeyArray):
         scale = 1.0 / (config.d_model**0.5)
         # Identity experts (LongCat-Flash) are the last `num_identity` columns.
         columns = config.num_experts + config.num_identity_experts
-        self.num_identity = config.num_identity_experts
+        self.config = config
         self.weight = scale * jr.normal(key, (config.d_model, columns), jnp.float32)
         self.bias = (
             jnp.zeros((columns,), jnp.float32) if config.use_router_bias else None
@@ -96,17 +103,40 @@ class Router(eqx.Module):
         self.logit_bias = (
             jnp.zeros((columns,), jnp.float32) if config.router_logit_bias else None
         )
-        self.top_k = config.top_k
-        self.score_func = config.score_func
-        self.norm_topk = config.norm_topk
-        self.num_groups = config.num_groups
-        self.top_groups = config.top_groups
-        self.group_score = config.group_score
 
+    # The routing settings, read from `config` (not copied: one value per setting).
     @property
     def num_experts(self) -> int:
         """`E`, the routed experts (identity experts not counted)."""
-        return self.weight.shape[1] - self.num_identity
+        return self.config.num_experts
+
+    @property
+    def num_identity(self) -> int:
+        return self.config.num_identity_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k
+
+    @property
+    def score_func(self) -> str:
+        return self.config.score_func
+
+    @property
+    def norm_topk(self) -> bool:
+        return self.config.norm_topk
+
+    @property
+    def num_groups(self) -> int:
+        return self.config.num_groups
+
+    @property
+    def top_groups(self) -> int:
+        return self.config.top_groups
+
+    @property
+    def group_score(self) -> str:
+        return self.config.group_score
 
     def _group_mask(self, select: Float[Array, "tokens experts"]) -> Array:
         tokens, num_experts = select.shape
@@ -191,6 +221,8 @@ class Router(eqx.Module):
                 mean_probs = jnp.sum(jnp.where(valid[:, None], probs, 0.0), axis=0) / n
                 z = jnp.sum(jnp.where(valid, z_tokens, 0.0)) / n
             counts = histogram(experts, num_experts)  # identity picks not counted
+            # Identity picks are ids E..E+I-1; a masked token's id E+I is in neither.
+            identity_counts = histogram(experts - num_experts, self.num_identity)
             mean_probs = mean_probs[:num_experts]
             lb = load_balance_loss(counts, mean_probs)
             return Routing(
@@ -200,6 +232,7 @@ class Router(eqx.Module):
                 mean_probs=mean_probs,
                 load_balance_loss=lb,
                 router_z_loss=z,
+                identity_counts=identity_counts,
             )
 
 
@@ -241,23 +274,49 @@ def sequence_balance_loss(
 
 
 def update_router_bias(
-    bias: Float[Array, " experts"],
+    bias: Float[Array, " columns"],
     counts: Int[Array, " experts"],
     *,
+    identity_counts: Int[Array, " identity"] | None = None,
     rate: float = 1e-3,
-) -> Float[Array, " experts"]:
+) -> Float[Array, " columns"]:
     """Aux-loss-free balancing update (DeepSeek-V3): raise the selection bias of
     underloaded experts and lower that of overloaded ones by `rate`.
 
+    With identity experts (`config.num_identity_experts`, LongCat-Flash) the bias has
+    a column for each of them too, and they are balanced with the routed experts: each
+    of the `E + I` columns moves toward the mean load over all of them, so that in
+    balance a fraction `E / (E + I)` of the picks goes to routed experts
+    (LongCat-Flash: 512 of 768 columns, 8 of its 12 picks on average).
+
     **Arguments:**
 
-    - `bias`: `[E]` current selection bias (`layer.router.bias`).
-    - `counts`: `[E]` pairs per expert in the last step (e.g. from `stats.expert_counts`).
+    - `bias`: `[E]` current selection bias (`layer.router.bias`), `[E + I]` with
+        identity experts.
+    - `counts`: `[E]` pairs per routed expert in the last step (e.g. from
+        `stats.expert_counts`).
+    - `identity_counts`: `[I]` pairs per identity expert (`stats.identity_counts`);
+        needed when the bias has identity columns.
     - `rate`: step size.
 
     **Returns:**
 
-    The new `[E]` bias; apply it with `eqx.tree_at(lambda l: l.router.bias, layer, new)`.
+    The new bias, of `bias`'s shape; apply it with
+    `eqx.tree_at(lambda l: l.router.bias, layer, new)`.
     """
+    if identity_counts is not None:
+        counts = jnp.concatenate([counts, identity_counts.astype(counts.dtype)])
+    if bias.shape != counts.shape:
+        extra = bias.shape[0] - counts.shape[0]
+        hint = (
+            f": the {extra} extra columns are identity experts' "
+            "(`config.num_identity_experts`), pass their counts as "
+            "`identity_counts=stats.identity_counts`"
+            if extra > 0 and identity_counts is None
+            else ""
+        )
+        raise ValueError(
+            f"`bias` has shape {bias.shape} but the counts have {counts.shape}{hint}."
+        )
     load = counts.astype(jnp.float32)
     return bias + jnp.asarray(rate, jnp.float32) * jnp.sign(jnp.mean(load) - load)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._combine import add_identity, add_output_bias
+from ._compat import abstract_mesh_platform
 from ._config import MoEConfig
 from ._dispatch import send_counts
 from ._exchange import AbstractExchange, exchange_name, is_dense, is_ragged
@@ -58,7 +59,11 @@ class MoEStats(eqx.Module):
         this call.
     - `block_rows`: rows per destination block of the dense exchange (its buffers hold
         `R * block_rows` rows; 0 for the ragged exchange or one device).
-    - `expert_counts`: `[E]` pairs routed to each expert, over all shards.
+    - `expert_counts`: `[E]` pairs routed to each routed expert, over all shards
+        (identity experts' pairs not included).
+    - `identity_counts`: `[I]` pairs routed to each identity expert
+        (`config.num_identity_experts`), over all shards; `[0]` without them. With
+        `expert_counts`, the counts that [`moe_eqx.update_router_bias`][] balances.
     - `nan_tokens`: tokens with a non-finite value, over all shards: routed nowhere
         (no pair sent or counted, no statistic or gradient from them), their output
         NaN.
@@ -80,6 +85,11 @@ class MoEStats(eqx.Module):
     block_rows: Int[Array, ""]
     expert_counts: Int[Array, " experts"]
     nan_tokens: Int[Array, ""]
+    # A default, so that stats built by hand for a layer without identity experts
+    # need not name it.
+    identity_counts: Int[Array, " identity"] = eqx.field(
+        default_factory=lambda: jnp.zeros((0,), jnp.int32)
+    )
 
     def check(self) -> "MoEStats":
         """Raises [`moe_eqx.LostPairsError`][] if any pair was lost; returns `self`.
@@ -372,9 +382,18 @@ def _stats(
     cfg, data_axes = setup.cfg, setup.data_axes
     ax = cfg.axis_name
     nan = nan.astype(jnp.int32)
+    identity = routed.routing.identity_counts
     per_shard = jax.lax.all_gather(
-        jnp.stack([trip.computed_pairs, trip.recv_rows, trip.dropped_pairs, nan]), ax
-    )  # [R, 4]
+        jnp.concatenate(
+            [
+                jnp.stack(
+                    [trip.computed_pairs, trip.recv_rows, trip.dropped_pairs, nan]
+                ),
+                identity.astype(jnp.int32),
+            ]
+        ),
+        ax,
+    )  # [R, 4 + I]
     global_counts = jnp.sum(routed.counts, axis=0).astype(jnp.int32)  # [E] physical
     # Means over every shard's counted tokens: sums weighted by their counts.
     finite = counted.astype(jnp.float32)
@@ -391,7 +410,7 @@ def _stats(
         ints = jnp.concatenate([per_shard.ravel(), global_counts])
         ints = jax.lax.psum(ints, data_axes)
         per_shard, global_counts = (
-            ints[: per_shard.size].reshape(-1, 4),
+            ints[: per_shard.size].reshape(per_shard.shape),
             ints[per_shard.size :],
         )
         required = jax.lax.pmax(required, data_axes)
@@ -410,6 +429,7 @@ def _stats(
         mean_probs=router_floats[:-1],
         router_z_loss=router_floats[-1],
         nan_tokens=jnp.sum(per_shard[:, 3]),
+        identity_counts=jnp.sum(per_shard[:, 4:], axis=0),
     )
 
 
@@ -428,6 +448,7 @@ def routed_stats(
     block_rows,
     mean_probs,
     router_z_loss,
+    identity_counts,
     nan_tokens=0,
 ) -> MoEStats:
     computed = jnp.sum(recv_pairs)
@@ -449,7 +470,46 @@ def routed_stats(
         block_rows=jnp.array(block_rows, jnp.int32),
         expert_counts=expert_counts,
         nan_tokens=jnp.asarray(nan_tokens, jnp.int32),
+        identity_counts=identity_counts.astype(jnp.int32),
     )
+
+
+PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def resolve_platform(platform: str | None, devices: str | None) -> str:
+    """The platform that `"auto"` backends resolve for: `platform` if given (one of
+    `PLATFORMS`, else a `ValueError` naming it), else `devices` (the platform of
+    the devices the program runs on, if known), else `jax.default_backend()`."""
+    if platform is None:
+        platform = devices if devices is not None else jax.default_backend()
+        return PLATFORMS.get(platform, platform)
+    if platform not in PLATFORMS:
+        raise ValueError(
+            f"`platform` must be one of {tuple(PLATFORMS)} or None, got {platform!r}."
+        )
+    return PLATFORMS[platform]
+
+
+def check_stage_configs(layer) -> None:
+    """Each stage of `layer` holds the layer's own config (one value per setting),
+    else a `ValueError` naming the stage and the fields that differ (as after an
+    `eqx.tree_at` on `layer.config` alone)."""
+    cfg = layer.config
+    for name in ("router", "experts", "shared_experts"):
+        stage = getattr(layer, name)
+        if stage is None or stage.config == cfg:
+            continue
+        fields = [
+            f.name
+            for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(stage.config, f.name)
+        ]
+        raise ValueError(
+            f"`layer.{name}.config` differs from `layer.config` in {fields}: change "
+            "a layer's config with `layer.with_config(...)`, which changes it in "
+            "every stage."
+        )
 
 
 def _manual_axes() -> tuple[str, ...]:
@@ -495,14 +555,18 @@ def expert_parallel_shard(
     - `data_axes`: the other mesh axes the tokens are sharded over (each group along
         them is its own EP group; the overflow decision and the stats are combined
         over them). Default: every other manual axis of the enclosing `shard_map`.
-    - `platform`: the devices' platform, for the `"auto"` exchange and GMM backend
-        (default: the default backend).
+    - `platform`: what the `"auto"` exchange and GMM backend resolve for: `"cpu"`,
+        `"gpu"` (or `"cuda"`, `"rocm"`) or `"tpu"`. `None`: the platform of the
+        enclosing `shard_map`'s devices (else `jax.default_backend()`). Set it to
+        lower for another platform than the devices'.
 
     **Returns:**
 
     `(y, stats)`: `[T, d_model]` and [`moe_eqx.MoEStats`][], identical on every shard.
     """
     cfg = layer.config
+    check_stage_configs(layer)
+    platform = resolve_platform(platform, abstract_mesh_platform())
     if x.ndim != 2 or x.shape[-1] != cfg.d_model:
         raise ValueError(f"`x` must be [tokens, {cfg.d_model}], got {x.shape}.")
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -543,8 +607,6 @@ def expert_parallel_shard(
             f"`layer.config.fsdp_axes` {cfg.fsdp_axes} must be among the data axes "
             f"{tuple(data_axes)} of the enclosing shard_map: {tuple(outside)} is not."
         )
-    platform = jax.default_backend() if platform is None else platform
-    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
     y, stats = expert_parallel_shard_body(
         cfg,
         num_shards,
