@@ -23,10 +23,12 @@ a shared machine; `ms` is the minimum wall time and `cpu` the minimum process CP
   `on_overflow="drop"` and `"fallback"` (routing that does not overflow, checked),
   the tokens sharded over the devices.
 
-The table gives each version's time, `today / prev` (the previous release's time over
-today's: above 1 is faster today) by wall and CPU time, and each against the dense
-baseline; the relative rows (EP8 over one device, fallback over drop) compare the two
-versions' own ratios. `uptime`'s load average is printed before and after. Writes
+The table gives each version's time, `today/prev` (the previous release's time over
+today's: above 1 is faster today) from the minimum wall times, `median today/prev` (the
+median over rounds of that ratio within each round: steadier when the load changes
+during the run) and `cpu today/prev` from the minimum CPU times, and each version
+against the dense baseline; the relative rows (EP8 over one device, fallback over drop)
+compare the two versions' own ratios. `uptime`'s load average is printed before and after. Writes
 benchmarks/results/previous_release.json.
 """
 
@@ -36,6 +38,7 @@ import os
 import pathlib
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -93,19 +96,28 @@ def uptime() -> str:
 
 
 def interleaved(candidates: dict, repeats: int) -> dict:
-    """`name -> {"ms", "cpu_ms"}`: the minimum wall and process CPU time of one call of
-    each `name -> (compiled fn, args)`, run round-robin `repeats` times after one
-    untimed call each."""
+    """`name -> {"ms", "cpu_ms", "rounds"}`: the minimum wall and process CPU time of
+    one call of each `name -> (compiled fn, args)`, run round-robin `repeats` times
+    after one untimed call each, and every round's wall time."""
     for fn, args in candidates.values():
         jax.block_until_ready(fn(*args))
-    best = {name: [float("inf"), float("inf")] for name in candidates}
+    walls = {name: [] for name in candidates}
+    cpus = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, (fn, args) in candidates.items():
             start, cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(*args))
-            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-            best[name] = [min(best[name][0], wall), min(best[name][1], cpu)]
-    return {k: {"ms": 1e3 * w, "cpu_ms": 1e3 * c} for k, (w, c) in best.items()}
+            walls[name].append(1e3 * (time.perf_counter() - start))
+            cpus[name].append(1e3 * (time.process_time() - cpu))
+    return {
+        k: {"ms": min(walls[k]), "cpu_ms": min(cpus[k]), "rounds": walls[k]}
+        for k in candidates
+    }
+
+
+def median_ratio(num: list, den: list) -> float:
+    """The median over rounds of `num[i] / den[i]` (times taken in the same round)."""
+    return statistics.median(n / d for n, d in zip(num, den, strict=True))
 
 
 def compiled(fn, *args):
@@ -211,6 +223,7 @@ def speed_row(name, times, today, prev, dense="dense"):
         "today": t["ms"],
         "prev": p["ms"],
         "today/prev": p["ms"] / t["ms"],
+        "median today/prev": median_ratio(p["rounds"], t["rounds"]),
         "cpu today/prev": p["cpu_ms"] / t["cpu_ms"],
         "today vs dense": b["ms"] / t["ms"],
         "prev vs dense": b["ms"] / p["ms"],
@@ -225,12 +238,16 @@ def relative_row(name, times, today, today_base, prev, prev_base):
     p = times[prev]["ms"] / times[prev_base]["ms"]
     t_cpu = times[today]["cpu_ms"] / times[today_base]["cpu_ms"]
     p_cpu = times[prev]["cpu_ms"] / times[prev_base]["cpu_ms"]
+    r = {k: times[k]["rounds"] for k in (today, today_base, prev, prev_base)}
+    t_rounds = [a / b for a, b in zip(r[today], r[today_base], strict=True)]
+    p_rounds = [a / b for a, b in zip(r[prev], r[prev_base], strict=True)]
     return {
         "row": name,
         "unit": "ratio",
         "today": t,
         "prev": p,
         "today/prev": p / t,
+        "median today/prev": median_ratio(p_rounds, t_rounds),
         "cpu today/prev": p_cpu / t_cpu,
     }
 
@@ -350,7 +367,8 @@ def main(argv=None):
         f"time over today's (relative rows: its ratio over today's); min of "
         f"{repeats} interleaved repetitions; {jax.devices()[0].device_kind}"
     )
-    columns = ["row", "unit", "today", "prev", "today/prev", "cpu today/prev"]
+    columns = ["row", "unit", "today", "prev", "today/prev", "median today/prev"]
+    columns.append("cpu today/prev")
     print_table(rows, [*columns, "today vs dense", "prev vs dense"])
     print(f"load before: {load_before}\nload after:  {load_after}")
     write_json(
