@@ -593,11 +593,16 @@ def test_tiled_window_edge_shapes(case):
 
 
 def test_window_rows():
-    """`TiledGMM()`'s window: a power of two at or below half the mean group, within
-    16 to 128 rows, never more than the rows (nor less than one); `tile_rows` capped
-    at the rows."""
-    assert window_rows(4096, 8) == 128
-    assert window_rows(1000, 8) == 32
+    """`TiledGMM()`'s window: a typical group (`mean + 2 sqrt(mean)` rows) cut into
+    the fewest windows of at most 512 rows, an even count where they stay at least
+    128 rows, rounded up to 8 rows (a power of two below 64); never more than the
+    rows (nor less than one); `tile_rows` capped at the rows."""
+    assert window_rows(4096, 8) == 280  # 557 rows: two windows
+    assert window_rows(4096, 4) == 272  # 1088 rows: four windows, not three
+    assert window_rows(16384, 8) == 360  # 2138 rows: six windows, not five
+    assert window_rows(4096, 64) == 80  # 80 rows: one window
+    assert window_rows(1000, 8) == 152  # 147 rows: one window (two would be < 128)
+    assert window_rows(1024, 32) == 32  # 43 rows: a power of two
     assert window_rows(80, 4) == 16
     assert window_rows(9, 3) == 9
     assert window_rows(0, 3) == 1
@@ -606,7 +611,8 @@ def test_window_rows():
     for m in (1, 17, 100, 4096, 10**6):
         for g in (1, 3, 64, 1000):
             w = window_rows(m, g)
-            assert w == m or (16 <= w <= 128 and w & (w - 1) == 0), (m, g)
+            small = w < 64 and w & (w - 1) == 0
+            assert w == m or (16 <= w <= 512 and (small or w % 8 == 0)), (m, g)
             assert 1 <= w <= m
 
 

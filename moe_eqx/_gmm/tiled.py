@@ -6,11 +6,13 @@ window is one dense `[W, K] @ [K, N]` product with its group's matrix, and the w
 follows the traced `group_sizes`: one compiled program serves every routing.
 
 One window size: XLA compiles each loop body and each fused kernel separately, so a
-ladder of window sizes (one loop each) multiplies the compile time, while windows of
-16-128 rows already run near the speed of one large matmul on a CPU. A loop over the
-groups holds each group's weights (and, backward, its summed weight gradient) while an
-inner loop runs its windows. The expert FFN (`TiledGMM.ffn`) runs both products and
-the activation in those loops.
+ladder of window sizes (one loop each) multiplies the compile time. The size is chosen
+at trace time from the static shapes (`window_rows`) so that a typical group is a whole
+number of windows: a group's last window is mostly padding otherwise, and larger
+windows run closer to the speed of one large matmul. A loop over the groups holds each
+group's weights (and, backward, its summed weight gradient) while an inner loop runs
+its windows. The expert FFN (`TiledGMM.ffn`) runs both products and the activation in
+those loops.
 
 Derivatives: `jax.custom_jvp`, whose tangent is a `custom_linear`
 (`moe_eqx._autodiff`) transposing to one backward pass over the same windows: it
@@ -21,6 +23,7 @@ weights', or the rows') is not computed.
 """
 
 import functools as ft
+import math
 from typing import NamedTuple
 
 import equinox as eqx
@@ -33,19 +36,49 @@ from .._autodiff import custom_linear, symbolic_zeros_to_none
 from .._rules import acc_dtype, cumsum, div, match_varying
 from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc
 
-# Window rows: between these, from the rows per group (static shapes).
+# Window rows: at most `_MAX_WINDOW`; an even count of windows per typical group where
+# they stay at least `_EVEN_WINDOW` rows; below `_POW2_WINDOW` rows a power of two
+# (XLA:CPU runs some small products, e.g. 40 or 48 rows by 1024 columns, much slower
+# than their power-of-two neighbours), else a multiple of `_WINDOW_UNIT`.
 _MIN_WINDOW = 16
-_MAX_WINDOW = 128
+_MAX_WINDOW = 512
+_EVEN_WINDOW = 128
+_POW2_WINDOW = 64
+_WINDOW_UNIT = 8
 
 
 def window_rows(num_rows: int, num_groups: int, tile_rows: int | None = None) -> int:
-    """The window size `W` for `num_rows` rows in `num_groups` groups: `tile_rows` if
-    given, else the power of two at or below half the mean group, within `[16, 128]`;
-    never more than `num_rows` (and at least 1)."""
+    """The window size `W` for `num_rows` rows in `num_groups` groups.
+
+    `tile_rows` if given. Else a typical group, the mean plus two standard deviations
+    of a uniformly routed one (`mean + 2 sqrt(mean)` rows), is cut into the fewest
+    windows of at most 512 rows, and their count is made even where the windows stay
+    at least 128 rows: a receive buffer that routing fills to half (the exchange's
+    buffers at `buffer_factor=2`) then still holds whole windows. Rounded up to a
+    multiple of 8 rows (below 64 rows, down to a power of two, at least 16). Never
+    more than `num_rows` (and at least 1).
+
+    **Arguments:**
+
+    - `num_rows`: `M`, the rows of the grouped matmul (static).
+    - `num_groups`: `G`, its groups (static).
+    - `tile_rows`: an explicit window size, or `None`.
+
+    **Returns:**
+
+    The window size in rows.
+    """
     if tile_rows is None:
-        half_group = max(num_rows // max(2 * num_groups, 1), 1)
-        tile_rows = 1 << (half_group.bit_length() - 1)
-        tile_rows = min(max(tile_rows, _MIN_WINDOW), _MAX_WINDOW)
+        mean = num_rows / max(num_groups, 1)
+        typical = mean + 2 * math.sqrt(mean)
+        count = max(1, math.ceil(typical / _MAX_WINDOW))
+        if count % 2 and typical / (count + 1) >= _EVEN_WINDOW:
+            count += 1
+        size = typical / count
+        if size < _POW2_WINDOW:
+            tile_rows = max(_MIN_WINDOW, 1 << (max(int(size), 1).bit_length() - 1))
+        else:
+            tile_rows = _WINDOW_UNIT * math.ceil(size / _WINDOW_UNIT)
     return max(1, min(tile_rows, num_rows))
 
 
@@ -412,8 +445,9 @@ class TiledGMM(AbstractGMMBackend):
 
     **Arguments:**
 
-    - `tile_rows`: rows per window; `None` picks a power of two from the shapes (half
-        the mean group, within 16 to 128).
+    - `tile_rows`: rows per window; `None` picks it from the shapes so that a
+        typical group is a whole number of windows of at most 512 rows (see
+        `window_rows`).
     """
 
     tile_rows: int | None = eqx.field(static=True, default=None)
