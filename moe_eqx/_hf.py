@@ -533,6 +533,8 @@ def _ernie4_5_moe(r: _Reader) -> dict:
         score_func="softmax",
         use_router_bias=True,
         norm_topk=True,
+        # Its router divides by `max(sum, moe_norm_min)`.
+        norm_topk_min=float(r.get("moe_norm_min", default=0.0)),
         shared_d_ff=_shared_width(r, "moe_num_shared_experts", f),
     )
 

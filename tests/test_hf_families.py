@@ -1,0 +1,91 @@
+"""Hugging Face family settings beyond `test_hf_config`'s defaults, each against
+`transformers`' own block: ERNIE-4.5's `moe_norm_min` floor, settings that used to be
+refused, aliases of supported families and multimodal wrappers' text models."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mesh
+from test_hf_config import H, _state_dict, _torch_value_and_grad
+
+import moe_eqx as me
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _module(model_type):
+    return __import__(
+        f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["x"]
+    )
+
+
+def _drawn(block, seed=0):
+    """`block` in eval mode with every floating parameter and buffer drawn at random
+    (transformers leaves expert weights uninitialised and biases at zero)."""
+    torch.manual_seed(seed)
+    block = block.eval()
+    with torch.no_grad():
+        for tensor in list(block.parameters()) + list(block.buffers()):
+            if tensor.is_floating_point():
+                tensor.normal_(0.0, 0.3)
+    return block
+
+
+def _assert_matches_block(block, hf_config, x, num_shards=1, **import_kw):
+    """`config_from_hf` + the importer against `block`: output and input gradient,
+    and the dense oracle `reference_moe` against the block's output."""
+    config = me.config_from_hf(hf_config, buffer_factor=None)
+    layer = me.layer_from_hf_state_dict(config, _state_dict(block), **import_kw)
+    y_hf, g_hf = _torch_value_and_grad(block, x)
+    m = None if num_shards == 1 else mesh(num_shards)
+
+    def loss(x):
+        y, _ = layer(x, mesh=m)
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+    (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    scale, gscale = np.max(np.abs(y_hf)), np.max(np.abs(g_hf))
+    np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(g), g_hf, rtol=1e-5, atol=1e-5 * gscale)
+    y_ref = me.reference_moe(layer, x)
+    np.testing.assert_allclose(np.asarray(y_ref), y_hf, rtol=1e-5, atol=1e-5 * scale)
+    return layer
+
+
+# ---------------------------------------------------------------------------------
+# 1. ERNIE-4.5's `moe_norm_min`.
+
+
+def _ernie(norm_min):
+    cfg = transformers.Ernie4_5_MoeConfig(
+        hidden_size=H, intermediate_size=24, num_experts_per_tok=2, moe_k=2,
+        moe_num_experts=8, moe_intermediate_size=12, moe_num_shared_experts=1,
+        moe_norm_min=norm_min,
+    )  # fmt: skip
+    return cfg, _drawn(_module("ernie4_5_moe").Ernie4_5_MoeSparseMoeBlock(cfg))
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_ernie_moe_norm_min_floors_the_divisor(getkey, num_shards):
+    """With `moe_norm_min=0.9` most tokens' two chosen probabilities sum below the
+    floor, so the block divides by 0.9, not by their sum: the layer, its gradient
+    and the oracle follow it."""
+    cfg, block = _ernie(0.9)
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    layer = _assert_matches_block(block, cfg.to_dict(), x, num_shards)
+    assert layer.config.norm_topk_min == 0.9
+    # The floor is active for some tokens (else this test could not tell).
+    routing = layer.router(x)
+    chosen = jax.nn.softmax(x @ layer.router.weight, axis=-1)
+    sums = jnp.take_along_axis(chosen, routing.experts, axis=-1).sum(-1)
+    assert int(jnp.sum(sums < 0.9)) > len(x) // 4
+
+
+def test_norm_topk_min_is_validated():
+    base = dict(d_model=8, d_ff=8, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="`norm_topk_min`"):
+        me.MoEConfig(**base, norm_topk_min=-1.0)
+    with pytest.raises(ValueError, match="`norm_topk_min`.*`norm_topk=True`"):
+        me.MoEConfig(**base, norm_topk_min=0.5, norm_topk=False)
