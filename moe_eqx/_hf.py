@@ -438,14 +438,27 @@ def _swiglu(r: _Reader) -> None:
     r.require("hidden_act", ("silu", "swish"), default="silu")
 
 
+# `hidden_act` -> the gated activation `act(x @ Wg) * (x @ Wu)` of experts that apply
+# `ACT2FN[hidden_act]` to their gate projection.
+_GATED_ACTIVATIONS = {
+    "silu": "swiglu",
+    "swish": "swiglu",
+    "gelu": "geglu",
+    "gelu_pytorch_tanh": "geglu_tanh",
+    "gelu_new": "geglu_tanh",
+}
+
+
 def _softmax_family(r: _Reader, d_ff_key: str, norm_topk: bool) -> dict:
-    """Softmax top-k routing over SwiGLU experts, the experts' width at `d_ff_key`."""
-    _swiglu(r)
+    """Softmax top-k routing over gated experts (and shared expert) of `hidden_act`,
+    the experts' width at `d_ff_key`."""
+    act = r.require("hidden_act", tuple(_GATED_ACTIVATIONS), default="silu")
     return dict(
         d_ff=r.get(d_ff_key),
         num_experts=r.get("num_experts", "num_local_experts"),
         score_func="softmax",
         norm_topk=norm_topk,
+        activation=_GATED_ACTIVATIONS[act],
     )
 
 
@@ -505,7 +518,8 @@ def _minimax_m2(r: _Reader) -> dict:
         d_ff=r.get("intermediate_size"),
         num_experts=r.get("num_local_experts", "num_experts"),
         score_func="sigmoid",
-        use_router_bias=r.require("use_routing_bias", (True,), default=True),
+        # Its block adds `e_score_correction_bias` whatever `use_routing_bias` says.
+        use_router_bias=True,
         norm_topk=True,
     )
 
@@ -546,7 +560,8 @@ def _one_per_model(r: _Reader, name: str):
         if len(set(value)) != 1:
             raise ValueError(
                 f"{r.model_type} config: {name}={value!r} differs between layers; "
-                f"pass the layer's own config (with {name} set to its value)."
+                f"`layers_from_hf` reads each layer's own value, or pass the layer's "
+                f"own config (with {name} set to its value)."
             )
         value = value[0]
     return value
@@ -631,10 +646,21 @@ def _dbrx(r: _Reader) -> dict:
     )
 
 
+def _no_shared_bias(r: _Reader) -> None:
+    # The block always builds its shared experts, with biases when `mlp_bias`.
+    r.require(
+        "mlp_bias",
+        (False,),
+        default=False,
+        why=" (biases on the shared experts' projections)",
+    )
+
+
 def _aria(r: _Reader) -> dict:
     # Softmax over the chosen logits; shared experts of `moe_num_shared_experts` times
     # the experts' width. Its experts are stored transposed (`transposed_experts`).
     _swiglu(r)
+    _no_shared_bias(r)
     f = int(r.get("intermediate_size"))
     return dict(
         d_ff=f,
@@ -650,6 +676,7 @@ def _deepseek_v2(r: _Reader) -> dict:
     # Softmax scores, never renormalised (its router ignores `norm_topk_prob`), the
     # scaling factor on the weights; groups scored by their best expert.
     _swiglu(r)
+    _no_shared_bias(r)
     method = r.require(
         "topk_method", ("greedy", "group_limited_greedy"), default="greedy"
     )
@@ -1012,6 +1039,9 @@ def _read_config_json(path) -> dict:
 # Model directories.
 
 
+# Per-layer settings a family's config may give as a list indexed by layer (each
+# layer's block reads its own entry).
+_PER_LAYER_KEYS = {"hunyuan_v1_moe": ("moe_topk",)}
 # Families whose fused experts are stored `[in, out]`.
 _TRANSPOSED_EXPERTS = ("aria_text", "llama4_text")
 # Families whose shared expert sits beside the block in the decoder layer
@@ -1117,7 +1147,9 @@ def layers_from_hf(
     `model.safetensors.index.json`).
 
     The config goes through [`moe_eqx.config_from_hf`][] (with `overrides`), each
-    layer's tensors through [`moe_eqx.layer_from_hf_state_dict`][]. Only the chosen
+    layer's tensors through [`moe_eqx.layer_from_hf_state_dict`][]. A setting the
+    config gives per layer (HunYuan-V1-MoE's `moe_topk` as a list) is read for each
+    layer from its own entry. Only the chosen
     layers' tensors are read, each shard file opened once, with the `safetensors`
     package's NumPy reader (bfloat16 stays bfloat16). Nothing is downloaded.
 
@@ -1161,12 +1193,13 @@ def layers_from_hf(
 
     directory = pathlib.Path(directory)
     hf = _read_config_json(directory / "config.json")
-    config = config_from_hf(hf, **overrides)
+    text = hf.get("text_config") if hf.get("model_type") not in _FAMILIES else hf
+    model_type = (text or {}).get("model_type")
+    config_of = _per_layer_configs(hf, text, overrides)
+    config = config_of(0)  # what the layers share: widths, experts, parallelism
     quant = quant_format(hf)
     if quant is not None and dtype is None:
         dtype = checkpoint_dtype(hf)
-    text = hf.get("text_config") if hf.get("model_type") not in _FAMILIES else hf
-    model_type = (text or {}).get("model_type")
     transposed = model_type in _TRANSPOSED_EXPERTS
     files = _tensor_files(directory)
     prefixes = _moe_prefixes(files)
@@ -1195,6 +1228,7 @@ def layers_from_hf(
         for i in wanted:
             names[i], found = quantized_tensors(quant, names[i], files, dtype, opened)
             stored.update(found)
+    configs = {i: config_of(i) for i in wanted}
     blocks = None
     if mesh is not None:
         if config.axis_name not in mesh.shape:
@@ -1241,7 +1275,7 @@ def layers_from_hf(
     if blocks is None:
         return {
             i: layer_from_hf_state_dict(
-                config,
+                configs[i],
                 {as_name: tensors[n] for n, as_name in names[i].items()},
                 prefix=prefixes[i],
                 dtype=dtype,
@@ -1251,10 +1285,35 @@ def layers_from_hf(
         }
     return {
         i: _placed_layer(
-            config, mesh, blocks, names[i], tensors, prefixes[i], dtype, transposed
+            configs[i], mesh, blocks, names[i], tensors, prefixes[i], dtype, transposed
         )
         for i in wanted
     }
+
+
+def _per_layer_configs(hf, text, overrides):
+    """Layer index -> its `MoEConfig`: the model's, or, where the text config gives a
+    per-layer setting (`_PER_LAYER_KEYS`) as a list, the config with that layer's
+    entry."""
+    keys = [
+        k
+        for k in _PER_LAYER_KEYS.get((text or {}).get("model_type"), ())
+        if isinstance(text.get(k), list)
+    ]
+    if not keys:
+        config = config_from_hf(hf, **overrides)
+        return lambda i: config
+
+    def config_of(i):
+        for k in keys:
+            if not 0 <= i < len(text[k]):
+                raise ValueError(
+                    f"{text['model_type']} config: {k} has {len(text[k])} entries, "
+                    f"none for layer {i}."
+                )
+        return config_from_hf(dict(text, **{k: text[k][i] for k in keys}), **overrides)
+
+    return config_of
 
 
 def _placed_layer(config, mesh, blocks, names, tensors, prefix, dtype, transposed):

@@ -89,3 +89,75 @@ def test_norm_topk_min_is_validated():
         me.MoEConfig(**base, norm_topk_min=-1.0)
     with pytest.raises(ValueError, match="`norm_topk_min`.*`norm_topk=True`"):
         me.MoEConfig(**base, norm_topk_min=0.5, norm_topk=False)
+
+
+# ---------------------------------------------------------------------------------
+# 2. Settings transformers' blocks compute and `config_from_hf` used to refuse.
+
+
+def test_minimax_m2_adds_its_bias_whatever_use_routing_bias_says(getkey):
+    cfg = transformers.MiniMaxM2Config(
+        hidden_size=H, intermediate_size=24, num_experts_per_tok=2,
+        num_local_experts=8, use_routing_bias=False,
+    )  # fmt: skip
+    block = _drawn(_module("minimax_m2").MiniMaxM2SparseMoeBlock(cfg))
+    assert block.e_score_correction_bias.abs().sum() > 0  # drawn, so it matters
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    _assert_matches_block(block, cfg.to_dict(), x)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "act"), [("qwen3_moe", "gelu"), ("qwen2_moe", "gelu_pytorch_tanh")]
+)
+def test_gelu_experts_map_to_geglu(getkey, model_type, act):
+    """Qwen2/3-MoE's experts (and Qwen2-MoE's shared expert) apply `hidden_act` to
+    the gate projection: GELU (exact or tanh) maps to `geglu` / `geglu_tanh`."""
+    config_class = {"qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig"}
+    block_class = {"qwen3_moe": "Qwen3MoeSparseMoeBlock"}
+    cfg = getattr(transformers, config_class[model_type])(
+        hidden_size=H, moe_intermediate_size=12, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, hidden_act=act, shared_expert_intermediate_size=20,
+    )  # fmt: skip
+    name = block_class.get(model_type, "Qwen2MoeSparseMoeBlock")
+    block = _drawn(getattr(_module(model_type), name)(cfg))
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    layer = _assert_matches_block(block, cfg.to_dict(), x)
+    assert layer.config.activation == {"gelu": "geglu"}.get(act, "geglu_tanh")
+
+
+@pytest.mark.parametrize("config_class", ["DeepseekV2Config", "AriaTextConfig"])
+def test_mlp_bias_is_refused_by_name(config_class):
+    """Their blocks always build shared experts, with biases under `mlp_bias`, which
+    the layer's shared expert does not have: `config_from_hf` names the key (the
+    importer would only have seen unknown `...bias` keys)."""
+    cfg = getattr(transformers, config_class)(mlp_bias=True)
+    with pytest.raises(ValueError, match="mlp_bias=True is not supported"):
+        me.config_from_hf(cfg.to_dict())
+
+
+def _saved(model, directory):
+    """`model` with its parameters drawn, written by `save_pretrained`."""
+    _drawn(model)
+    model.save_pretrained(directory)
+    return model
+
+
+def test_hunyuan_per_layer_moe_topk(getkey, tmp_path):
+    """HunYuan-V1-MoE's `moe_topk` as a per-layer list: `config_from_hf` refuses the
+    model's config (no one top-k), `layers_from_hf` gives each layer its own, each
+    equal to that layer's block."""
+    cfg = transformers.HunYuanMoEV1Config(
+        hidden_size=H, intermediate_size=24, num_experts=8, moe_topk=[1, 3],
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=8, vocab_size=32,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="moe_topk=\\[1, 3\\] differs between layers"):
+        me.config_from_hf(cfg.to_dict())
+    model = _saved(transformers.HunYuanMoEV1ForCausalLM(cfg), tmp_path)
+    layers = me.layers_from_hf(tmp_path)
+    assert [layers[i].config.top_k for i in (0, 1)] == [1, 3]
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    for i, layer in layers.items():
+        y_hf, _ = _torch_value_and_grad(model.model.layers[i].mlp, x)
+        y = np.asarray(layer(x)[0])
+        np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
