@@ -714,6 +714,19 @@ def _deepseek_v3(r: _Reader) -> dict:
     )
 
 
+def _sarvam(r: _Reader) -> dict:
+    # transformers runs `sarvam_moe` as GLM-4-MoE and `sarvam_mla` as DeepSeek-V3, and
+    # reads the original checkpoints' names for the expert counts (`attribute_map`).
+    hf = dict(r.hf)
+    for old, new in (
+        ("num_experts", "n_routed_experts"),
+        ("num_shared_experts", "n_shared_experts"),
+    ):
+        if hf.get(new) is None and hf.get(old) is not None:
+            hf[new] = hf[old]
+    return _deepseek_v3(_Reader(hf))
+
+
 def _v3_routing(r: _Reader) -> dict:
     """DeepSeek-V3's routing and experts' keys (also Nemotron-H's and HY-V4's):
     sigmoid scores with a selection bias, groups scored by their best two,
@@ -896,6 +909,11 @@ _FAMILIES = {
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _deepseek_v3,
     "dots1": _deepseek_v3,
+    # DeepSeek-V3's MoE block (its sparse attention is not the block's); its shared
+    # experts have no biases whatever `mlp_bias` says.
+    "deepseek_v32": _deepseek_v3,
+    "sarvam_moe": _sarvam,
+    "sarvam_mla": _sarvam,
     "qwen3_next": _qwen2_moe,
     "minimax": _mixtral,
     "jamba": _jamba,
@@ -934,9 +952,9 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     config.
 
     Supported `model_type`s: `mixtral` and `minimax`, `olmoe`, `qwen2_moe`,
-    `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and
-    `dots1` (read as DeepSeek-V3), `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and
-    `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`, `dbrx`, `aria_text` (an
+    `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe`,
+    `dots1`, `deepseek_v32`, `sarvam_moe` and `sarvam_mla` (read as DeepSeek-V3),
+    `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`, `dbrx`, `aria_text` (an
     `aria` config's `text_config`; import with `transposed_experts=True`),
     `granitemoeshared` and `granitemoehybrid`, `nemotron_h` (ReLU^2 experts),
     `deepseek_v4` (`sqrt(softplus)` scores, clamped SwiGLU), `hy_v3`, `hy_v4`,

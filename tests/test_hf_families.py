@@ -161,3 +161,44 @@ def test_hunyuan_per_layer_moe_topk(getkey, tmp_path):
         y_hf, _ = _torch_value_and_grad(model.model.layers[i].mlp, x)
         y = np.asarray(layer(x)[0])
         np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+
+
+# ---------------------------------------------------------------------------------
+# 3. Model types transformers runs with a supported family's block.
+
+_V3_KEYS = dict(
+    hidden_size=H, moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=2,
+    n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5,
+    norm_topk_prob=True, num_attention_heads=2, num_key_value_heads=2,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config_class", "model_type", "block_class"),
+    [
+        ("SarvamMoEConfig", "glm4_moe", "Glm4MoeMoE"),
+        ("SarvamMLAConfig", "deepseek_v3", "DeepseekV3MoE"),
+        ("DeepseekV32Config", "deepseek_v32", "DeepseekV32MoE"),
+    ],
+)
+def test_aliases_match_the_block_transformers_runs(
+    getkey, config_class, model_type, block_class
+):
+    """`sarvam_moe` runs GLM-4-MoE's block, `sarvam_mla` DeepSeek-V3's (transformers'
+    auto mappings), `deepseek_v32` its own copy of DeepSeek-V3's."""
+    cfg = getattr(transformers, config_class)(**_V3_KEYS)
+    block = _drawn(getattr(_module(model_type), block_class)(cfg))
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    _assert_matches_block(block, cfg.to_dict(), x)
+
+
+@pytest.mark.parametrize("model_type", ["sarvam_moe", "sarvam_mla"])
+def test_sarvam_original_key_names(model_type):
+    """The original Sarvam checkpoints' `num_experts` / `num_shared_experts`, which
+    transformers' `attribute_map` reads as DeepSeek-V3's names."""
+    config_class = {"sarvam_moe": "SarvamMoEConfig", "sarvam_mla": "SarvamMLAConfig"}
+    hf = getattr(transformers, config_class[model_type])(**_V3_KEYS).to_dict()
+    original = dict(hf)
+    original["num_experts"] = original.pop("n_routed_experts")
+    original["num_shared_experts"] = original.pop("n_shared_experts")
+    assert me.config_from_hf(original) == me.config_from_hf(hf)
