@@ -489,6 +489,20 @@ def _qwen3_moe(r: _Reader) -> dict:
     return _softmax_family(r, "moe_intermediate_size", _norm_topk_prob(r))
 
 
+def _qwen3_vl_moe_text(r: _Reader) -> dict:
+    # Qwen3-VL-MoE's (and Qwen3-Omni-MoE's thinker's) text block: Qwen3-MoE's, whose
+    # router always renormalises.
+    return _softmax_family(r, "moe_intermediate_size", True)
+
+
+def _qwen3_5_moe_text(r: _Reader) -> dict:
+    # Qwen3.5-MoE's text block: Qwen2-MoE's with the top-k always renormalised and
+    # the gated shared expert always built.
+    out = _softmax_family(r, "moe_intermediate_size", True)
+    shared = int(r.get("shared_expert_intermediate_size"))
+    return dict(out, shared_d_ff=shared, shared_gate=True)
+
+
 def _qwen2_moe(r: _Reader) -> dict:
     out = _qwen3_moe(r)
     shared = int(r.get("shared_expert_intermediate_size", default=0))
@@ -914,6 +928,10 @@ _FAMILIES = {
     "deepseek_v32": _deepseek_v3,
     "sarvam_moe": _sarvam,
     "sarvam_mla": _sarvam,
+    # Multimodal models' text blocks (their configs' `text_config`).
+    "qwen3_vl_moe_text": _qwen3_vl_moe_text,
+    "qwen3_5_moe_text": _qwen3_5_moe_text,
+    "glm4v_moe_text": _deepseek_v3,
     "qwen3_next": _qwen2_moe,
     "minimax": _mixtral,
     "jamba": _jamba,
@@ -944,6 +962,9 @@ _REFUSED = {
     "threshold, in evaluation too; the layer's top-k routing is not that",
     "switch_transformers": f"its {_CAPACITY_DROPS}",
     "nllb-moe": f"its top-2 {_CAPACITY_DROPS}",
+    "ernie4_5_vl_moe_text": "its experts are split by modality (text tokens through "
+    "the text experts, image tokens through the vision experts), which one layer's "
+    "routing does not compute",
 }
 
 
@@ -960,7 +981,8 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     `deepseek_v4` (`sqrt(softplus)` scores, clamped SwiGLU), `hy_v3`, `hy_v4`,
     `llama4_text` (weights on the experts' inputs; `transposed_experts=True`),
     `gpt_oss` (biases, clamped activation), `jetmoe` (an output bias),
-    `longcat_flash` (identity experts); the documentation's table of models
+    `longcat_flash` (identity experts), and the text models of `qwen3_vl_moe`,
+    `qwen3_5_moe` and `glm4v_moe`; the documentation's table of models
     (`docs/models.md`) lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
@@ -1062,6 +1084,10 @@ def _read_config_json(path) -> dict:
 _PER_LAYER_KEYS = {"hunyuan_v1_moe": ("moe_topk",)}
 # Families whose fused experts are stored `[in, out]`.
 _TRANSPOSED_EXPERTS = ("aria_text", "llama4_text")
+# Families whose published checkpoints store the fused experts `[in, out]` and whose
+# `save_pretrained` writes them `[out, in]`: transformers transposes a tensor on load
+# only when its shape is not the module's, and so does `layers_from_hf`.
+_TRANSPOSED_BY_SHAPE = ("qwen3_vl_moe_text",)
 # Families whose shared expert sits beside the block in the decoder layer
 # (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
 _SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
@@ -1290,6 +1316,15 @@ def layers_from_hf(
                 else:
                     part = f.get_slice(name)
                     tensors[name] = {r: part[r[0] : r[1]] for r in rows}
+    layout = dict.fromkeys(wanted, transposed)
+    if model_type in _TRANSPOSED_BY_SHAPE:
+        for i in wanted:
+            stored = tensors.get(prefixes[i] + "experts.gate_up_proj")
+            if isinstance(stored, dict):  # rows read for this process's experts
+                stored = next(iter(stored.values()))
+            c = configs[i]
+            module = (2 * c.d_ff, c.d_model)
+            layout[i] = stored is not None and tuple(stored.shape[1:]) != module
     if blocks is None:
         return {
             i: layer_from_hf_state_dict(
@@ -1297,13 +1332,13 @@ def layers_from_hf(
                 {as_name: tensors[n] for n, as_name in names[i].items()},
                 prefix=prefixes[i],
                 dtype=dtype,
-                transposed_experts=transposed,
+                transposed_experts=layout[i],
             )
             for i in wanted
         }
     return {
         i: _placed_layer(
-            configs[i], mesh, blocks, names[i], tensors, prefixes[i], dtype, transposed
+            configs[i], mesh, blocks, names[i], tensors, prefixes[i], dtype, layout[i]
         )
         for i in wanted
     }

@@ -202,3 +202,79 @@ def test_sarvam_original_key_names(model_type):
     original["num_experts"] = original.pop("n_routed_experts")
     original["num_shared_experts"] = original.pop("n_shared_experts")
     assert me.config_from_hf(original) == me.config_from_hf(hf)
+
+
+# ---------------------------------------------------------------------------------
+# 4. Multimodal wrappers: a text MoE under `text_config`, weights under
+# `model.language_model.`.
+
+_TEXT = dict(
+    hidden_size=H, intermediate_size=24, moe_intermediate_size=12, num_experts=8,
+    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=8, vocab_size=64,
+)  # fmt: skip
+_WRAPPERS = {
+    "qwen3_vl_moe": {},
+    "qwen3_5_moe": dict(shared_expert_intermediate_size=20),
+    "glm4v_moe": dict(
+        n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=1.5,
+    ),
+}  # fmt: skip
+
+
+def _wrapper(model_type, directory):
+    """A tiny `model_type` model (vision tower included), its parameters drawn, saved
+    with `save_pretrained` to `directory`."""
+    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
+
+    vision = dict(depth=1, hidden_size=H, intermediate_size=24, num_heads=2)
+    cfg = CONFIG_MAPPING[model_type](
+        text_config=_TEXT | _WRAPPERS[model_type],
+        vision_config=vision | dict(out_hidden_size=H),
+    )
+    return _saved(AutoModelForImageTextToText.from_config(cfg), directory)
+
+
+@pytest.mark.parametrize("model_type", sorted(_WRAPPERS))
+def test_wrapper_layers_match_the_text_models_block(getkey, tmp_path, model_type):
+    """`layers_from_hf` on the wrapper's directory finds the text model's MoE layer
+    (layer 1; GLM-4.5V's layer 0 is dense), equal to that layer's block."""
+    model = _wrapper(model_type, tmp_path)
+    layers = me.layers_from_hf(tmp_path)
+    assert list(layers) == ([1] if model_type == "glm4v_moe" else [0, 1])
+    block = model.model.language_model.layers[1].mlp
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, _ = _torch_value_and_grad(block, x)
+    y = np.asarray(layers[1](x)[0])
+    np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+
+
+def test_qwen3_vl_moe_published_layout(getkey, tmp_path):
+    """Qwen3-VL-MoE's published checkpoints store the fused experts `[E, H, 2F]` and
+    `[E, F, H]` (transformers transposes them on load): read as such, on one device
+    and with a mesh (each process reading its rows)."""
+    from safetensors.numpy import load_file, save_file
+
+    model = _wrapper("qwen3_vl_moe", tmp_path / "saved")
+    tensors = load_file(tmp_path / "saved" / "model.safetensors")
+    for name in list(tensors):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = np.ascontiguousarray(np.swapaxes(tensors[name], 1, 2))
+    (tmp_path / "hub").mkdir()
+    save_file(tensors, tmp_path / "hub" / "model.safetensors")
+    config = (tmp_path / "saved" / "config.json").read_text()
+    (tmp_path / "hub" / "config.json").write_text(config)
+    block = model.model.language_model.layers[0].mlp
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, _ = _torch_value_and_grad(block, x)
+    for m in (None, mesh(4)):
+        layer = me.layers_from_hf(tmp_path / "hub", 0, mesh=m)[0]
+        y = np.asarray(layer(x, mesh=m)[0])
+        np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+
+
+def test_ernie_vl_moe_is_refused_with_its_reason():
+    cfg = transformers.CONFIG_MAPPING["ernie4_5_vl_moe"]()
+    with pytest.raises(ValueError, match="ernie4_5_vl_moe_text.*split by modality"):
+        me.config_from_hf(cfg.to_dict())
