@@ -490,8 +490,7 @@ def _qwen3_moe(r: _Reader) -> dict:
 
 
 def _qwen3_vl_moe_text(r: _Reader) -> dict:
-    # Qwen3-VL-MoE's (and Qwen3-Omni-MoE's thinker's) text block: Qwen3-MoE's, whose
-    # router always renormalises.
+    # Qwen3-VL-MoE's text block: Qwen3-MoE's, whose router always renormalises.
     return _softmax_family(r, "moe_intermediate_size", True)
 
 
@@ -931,6 +930,7 @@ _FAMILIES = {
     # Multimodal models' text blocks (their configs' `text_config`).
     "qwen3_vl_moe_text": _qwen3_vl_moe_text,
     "qwen3_5_moe_text": _qwen3_5_moe_text,
+    "qwen3_omni_moe_text": _qwen3_moe,  # its thinker's; `norm_topk_prob` read
     "glm4v_moe_text": _deepseek_v3,
     "qwen3_next": _qwen2_moe,
     "minimax": _mixtral,
@@ -982,7 +982,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     `llama4_text` (weights on the experts' inputs; `transposed_experts=True`),
     `gpt_oss` (biases, clamped activation), `jetmoe` (an output bias),
     `longcat_flash` (identity experts), and the text models of `qwen3_vl_moe`,
-    `qwen3_5_moe` and `glm4v_moe`; the documentation's table of models
+    `qwen3_5_moe`, `glm4v_moe` and `qwen3_omni_moe` (its thinker's); the documentation's table of models
     (`docs/models.md`) lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
@@ -990,7 +990,8 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     than `"noaux_tc"` or `scoring_func` other than `"sigmoid"`, a nonzero
     `router_jitter_noise`, ERNIE's `use_bias`) is a `ValueError` naming the key and
     value. A multimodal config's `text_config` is
-    read when the top level is not itself an MoE model. A `quantization_config` is
+    read when the top level is not itself an MoE model (Qwen3-Omni-MoE's: its
+    `thinker_config`'s). A `quantization_config` is
     read too: FP8 with block scales (`quant_method="fp8"`) and MXFP4 (`"mxfp4"`)
     leave the config as it is ([`moe_eqx.layers_from_hf`][] dequantizes the
     weights); any other method (`awq`, `gptq`, `bitsandbytes`, ...) or FP8 variant
@@ -1024,10 +1025,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
             f"{type(hf_config).__name__}."
         )
     quant_format(hf)  # a quantized checkpoint's format: refused unless read exactly
-    if hf.get("model_type") not in _FAMILIES and isinstance(
-        hf.get("text_config"), Mapping
-    ):
-        hf = hf["text_config"]
+    hf = _text_config(hf)
     model_type = hf.get("model_type")
     if model_type not in _FAMILIES:
         why = f": {_REFUSED[model_type]}" if model_type in _REFUSED else ""
@@ -1043,6 +1041,24 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
         fields["d_model"] = r.get("hidden_size")
     fields.update(d_model=int(fields["d_model"]), top_k=int(fields["top_k"]))
     return MoEConfig(**fields, **overrides)
+
+
+# Wrappers whose text model's config is inside a sub-config (then its `text_config`),
+# and the prefix of that model's weights in the wrapper's checkpoint.
+_NESTED_TEXT = {"qwen3_omni_moe": ("thinker_config", "thinker.")}
+
+
+def _text_config(hf: Mapping) -> Mapping:
+    """The config of the model whose MoE blocks are read: `hf` itself for a supported
+    family, else its text model's (`text_config`, or Qwen3-Omni-MoE's thinker's)."""
+    if hf.get("model_type") in _NESTED_TEXT:
+        nested = hf.get(_NESTED_TEXT[hf["model_type"]][0])
+        hf = nested if isinstance(nested, Mapping) else hf
+    if hf.get("model_type") not in _FAMILIES and isinstance(
+        hf.get("text_config"), Mapping
+    ):
+        hf = hf["text_config"]
+    return hf
 
 
 def _check_overrides(overrides: Mapping[str, Any]) -> None:
@@ -1127,7 +1143,13 @@ def _moe_prefixes(names) -> dict[int, str]:
             numbers = re.findall(r"\.(\d+)\.", "." + prefix)
             if not numbers:
                 raise ValueError(f"no layer index in the MoE block prefix {prefix!r}.")
-            found[int(numbers[-1])] = prefix
+            index = int(numbers[-1])
+            if found.get(index, prefix) != prefix:
+                raise ValueError(
+                    f"two MoE blocks for layer {index}: {found[index]!r} and "
+                    f"{prefix!r} (a checkpoint of several models)."
+                )
+            found[index] = prefix
     return dict(sorted(found.items()))
 
 
@@ -1237,8 +1259,8 @@ def layers_from_hf(
 
     directory = pathlib.Path(directory)
     hf = _read_config_json(directory / "config.json")
-    text = hf.get("text_config") if hf.get("model_type") not in _FAMILIES else hf
-    model_type = (text or {}).get("model_type")
+    text = _text_config(hf)
+    model_type = text.get("model_type")
     config_of = _per_layer_configs(hf, text, overrides)
     config = config_of(0)  # what the layers share: widths, experts, parallelism
     quant = quant_format(hf)
@@ -1246,7 +1268,10 @@ def layers_from_hf(
         dtype = checkpoint_dtype(hf)
     transposed = model_type in _TRANSPOSED_EXPERTS
     files = _tensor_files(directory)
-    prefixes = _moe_prefixes(files)
+    # A wrapper holding several MoE models (Qwen3-Omni-MoE's thinker and talker): the
+    # text model's weights only.
+    within = _NESTED_TEXT.get(hf.get("model_type"), (None, ""))[1]
+    prefixes = _moe_prefixes(n for n in files if n.startswith(within))
     if layers is None:
         wanted = list(prefixes)
     else:

@@ -278,3 +278,49 @@ def test_ernie_vl_moe_is_refused_with_its_reason():
     cfg = transformers.CONFIG_MAPPING["ernie4_5_vl_moe"]()
     with pytest.raises(ValueError, match="ernie4_5_vl_moe_text.*split by modality"):
         me.config_from_hf(cfg.to_dict())
+
+
+def test_qwen3_omni_moe_reads_the_thinkers_layers(getkey, tmp_path):
+    """Qwen3-Omni-MoE holds two MoE models (thinker and talker, both with layers 0
+    and 1): `layers_from_hf` reads the thinker's text model (`thinker_config`'s
+    `text_config`, weights under `thinker.`), equal to its block."""
+    from transformers import CONFIG_MAPPING, Qwen3OmniMoeForConditionalGeneration
+
+    text = _TEXT | dict(norm_topk_prob=False)
+    small = dict(
+        hidden_size=H, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    thinker = dict(
+        text_config=text,
+        vision_config=dict(
+            depth=1, hidden_size=H, intermediate_size=24, num_heads=2,
+            out_hidden_size=H,
+        ),
+        audio_config=dict(
+            encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=H,
+            d_model=H, output_dim=H, num_mel_bins=8, n_window=4,
+            downsample_hidden_size=8,
+        ),
+    )  # fmt: skip
+    talker = dict(
+        text_config=text | dict(shared_expert_intermediate_size=20),
+        code_predictor_config=small | dict(vocab_size=64),
+        thinker_hidden_size=H,
+        spatial_merge_size=2,
+    )
+    code2wav = small | dict(
+        codebook_size=16, decoder_dim=H, upsample_rates=[2], upsampling_ratios=[2],
+        num_quantizers=2, codebook_dim=8, latent_dim=H,
+    )  # fmt: skip
+    cfg = CONFIG_MAPPING["qwen3_omni_moe"](
+        thinker_config=thinker, talker_config=talker, code2wav_config=code2wav
+    )
+    model = _saved(Qwen3OmniMoeForConditionalGeneration(cfg), tmp_path)
+    layers = me.layers_from_hf(tmp_path)
+    assert list(layers) == [0, 1] and not layers[1].config.norm_topk
+    block = model.thinker.model.language_model.layers[1].mlp
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, _ = _torch_value_and_grad(block, x)
+    y = np.asarray(layers[1](x)[0])
+    np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
