@@ -75,6 +75,10 @@ class MoEConfig(eqx.Module):
     - `norm_topk`: renormalise the chosen k scores to sum to 1 (both score
         functions); `False` uses the raw scores (softmax probabilities, or sigmoid
         scores as DeepSeek-V3 with `norm_topk_prob=False`).
+    - `norm_topk_min`: the floor of that renormalisation's divisor: the chosen scores
+        are divided by `max(sum, norm_topk_min)` (ERNIE-4.5's `moe_norm_min`), so a
+        token whose chosen scores sum below it keeps weights summing below 1; `0`
+        (default): divided by the sum. Needs `norm_topk=True` when positive.
     - `num_groups`, `top_groups`: group-limited routing (DeepSeek-V3): experts are split
         into `num_groups` contiguous groups and each token may only choose among the
         experts of its `top_groups` best groups.
@@ -151,6 +155,7 @@ class MoEConfig(eqx.Module):
     # a ValueError naming the field, rather than a type-check error.
     score_func: str = eqx.field(static=True, default="softmax")
     norm_topk: bool = eqx.field(static=True, default=True, converter=_boolean)
+    norm_topk_min: float | int = eqx.field(static=True, default=0.0, converter=_real)
     num_groups: int = eqx.field(static=True, default=1, converter=_integer)
     top_groups: int = eqx.field(static=True, default=1, converter=_integer)
     use_router_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
@@ -315,6 +320,21 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`routed_scaling_factor` must be a positive finite number, got "
                 f"{self.routed_scaling_factor!r}."
+            )
+        if not (
+            isinstance(self.norm_topk_min, int | float)
+            and not isinstance(self.norm_topk_min, bool)
+            and math.isfinite(self.norm_topk_min)
+            and self.norm_topk_min >= 0
+        ):
+            raise ValueError(
+                f"`norm_topk_min` must be a finite number >= 0, got "
+                f"{self.norm_topk_min!r}."
+            )
+        if self.norm_topk_min > 0 and not self.norm_topk:
+            raise ValueError(
+                "`norm_topk_min` > 0 floors the renormalisation's divisor: it needs "
+                "`norm_topk=True`."
             )
         if self.shared_gate and self.shared_d_ff == 0:
             raise ValueError(

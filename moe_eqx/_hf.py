@@ -438,14 +438,27 @@ def _swiglu(r: _Reader) -> None:
     r.require("hidden_act", ("silu", "swish"), default="silu")
 
 
+# `hidden_act` -> the gated activation `act(x @ Wg) * (x @ Wu)` of experts that apply
+# `ACT2FN[hidden_act]` to their gate projection.
+_GATED_ACTIVATIONS = {
+    "silu": "swiglu",
+    "swish": "swiglu",
+    "gelu": "geglu",
+    "gelu_pytorch_tanh": "geglu_tanh",
+    "gelu_new": "geglu_tanh",
+}
+
+
 def _softmax_family(r: _Reader, d_ff_key: str, norm_topk: bool) -> dict:
-    """Softmax top-k routing over SwiGLU experts, the experts' width at `d_ff_key`."""
-    _swiglu(r)
+    """Softmax top-k routing over gated experts (and shared expert) of `hidden_act`,
+    the experts' width at `d_ff_key`."""
+    act = r.require("hidden_act", tuple(_GATED_ACTIVATIONS), default="silu")
     return dict(
         d_ff=r.get(d_ff_key),
         num_experts=r.get("num_experts", "num_local_experts"),
         score_func="softmax",
         norm_topk=norm_topk,
+        activation=_GATED_ACTIVATIONS[act],
     )
 
 
@@ -474,6 +487,19 @@ def _olmoe(r: _Reader) -> dict:
 
 def _qwen3_moe(r: _Reader) -> dict:
     return _softmax_family(r, "moe_intermediate_size", _norm_topk_prob(r))
+
+
+def _qwen3_vl_moe_text(r: _Reader) -> dict:
+    # Qwen3-VL-MoE's text block: Qwen3-MoE's, whose router always renormalises.
+    return _softmax_family(r, "moe_intermediate_size", True)
+
+
+def _qwen3_5_moe_text(r: _Reader) -> dict:
+    # Qwen3.5-MoE's text block: Qwen2-MoE's with the top-k always renormalised and
+    # the gated shared expert always built.
+    out = _softmax_family(r, "moe_intermediate_size", True)
+    shared = int(r.get("shared_expert_intermediate_size"))
+    return dict(out, shared_d_ff=shared, shared_gate=True)
 
 
 def _qwen2_moe(r: _Reader) -> dict:
@@ -505,7 +531,8 @@ def _minimax_m2(r: _Reader) -> dict:
         d_ff=r.get("intermediate_size"),
         num_experts=r.get("num_local_experts", "num_experts"),
         score_func="sigmoid",
-        use_router_bias=r.require("use_routing_bias", (True,), default=True),
+        # Its block adds `e_score_correction_bias` whatever `use_routing_bias` says.
+        use_router_bias=True,
         norm_topk=True,
     )
 
@@ -533,6 +560,8 @@ def _ernie4_5_moe(r: _Reader) -> dict:
         score_func="softmax",
         use_router_bias=True,
         norm_topk=True,
+        # Its router divides by `max(sum, moe_norm_min)`.
+        norm_topk_min=float(r.get("moe_norm_min", default=0.0)),
         shared_d_ff=_shared_width(r, "moe_num_shared_experts", f),
     )
 
@@ -544,7 +573,8 @@ def _one_per_model(r: _Reader, name: str):
         if len(set(value)) != 1:
             raise ValueError(
                 f"{r.model_type} config: {name}={value!r} differs between layers; "
-                f"pass the layer's own config (with {name} set to its value)."
+                f"`layers_from_hf` reads each layer's own value, or pass the layer's "
+                f"own config (with {name} set to its value)."
             )
         value = value[0]
     return value
@@ -629,10 +659,21 @@ def _dbrx(r: _Reader) -> dict:
     )
 
 
+def _no_shared_bias(r: _Reader) -> None:
+    # The block always builds its shared experts, with biases when `mlp_bias`.
+    r.require(
+        "mlp_bias",
+        (False,),
+        default=False,
+        why=" (biases on the shared experts' projections)",
+    )
+
+
 def _aria(r: _Reader) -> dict:
     # Softmax over the chosen logits; shared experts of `moe_num_shared_experts` times
     # the experts' width. Its experts are stored transposed (`transposed_experts`).
     _swiglu(r)
+    _no_shared_bias(r)
     f = int(r.get("intermediate_size"))
     return dict(
         d_ff=f,
@@ -648,6 +689,7 @@ def _deepseek_v2(r: _Reader) -> dict:
     # Softmax scores, never renormalised (its router ignores `norm_topk_prob`), the
     # scaling factor on the weights; groups scored by their best expert.
     _swiglu(r)
+    _no_shared_bias(r)
     method = r.require(
         "topk_method", ("greedy", "group_limited_greedy"), default="greedy"
     )
@@ -683,6 +725,19 @@ def _deepseek_v3(r: _Reader) -> dict:
             r, "n_shared_experts", int(r.get("moe_intermediate_size"))
         ),
     )
+
+
+def _sarvam(r: _Reader) -> dict:
+    # transformers runs `sarvam_moe` as GLM-4-MoE and `sarvam_mla` as DeepSeek-V3, and
+    # reads the original checkpoints' names for the expert counts (`attribute_map`).
+    hf = dict(r.hf)
+    for old, new in (
+        ("num_experts", "n_routed_experts"),
+        ("num_shared_experts", "n_shared_experts"),
+    ):
+        if hf.get(new) is None and hf.get(old) is not None:
+            hf[new] = hf[old]
+    return _deepseek_v3(_Reader(hf))
 
 
 def _v3_routing(r: _Reader) -> dict:
@@ -867,6 +922,16 @@ _FAMILIES = {
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _deepseek_v3,
     "dots1": _deepseek_v3,
+    # DeepSeek-V3's MoE block (its sparse attention is not the block's); its shared
+    # experts have no biases whatever `mlp_bias` says.
+    "deepseek_v32": _deepseek_v3,
+    "sarvam_moe": _sarvam,
+    "sarvam_mla": _sarvam,
+    # Multimodal models' text blocks (their configs' `text_config`).
+    "qwen3_vl_moe_text": _qwen3_vl_moe_text,
+    "qwen3_5_moe_text": _qwen3_5_moe_text,
+    "qwen3_omni_moe_text": _qwen3_moe,  # its thinker's; `norm_topk_prob` read
+    "glm4v_moe_text": _deepseek_v3,
     "qwen3_next": _qwen2_moe,
     "minimax": _mixtral,
     "jamba": _jamba,
@@ -897,6 +962,9 @@ _REFUSED = {
     "threshold, in evaluation too; the layer's top-k routing is not that",
     "switch_transformers": f"its {_CAPACITY_DROPS}",
     "nllb-moe": f"its top-2 {_CAPACITY_DROPS}",
+    "ernie4_5_vl_moe_text": "its experts are split by modality (text tokens through "
+    "the text experts, image tokens through the vision experts), which one layer's "
+    "routing does not compute",
 }
 
 
@@ -905,15 +973,16 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     config.
 
     Supported `model_type`s: `mixtral` and `minimax`, `olmoe`, `qwen2_moe`,
-    `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe` and
-    `dots1` (read as DeepSeek-V3), `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and
-    `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`, `dbrx`, `aria_text` (an
+    `qwen3_moe`, `qwen3_next` (read as Qwen2-MoE), `deepseek_v3`, `glm4_moe`,
+    `dots1`, `deepseek_v32`, `sarvam_moe` and `sarvam_mla` (read as DeepSeek-V3),
+    `jamba`, `granitemoe`, `minimax_m2`, `lfm2_moe` and `ernie4_5_moe`, `hunyuan_v1_moe`, `cohere2_moe`, `afmoe`, `dbrx`, `aria_text` (an
     `aria` config's `text_config`; import with `transposed_experts=True`),
     `granitemoeshared` and `granitemoehybrid`, `nemotron_h` (ReLU^2 experts),
     `deepseek_v4` (`sqrt(softplus)` scores, clamped SwiGLU), `hy_v3`, `hy_v4`,
     `llama4_text` (weights on the experts' inputs; `transposed_experts=True`),
     `gpt_oss` (biases, clamped activation), `jetmoe` (an output bias),
-    `longcat_flash` (identity experts); the documentation's table of models
+    `longcat_flash` (identity experts), and the text models of `qwen3_vl_moe`,
+    `qwen3_5_moe`, `glm4v_moe` and `qwen3_omni_moe` (its thinker's); the documentation's table of models
     (`docs/models.md`) lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
@@ -921,7 +990,8 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     than `"noaux_tc"` or `scoring_func` other than `"sigmoid"`, a nonzero
     `router_jitter_noise`, ERNIE's `use_bias`) is a `ValueError` naming the key and
     value. A multimodal config's `text_config` is
-    read when the top level is not itself an MoE model. A `quantization_config` is
+    read when the top level is not itself an MoE model (Qwen3-Omni-MoE's: its
+    `thinker_config`'s). A `quantization_config` is
     read too: FP8 with block scales (`quant_method="fp8"`) and MXFP4 (`"mxfp4"`)
     leave the config as it is ([`moe_eqx.layers_from_hf`][] dequantizes the
     weights); any other method (`awq`, `gptq`, `bitsandbytes`, ...) or FP8 variant
@@ -955,10 +1025,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
             f"{type(hf_config).__name__}."
         )
     quant_format(hf)  # a quantized checkpoint's format: refused unless read exactly
-    if hf.get("model_type") not in _FAMILIES and isinstance(
-        hf.get("text_config"), Mapping
-    ):
-        hf = hf["text_config"]
+    hf = _text_config(hf)
     model_type = hf.get("model_type")
     if model_type not in _FAMILIES:
         why = f": {_REFUSED[model_type]}" if model_type in _REFUSED else ""
@@ -974,6 +1041,24 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
         fields["d_model"] = r.get("hidden_size")
     fields.update(d_model=int(fields["d_model"]), top_k=int(fields["top_k"]))
     return MoEConfig(**fields, **overrides)
+
+
+# Wrappers whose text model's config is inside a sub-config (then its `text_config`),
+# and the prefix of that model's weights in the wrapper's checkpoint.
+_NESTED_TEXT = {"qwen3_omni_moe": ("thinker_config", "thinker.")}
+
+
+def _text_config(hf: Mapping) -> Mapping:
+    """The config of the model whose MoE blocks are read: `hf` itself for a supported
+    family, else its text model's (`text_config`, or Qwen3-Omni-MoE's thinker's)."""
+    if hf.get("model_type") in _NESTED_TEXT:
+        nested = hf.get(_NESTED_TEXT[hf["model_type"]][0])
+        hf = nested if isinstance(nested, Mapping) else hf
+    if hf.get("model_type") not in _FAMILIES and isinstance(
+        hf.get("text_config"), Mapping
+    ):
+        hf = hf["text_config"]
+    return hf
 
 
 def _check_overrides(overrides: Mapping[str, Any]) -> None:
@@ -1010,8 +1095,15 @@ def _read_config_json(path) -> dict:
 # Model directories.
 
 
+# Per-layer settings a family's config may give as a list indexed by layer (each
+# layer's block reads its own entry).
+_PER_LAYER_KEYS = {"hunyuan_v1_moe": ("moe_topk",)}
 # Families whose fused experts are stored `[in, out]`.
 _TRANSPOSED_EXPERTS = ("aria_text", "llama4_text")
+# Families whose published checkpoints store the fused experts `[in, out]` and whose
+# `save_pretrained` writes them `[out, in]`: transformers transposes a tensor on load
+# only when its shape is not the module's, and so does `layers_from_hf`.
+_TRANSPOSED_BY_SHAPE = ("qwen3_vl_moe_text",)
 # Families whose shared expert sits beside the block in the decoder layer
 # (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
 _SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
@@ -1051,7 +1143,13 @@ def _moe_prefixes(names) -> dict[int, str]:
             numbers = re.findall(r"\.(\d+)\.", "." + prefix)
             if not numbers:
                 raise ValueError(f"no layer index in the MoE block prefix {prefix!r}.")
-            found[int(numbers[-1])] = prefix
+            index = int(numbers[-1])
+            if found.get(index, prefix) != prefix:
+                raise ValueError(
+                    f"two MoE blocks for layer {index}: {found[index]!r} and "
+                    f"{prefix!r} (a checkpoint of several models)."
+                )
+            found[index] = prefix
     return dict(sorted(found.items()))
 
 
@@ -1115,7 +1213,9 @@ def layers_from_hf(
     `model.safetensors.index.json`).
 
     The config goes through [`moe_eqx.config_from_hf`][] (with `overrides`), each
-    layer's tensors through [`moe_eqx.layer_from_hf_state_dict`][]. Only the chosen
+    layer's tensors through [`moe_eqx.layer_from_hf_state_dict`][]. A setting the
+    config gives per layer (HunYuan-V1-MoE's `moe_topk` as a list) is read for each
+    layer from its own entry. Only the chosen
     layers' tensors are read, each shard file opened once, with the `safetensors`
     package's NumPy reader (bfloat16 stays bfloat16). Nothing is downloaded.
 
@@ -1159,15 +1259,19 @@ def layers_from_hf(
 
     directory = pathlib.Path(directory)
     hf = _read_config_json(directory / "config.json")
-    config = config_from_hf(hf, **overrides)
+    text = _text_config(hf)
+    model_type = text.get("model_type")
+    config_of = _per_layer_configs(hf, text, overrides)
+    config = config_of(0)  # what the layers share: widths, experts, parallelism
     quant = quant_format(hf)
     if quant is not None and dtype is None:
         dtype = checkpoint_dtype(hf)
-    text = hf.get("text_config") if hf.get("model_type") not in _FAMILIES else hf
-    model_type = (text or {}).get("model_type")
     transposed = model_type in _TRANSPOSED_EXPERTS
     files = _tensor_files(directory)
-    prefixes = _moe_prefixes(files)
+    # A wrapper holding several MoE models (Qwen3-Omni-MoE's thinker and talker): the
+    # text model's weights only.
+    within = _NESTED_TEXT.get(hf.get("model_type"), (None, ""))[1]
+    prefixes = _moe_prefixes(n for n in files if n.startswith(within))
     if layers is None:
         wanted = list(prefixes)
     else:
@@ -1193,6 +1297,7 @@ def layers_from_hf(
         for i in wanted:
             names[i], found = quantized_tensors(quant, names[i], files, dtype, opened)
             stored.update(found)
+    configs = {i: config_of(i) for i in wanted}
     blocks = None
     if mesh is not None:
         if config.axis_name not in mesh.shape:
@@ -1236,23 +1341,57 @@ def layers_from_hf(
                 else:
                     part = f.get_slice(name)
                     tensors[name] = {r: part[r[0] : r[1]] for r in rows}
+    layout = dict.fromkeys(wanted, transposed)
+    if model_type in _TRANSPOSED_BY_SHAPE:
+        for i in wanted:
+            stored = tensors.get(prefixes[i] + "experts.gate_up_proj")
+            if isinstance(stored, dict):  # rows read for this process's experts
+                stored = next(iter(stored.values()))
+            c = configs[i]
+            module = (2 * c.d_ff, c.d_model)
+            layout[i] = stored is not None and tuple(stored.shape[1:]) != module
     if blocks is None:
         return {
             i: layer_from_hf_state_dict(
-                config,
+                configs[i],
                 {as_name: tensors[n] for n, as_name in names[i].items()},
                 prefix=prefixes[i],
                 dtype=dtype,
-                transposed_experts=transposed,
+                transposed_experts=layout[i],
             )
             for i in wanted
         }
     return {
         i: _placed_layer(
-            config, mesh, blocks, names[i], tensors, prefixes[i], dtype, transposed
+            configs[i], mesh, blocks, names[i], tensors, prefixes[i], dtype, layout[i]
         )
         for i in wanted
     }
+
+
+def _per_layer_configs(hf, text, overrides):
+    """Layer index -> its `MoEConfig`: the model's, or, where the text config gives a
+    per-layer setting (`_PER_LAYER_KEYS`) as a list, the config with that layer's
+    entry."""
+    keys = [
+        k
+        for k in _PER_LAYER_KEYS.get((text or {}).get("model_type"), ())
+        if isinstance(text.get(k), list)
+    ]
+    if not keys:
+        config = config_from_hf(hf, **overrides)
+        return lambda i: config
+
+    def config_of(i):
+        for k in keys:
+            if not 0 <= i < len(text[k]):
+                raise ValueError(
+                    f"{text['model_type']} config: {k} has {len(text[k])} entries, "
+                    f"none for layer {i}."
+                )
+        return config_from_hf(dict(text, **{k: text[k][i] for k in keys}), **overrides)
+
+    return config_of
 
 
 def _placed_layer(config, mesh, blocks, names, tensors, prefix, dtype, transposed):

@@ -80,8 +80,8 @@ class Router(eqx.Module):
     - `weight`: `[d_model, E + I]` (`I = config.num_identity_experts`).
     - `bias`: `[E + I]` selection bias with `config.use_router_bias`, else `None`.
     - `config`: the [`moe_eqx.MoEConfig`][] whose routing settings (`top_k`,
-        `score_func`, `norm_topk`, `num_groups`, `top_groups`, `group_score`,
-        `num_identity_experts`) it computes; they read as attributes too
+        `score_func`, `norm_topk`, `norm_topk_min`, `num_groups`, `top_groups`,
+        `group_score`, `num_identity_experts`) it computes; they read as attributes too
         (`router.top_k`).
     - `logit_bias`: `[E + I]` with `config.router_logit_bias`, else `None`.
     """
@@ -205,7 +205,10 @@ class Router(eqx.Module):
             experts = experts.astype(jnp.int32)
             chosen = jnp.take_along_axis(scores, experts, axis=-1)
             if self.norm_topk:
-                weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+                total = jnp.sum(chosen, axis=-1, keepdims=True)
+                if self.config.norm_topk_min > 0:  # ERNIE-4.5's `moe_norm_min`
+                    total = jnp.maximum(total, self.config.norm_topk_min)
+                weights = chosen / total
             else:
                 weights = chosen
             num_experts = self.num_experts
