@@ -6,6 +6,12 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# Compilation dominates the suite's time, and most of XLA:CPU's compile time on these
+# small programs goes to the LLVM backend's optimisation (threefry's unrolled rounds
+# alone take seconds). The tests check what programs compute, not how fast the code
+# runs; the HLO they compile is the same at every backend level.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # Default to the CPU only where there is no accelerator: on a GPU (or TPU) machine the
 # GPU tests then run, while every other test still runs on the 8 CPU devices (see the
 # `_cpu_unless_gpu_test` fixture and `helpers.mesh`).
