@@ -195,6 +195,9 @@ def run_python(code: str, *, timeout: int = 120) -> str:
     """Runs `code` in a fresh interpreter (no pytest, no runtime type checks) on the
     CPU and returns its standard output; fails the test on a non-zero exit."""
     env = demo_env()
+    # No XLA_FLAGS at all, as for a user: the README's first block only sets its
+    # device count when XLA_FLAGS is unset.
+    env.pop("XLA_FLAGS")
     proc = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
