@@ -6,6 +6,12 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# Compilation dominates the suite's time, and most of XLA:CPU's compile time on these
+# small programs goes to the LLVM backend's optimisation (threefry's unrolled rounds
+# alone take seconds). The tests check what programs compute, not how fast the code
+# runs; the HLO they compile is the same at every backend level.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # Default to the CPU only where there is no accelerator: on a GPU (or TPU) machine the
 # GPU tests then run, while every other test still runs on the 8 CPU devices (see the
 # `_cpu_unless_gpu_test` fixture and `helpers.mesh`).
@@ -33,41 +39,85 @@ def _cpu_unless_gpu_test(request):
         yield
 
 
+# `lost_pairs` enforced in every test. Every `MoEStats` the layer builds reports its
+# `lost_pairs` to the host (a `jax.debug.callback`, which never stops the program: a
+# check raised inside an 8-device program would abort it). The report goes to one
+# session-wide list, not to a list of the test that traced the program: compiled
+# programs outlive tests (jit caches are cleared per module), and a later test that
+# runs one must be the test a loss in it is charged to. Installed once, before any
+# test traces anything, so that no program is traced without it.
+import moe_eqx._layer as _layer_module  # noqa: E402
+import moe_eqx._shard as _shard_module  # noqa: E402
+
+_LOST_PAIRS: list[int] = []  # non-zero `lost_pairs` reported since the last check
+# Off from a `lowering_only` test until the next other test; the caches are cleared
+# at each switch.
+_report_lost_pairs_enabled = True
+_routed_stats = _shard_module.routed_stats
+
+
+def _report_lost_pairs(value):
+    value = int(value)
+    if value:
+        _LOST_PAIRS.append(value)
+
+
+def _routed_stats_reporting(**kwargs):
+    stats = _routed_stats(**kwargs)
+    if _report_lost_pairs_enabled:
+        jax.debug.callback(_report_lost_pairs, stats.lost_pairs)
+    return stats
+
+
+_shard_module.routed_stats = _routed_stats_reporting
+_layer_module.routed_stats = _routed_stats_reporting
+
+
+def _take_lost_pairs() -> list[int]:
+    jax.effects_barrier()  # every callback of the programs run so far has reported
+    lost = list(_LOST_PAIRS)
+    _LOST_PAIRS.clear()
+    return lost
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Tests marked `lowering_only` lower for platforms that have no host callbacks,
+    so what they trace carries no `lost_pairs` report. The caches are cleared between
+    such a test and any other (before either's fixtures), so that neither runs or
+    lowers a program the other traced."""
+    global _report_lost_pairs_enabled
+    report = item.get_closest_marker("lowering_only") is None
+    if report != _report_lost_pairs_enabled:
+        jax.clear_caches()
+        _report_lost_pairs_enabled = report
+
+
 @pytest.fixture(autouse=True)
-def lost_pairs_seen(monkeypatch, request):
-    """`lost_pairs` enforced in every test: each `MoEStats` the layer builds reports
-    its `lost_pairs` to the host (a `jax.debug.callback`, which never stops the
-    program: a check raised inside an 8-device program would abort it), and a test
-    during which any was not 0 fails with `moe_eqx.LostPairsError`. A test that
-    loses pairs on purpose asserts on this list (the non-zero counts seen) and
-    clears it. Tests marked `lowering_only` run nothing (they lower for platforms
-    that have no host callbacks) and are left alone."""
+def lost_pairs_seen(request):
+    """The non-zero `lost_pairs` reported while this test ran (by whichever program,
+    compiled in this test or before it); the test fails with `moe_eqx.LostPairsError`
+    if any is left at its end. A test that loses pairs on purpose asserts on this list
+    and clears it. `lowering_only` tests run nothing and are not checked."""
+    yield _LOST_PAIRS
     if request.node.get_closest_marker("lowering_only"):
-        yield []
         return
-    import moe_eqx._layer as layer
-    import moe_eqx._shard as shard
-
-    lost = []
-    original = shard.routed_stats
-
-    def record(value):
-        value = int(value)
-        if value:
-            lost.append(value)
-
-    def routed_stats(**kwargs):
-        stats = original(**kwargs)
-        jax.debug.callback(record, stats.lost_pairs)
-        return stats
-
-    monkeypatch.setattr(shard, "routed_stats", routed_stats)
-    monkeypatch.setattr(layer, "routed_stats", routed_stats)
-    yield lost
+    lost = _take_lost_pairs()
     if lost:
         import moe_eqx as me
 
         raise me.LostPairsError(f"lost_pairs was {lost} during this test")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_lost_pairs_after_the_last_test():
+    """A loss reported outside any test (a module fixture's teardown) fails too."""
+    yield
+    lost = _take_lost_pairs()
+    if lost:
+        import moe_eqx as me
+
+        raise me.LostPairsError(f"lost_pairs was {lost} after the last test")
 
 
 @pytest.fixture

@@ -160,8 +160,9 @@ def demo_env(cache_dir=None) -> dict:
     """Environment for a demo/launcher subprocess, with an optional persistent
     compilation cache (multi-process CPU runs must not use one)."""
     env = dict(os.environ)
-    # The demo picks its own device count; don't inherit the test session's 8.
-    env.pop("XLA_FLAGS", None)
+    # The demo picks its own device count; don't inherit the test session's 8. The
+    # backend optimisation level is the session's (see conftest.py): compile time.
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if cache_dir is not None:
@@ -194,6 +195,9 @@ def run_python(code: str, *, timeout: int = 120) -> str:
     """Runs `code` in a fresh interpreter (no pytest, no runtime type checks) on the
     CPU and returns its standard output; fails the test on a non-zero exit."""
     env = demo_env()
+    # No XLA_FLAGS at all, as for a user: the README's first block only sets its
+    # device count when XLA_FLAGS is unset.
+    env.pop("XLA_FLAGS")
     proc = subprocess.run(
         [sys.executable, "-c", code],
         env=env,

@@ -117,7 +117,9 @@ def test_forward_mode_through_variants(getkey):
     y, ty = jax.jit(lambda x, t: jax.jvp(lambda x: layer(x, mesh=m)[0], (x,), (t,)))(
         x, t
     )
-    y_ref, ty_ref = jax.jvp(lambda x: me.reference_moe(layer, x), (x,), (t,))
+    y_ref, ty_ref = jax.jit(
+        lambda x, t: jax.jvp(lambda x: me.reference_moe(layer, x), (x,), (t,))
+    )(x, t)
     np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(ty, ty_ref, rtol=2e-5, atol=2e-5)
 

@@ -1,6 +1,6 @@
 """Forward-mode autodiff and its compositions through the layer: `jax.jvp`,
 `jax.linearize`, `jax.jacfwd`, Hessian-vector products (`jax.jvp` of `jax.grad`) and
-`jax.hessian`, each equal to the same transform of the dense oracle
+`jax.hessian`, each equal to the same transform (jitted, as the layer's) of the dense oracle
 `moe_eqx.reference_moe`, on one device and expert parallel in drop and fallback
 modes (with the fallback really running), with duplication slots, and with the
 experts split over a data axis too (`fsdp_axes`)."""
@@ -73,7 +73,7 @@ def test_jvp_and_linearize_in_x_and_parameters(getkey, case):
         return me.reference_moe(eqx.combine(params, static), x)
 
     got = jax.jit(lambda p, x: jax.jvp(f, (p, x), (t_params, t_x)))(params, x)
-    want = jax.jvp(f_ref, (params, x), (t_params, t_x))
+    want = jax.jit(lambda p, x: jax.jvp(f_ref, (p, x), (t_params, t_x)))(params, x)
     _close(got, want)
     y, lin = jax.linearize(f, params, x)
     _close((y, jax.jit(lin)(t_params, t_x)), want)
@@ -89,7 +89,7 @@ def test_jacfwd_matches_jacrev_and_the_oracle(getkey, case):
         return layer(x, mesh=m)[0][:, :3]
 
     got = jax.jit(jax.jacfwd(f))(x)
-    _close(got, jax.jacfwd(lambda x: me.reference_moe(layer, x)[:, :3])(x))
+    _close(got, jax.jit(jax.jacfwd(lambda x: me.reference_moe(layer, x)[:, :3]))(x))
     _close(got, jax.jit(jax.jacrev(f))(x))
 
 
@@ -116,7 +116,8 @@ def test_hessian_vector_products(getkey, case):
     ref = loss(me.reference_moe)
     grad = jax.grad(ours, argnums=(0, 1))
     got = jax.jit(lambda p, x: jax.jvp(grad, (p, x), (t_params, t_x)))(params, x)
-    want = jax.jvp(jax.grad(ref, argnums=(0, 1)), (params, x), (t_params, t_x))
+    ref_grad = jax.grad(ref, argnums=(0, 1))
+    want = jax.jit(lambda p, x: jax.jvp(ref_grad, (p, x), (t_params, t_x)))(params, x)
     _close(got, want)
 
 
@@ -134,5 +135,5 @@ def test_hessian(getkey, case):
         return f
 
     got = jax.jit(jax.hessian(loss(lambda x: layer(x, mesh=m)[0])))(x_small)
-    want = jax.hessian(loss(lambda x: me.reference_moe(layer, x)))(x_small)
+    want = jax.jit(jax.hessian(loss(lambda x: me.reference_moe(layer, x))))(x_small)
     _close(got, want)

@@ -186,13 +186,15 @@ def test_in_the_callers_shard_map(getkey, num_experts):
     tokens = P(("data", "expert"))
 
     def block(specs, layer, x, **kw):
-        return jax.shard_map(
+        # Jitted: one compilation, not one per operation of an eager shard_map.
+        f = jax.shard_map(
             lambda l, x: me.expert_parallel_shard(l, x, **kw),
             mesh=m,
             in_specs=(specs, tokens),
             out_specs=(tokens, P()),
             check_vma=False,
-        )(layer, jax.device_put(x, NamedSharding(m, tokens)))
+        )
+        return jax.jit(f)(layer, jax.device_put(x, NamedSharding(m, tokens)))
 
     y, stats = block(me.shard_specs(layer, m), layer, x)
     assert_nothing_lost(stats, 64, 2)

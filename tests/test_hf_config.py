@@ -767,7 +767,8 @@ def test_each_process_reads_only_its_experts(tmp_path, family):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = demo_env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = demo_env()
+    env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
     procs = [
         subprocess.Popen(
             [

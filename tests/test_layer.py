@@ -143,7 +143,7 @@ def test_bfloat16_weights_expert_parallel(getkey, overrides):
     grad = jax.value_and_grad(loss(lambda l, x: l(x, mesh=m)[0]), (0, 1), has_aux=True)
     (_, y), (g_params, g_x) = jax.jit(grad)(params, x)
     ref = jax.value_and_grad(loss(me.reference_moe), (0, 1), has_aux=True)
-    (_, y_ref), (r_params, r_x) = ref(params, x)
+    (_, y_ref), (r_params, r_x) = jax.jit(ref)(params, x)
     stats = jax.jit(lambda l, x: l(x, mesh=m)[1])(layer, x)
     if "buffer_factor" in overrides and overrides["buffer_factor"]:
         assert bool(stats.fallback_used)

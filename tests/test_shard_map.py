@@ -99,8 +99,11 @@ def _in_shard_map(num_devices, fn, *args, axes=("expert",), shape=None, split=Fa
     if split:
         specs[0] = me.shard_specs(rest[0])
     specs = (*specs, P(axes))
-    return jax.shard_map(
-        fn, mesh=m, in_specs=specs, out_specs=(P(axes), P()), check_vma=False
+    # Jitted: one compilation, not one per operation of an eager shard_map.
+    return jax.jit(
+        jax.shard_map(
+            fn, mesh=m, in_specs=specs, out_specs=(P(axes), P()), check_vma=False
+        )
     )(*rest, x)
 
 
