@@ -9,10 +9,13 @@ exchange trips, the slot weights, the chunked fallback) instead define a
 
 - Forward mode and `jax.linearize` evaluate `fn`.
 - Reverse mode transposes it: the backward is `fn_t`, the stage's own.
-- Forward-over-reverse (Hessian-vector products) differentiates `fn_t` with respect
-  to the residuals by plain forward-mode autodiff.
-- `vmap` batches every rule (`equinox.internal.create_vprim`), so `jax.jacfwd` and
-  per-example gradients work too.
+- Higher orders differentiate `fn_t` (and `fn`) with respect to the residuals by
+  plain forward-mode autodiff, and reverse modes transpose that: so `fn` and `fn_t`
+  must themselves be differentiable in both modes. A loop whose trip count is traced
+  is not (JAX cannot transpose it): such a loop is wrapped in `fused`, which evaluates
+  it and differentiates an equal composition of differentiable pieces instead.
+- `vmap` makes a `custom_linear` of the `vmap`ped `fn` and `fn_t`, so `jax.jacfwd`,
+  `jax.jacrev` and per-example gradients work too.
 
 `fn` and `fn_t` must be pure functions of their arguments (no closed-over arrays):
 every array they need travels in `res`.
@@ -25,11 +28,12 @@ from typing import Any
 import equinox as eqx
 import equinox.internal as eqxi
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
-from jax.interpreters import ad
+from jax.interpreters import ad, batching, mlir
 
 
 def _is_none(x) -> bool:
@@ -160,8 +164,13 @@ def _transpose(cts, *dynamic, treedef, static, flatten):
     res, lin, fn, fn_t, out_structs, out_t, effects = jtu.tree_unflatten(
         treedef, leaves
     )
+    # (`out_structs` has `None` where a transposed primitive's `fn_t` had no
+    # cotangent: that linear operand stays `None`, a zero.)
     cts = jtu.tree_map(
-        lambda s, c: _zeros(s) if c is None else c, out_structs, cts, is_leaf=_is_none
+        lambda s, c: _zeros(s) if c is None and s is not None else c,
+        out_structs,
+        cts,
+        is_leaf=_is_none,
     )
     # The transpose of the transpose is `fn` again. (With effects, `fn_t` is traced
     # to find its own.)
@@ -191,12 +200,82 @@ def _is_dynamic(x) -> bool:
 _MISSING = eqxi._primitive._missing_dynamic
 
 
-_custom_linear_p = eqxi.create_vprim(
-    "moe_eqx_custom_linear",
-    eqxi.filter_primitive_def(_impl),
-    eqxi.filter_primitive_def(_abstract_eval),
-    eqxi.filter_primitive_jvp(_jvp),
-    _transpose,
+def _unflatten(dynamic, treedef, static):
+    dynamic_iter = iter(dynamic)
+    leaves = [next(dynamic_iter) if _is_dynamic(x) else x for x in static]
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def _with_axis(struct, axis, size):
+    if struct is None:
+        return None
+    shape = list(struct.shape)
+    shape.insert(0 if axis is None else axis, size)
+    return jax.ShapeDtypeStruct(tuple(shape), struct.dtype)
+
+
+def _batch(axis_size, axis_name, _, dynamic, batch_axes, *, treedef, static, flatten):
+    """`vmap`: the same primitive of the `vmap`ped `fn` and `fn_t`. A linear operand
+    that is not batched while others are is broadcast in `fn`, so its cotangent is
+    summed over the batch in `fn_t`. (Not `equinox.internal.create_vprim`'s rule:
+    its transpose cannot return a batched cotangent for an unbatched operand, which
+    reverse over reverse mode meets under `jax.jacrev`.)"""
+    params = dict(treedef=treedef, static=static, flatten=flatten)
+    if all(b is None for b in batch_axes):
+        out = _custom_linear_p.bind(*dynamic, **params)
+        return out, [None] * len(out)
+    res, lin, fn, fn_t, out, out_t, effects = _unflatten(dynamic, treedef, static)
+    no_axes = [x if _is_dynamic(x) else None for x in static]
+    res_axes, lin_axes = _unflatten(batch_axes, treedef, no_axes)[:2]
+    vmap = ft.partial(jax.vmap, axis_size=axis_size, axis_name=axis_name)
+
+    def fn_batched(res, lin):
+        dyn, static_res = eqx.partition(res, eqx.is_array)
+
+        def one(dyn, lin):
+            return fn(eqx.combine(dyn, static_res), lin)
+
+        return vmap(one, in_axes=(res_axes, lin_axes))(dyn, lin)
+
+    def fn_t_batched(res, ct):
+        dyn, static_res = eqx.partition(res, eqx.is_array)
+
+        def one(dyn, ct):
+            return fn_t(eqx.combine(dyn, static_res), ct)
+
+        ct_lin = vmap(one, in_axes=(res_axes, 0))(dyn, ct)
+        return jtu.tree_map(
+            lambda c, a: (
+                None if c is None else c.sum(0) if a is None else jnp.moveaxis(c, 0, a)
+            ),
+            ct_lin,
+            lin_axes,
+            is_leaf=_is_none,
+        )
+
+    out = jtu.tree_map(lambda s: _with_axis(s, 0, axis_size), out)
+    out_t = jtu.tree_map(
+        lambda s, a: _with_axis(s, a, axis_size) if a is not None else s,
+        out_t,
+        lin_axes,
+        is_leaf=_is_none,
+    )
+    result = custom_linear(
+        fn_batched, fn_t_batched, res, lin, None if effects else out, out_t
+    )
+    flat = flatten(result)
+    return flat, [0] * len(flat)
+
+
+_custom_linear_p = jax.extend.core.Primitive("moe_eqx_custom_linear")
+_custom_linear_p.multiple_results = True
+_custom_linear_p.def_impl(eqxi.filter_primitive_def(_impl))
+ad.primitive_jvps[_custom_linear_p] = eqxi.filter_primitive_jvp(_jvp)
+ad.primitive_transposes[_custom_linear_p] = _transpose
+batching.axis_primitive_batchers[_custom_linear_p] = _batch
+mlir.register_lowering(
+    _custom_linear_p,
+    mlir.lower_fun(eqxi.filter_primitive_def(_impl), multiple_results=True),
 )
 
 
@@ -227,6 +306,49 @@ def symbolic_zeros_to_none(tangents: Any) -> Any:
         tangents,
         is_leaf=_is_symbolic_zero,
     )
+
+
+@eqx.filter_custom_jvp
+def _fused(args, *, fast, reference):
+    return fast(*args)
+
+
+@_fused.def_jvp
+def _fused_jvp(primals, tangents, *, fast, reference):
+    (args,) = primals
+    (t_args,) = tangents
+    out = _fused(args, fast=fast, reference=reference)
+    # Only the arguments that have a tangent are differentiated.
+    wanted = jtu.tree_map(lambda t: t is not None, t_args, is_leaf=_is_none)
+    diff, rest = eqx.partition(args, wanted)
+    t_diff = eqx.filter(t_args, wanted, is_leaf=_is_none)
+
+    def of_diff(diff):
+        return reference(*eqx.combine(diff, rest))
+
+    return out, jax.jvp(of_diff, (diff,), (t_diff,))[1]
+
+
+def fused(fast: Callable[..., Any], reference: Callable[..., Any], *args: Any) -> Any:
+    """`fast(*args)`, differentiated as `reference(*args)`: the same function, once as
+    a fused loop (typically with a traced trip count, which JAX can evaluate and
+    differentiate in forward mode but never transpose) and once as a composition of
+    pieces with their own derivatives (each a `jax.custom_jvp` whose tangent is a
+    `custom_linear`, or plain JAX), so that every order of derivative is defined
+    while each order's value still comes from the fused loop.
+
+    **Arguments:**
+
+    - `fast`, `reference`: `(*args) -> out`, equal as functions, with one precision
+        policy; no closed-over arrays.
+    - `args`: any PyTrees; non-array leaves are static.
+
+    **Returns:**
+
+    `fast(*args)`. Its derivatives (forward mode, and reverse mode through their
+    transposes) are `reference`'s, in the arguments that have a tangent only.
+    """
+    return _fused(args, fast=fast, reference=reference)
 
 
 def custom_linear(

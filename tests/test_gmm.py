@@ -265,26 +265,38 @@ def test_ffn_grad_acc(backend):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "dense"])
-def test_ffn_grad_acc_weights_get_zero(backend):
-    """Differentiated with respect to the weights too, `ffn` with `grad_acc` gives
-    them a zero cotangent (their gradient goes to the accumulators)."""
+def test_ffn_grad_acc_is_a_true_transpose(backend):
+    """`ffn` with `grad_acc` is `(ffn(x, w + acc - acc'), acc)` (`acc'` a constant):
+    differentiated with respect to the weights too, they get their gradient and the
+    accumulators theirs plus the output accumulators' cotangent (the weights got a
+    zero cotangent before, which was not the transpose of the tangent); in forward
+    mode the accumulators' tangent adds to the weights'."""
     impl = BACKENDS[backend]
     x, w_gu, w_dn, sizes, dy = _ffn_data(M, D_MODEL, D_FF, CASES["skewed"], seed=2)
     acc = _acc((w_gu, w_dn), 2)
+    acc_ct = _acc((w_gu, w_dn), 3)
+    t_acc = _acc((w_gu, w_dn), 4)
+
+    def ffn_acc(x, w_gate_up, w_down, acc):
+        return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc=acc)
 
     @jax.jit
     def run(x, w_gate_up, w_down, acc, dy):
-        def ffn_acc(x, w_gate_up, w_down, acc):
-            return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc=acc)
-
         _, vjp = jax.vjp(ffn_acc, x, w_gate_up, w_down, acc)
-        return vjp((dy, tuple(jnp.zeros_like(a) for a in acc)))
+        zero = (jnp.zeros_like(x), jnp.zeros_like(w_gate_up), jnp.zeros_like(w_down))
+        _, t_out = jax.jvp(ffn_acc, (x, w_gate_up, w_down, acc), (*zero, t_acc))
+        return vjp((dy, acc_ct)), t_out
 
-    d_x, d_gu, d_dn, d_acc = run(x, w_gu, w_dn, acc, dy)
+    (d_x, d_gu, d_dn, d_acc), (t_y, t_acc_out) = run(x, w_gu, w_dn, acc, dy)
     _, (ref_x, ref_gu, ref_dn) = _ref_ffn_vjp(x, w_gu, w_dn, sizes, dy)
-    assert _zero(d_gu) and _zero(d_dn)
     _close(d_x, ref_x)
-    _close_trees(d_acc, (ref_gu, ref_dn))
+    _close_trees((d_gu, d_dn), (ref_gu, ref_dn))
+    _close_trees(d_acc, (acc_ct[0] + ref_gu, acc_ct[1] + ref_dn))
+    ref_t = jax.jvp(
+        lambda a, b: _ref_ffn(x, a, b, sizes), (w_gu, w_dn), (t_acc[0], t_acc[1])
+    )[1]
+    _close(t_y, ref_t)
+    _close_trees(t_acc_out, t_acc)
 
 
 def test_expert_ffn_calls_backend_ffn():
@@ -1185,3 +1197,90 @@ def test_benchmark_smoke(script, flags, tmp_path):
     out = tmp_path / "out.json"
     results = module["main"]([*flags, "--out", str(out)])
     assert results["rows"] and json.loads(out.read_text())["rows"]
+
+
+# --- reverse over reverse ----------------------------------------------------------
+
+
+def _ffn_acc_op(impl):
+    def f(x, w_gate_up, w_down, acc_gu, acc_dn, sizes):
+        y, acc = impl.ffn(x, w_gate_up, w_down, sizes, grad_acc=(acc_gu, acc_dn))
+        return y, *acc
+
+    return f
+
+
+def _ref_ffn_acc(x, w_gate_up, w_down, acc_gu, acc_dn, sizes):
+    # The accumulators' derivative is the weights' (`AbstractGMMBackend.ffn`).
+    w_gate_up = w_gate_up + acc_gu - lax.stop_gradient(acc_gu)
+    w_down = w_down + acc_dn - lax.stop_gradient(acc_dn)
+    return _ref_ffn(x, w_gate_up, w_down, sizes), acc_gu, acc_dn
+
+
+def _reverse_over_reverse(f, w, args, tangents, jacrev: bool):
+    """Reverse-over-reverse transformations of the loss `sum(sin(f(*args)) * w)` (plus
+    `sum(sin(acc))` of any accumulators `f` returns): the gradient of a gradient
+    penalty `sum(grad**2)`, the Hessian-vector product `grad(<grad, tangents>)`, and
+    `jax.jacrev(jax.jacrev(loss))`."""
+
+    def loss(*a):
+        y, *acc = f(*a)
+        return jnp.sum(jnp.sin(y) * w) + sum(jnp.sum(jnp.sin(c)) for c in acc)
+
+    every = tuple(range(len(args)))
+    grad = jax.grad(loss, every)
+
+    def penalty(*a):
+        return sum(jnp.sum(jnp.square(g)) for g in grad(*a))
+
+    def inner(*a):
+        return sum(jnp.vdot(g, t) for g, t in zip(grad(*a), tangents, strict=True))
+
+    out = {
+        "penalty": jax.grad(penalty, every)(*args),
+        "hvp": jax.grad(inner, every)(*args),
+    }
+    if jacrev:
+        out["jacrev(jacrev)"] = jax.jacrev(jax.jacrev(loss, every), every)(*args)
+    return out
+
+
+_SECOND_ORDER_OPS = {
+    "gmm": (_gmm_op, _ref_gmm),
+    "ffn": (_ffn_op, _ref_ffn),
+    "ffn_acc": (_ffn_acc_op, _ref_ffn_acc),
+}
+
+
+@pytest.mark.parametrize("op", list(_SECOND_ORDER_OPS))
+@pytest.mark.parametrize("backend", TRANSFORM_BACKENDS)
+def test_reverse_over_reverse(op, backend):
+    """Second derivatives by reverse over reverse mode (a gradient penalty's gradient,
+    a Hessian-vector product as the gradient of `<grad, v>`, `jax.jacrev` of
+    `jax.jacrev`) through `me.gmm`, `backend.ffn` and the accumulating `ffn`, in every
+    argument, against the same transformations of the one-hot reference. (The tiled
+    loops' trip counts are traced: JAX transposes none of them; `lax.ragged_dot`
+    cannot be `vmap`ped, so `jax.jacrev` of `jax.jacrev` is left out for it.)"""
+    args, tangents, sizes, w = _small_args("gmm" if op == "gmm" else "ffn", seed=7)
+    if op == "ffn_acc":
+        rng = np.random.default_rng(8)
+        acc = tuple(
+            jnp.asarray(rng.standard_normal(a.shape) / 2, jnp.float32) for a in args[1:]
+        )
+        args, tangents = (*args, *acc), (*tangents, *acc)
+    op_of, ref = _SECOND_ORDER_OPS[op]
+    ours = op_of(BACKENDS[backend])
+    jacrev = backend != "ragged_dot"
+
+    def run(f):
+        def single(*a):
+            out = f(*a, sizes)
+            return out if isinstance(out, tuple) else (out,)
+
+        return jax.jit(lambda a, t: _reverse_over_reverse(single, w, a, t, jacrev))(
+            args, tangents
+        )
+
+    got, want = run(ours), run(ref)
+    assert set(got) == {"penalty", "hvp"} | ({"jacrev(jacrev)"} if jacrev else set())
+    _close_trees(got, want)
