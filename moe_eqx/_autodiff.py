@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
 
 def _is_none(x) -> bool:
@@ -391,3 +391,144 @@ def custom_linear(
     return eqxi.filter_primitive_bind(
         _custom_linear_p, res, lin, fn, fn_t, out, out_t, effects
     )
+
+
+# ---------------------------------------------------------------------------------
+# A primal and its tangent in one pass where the tangent is evaluated.
+
+
+class _Pair:
+    """The static part of a `primal_and_tangent` call (compared by identity)."""
+
+    def __init__(self, treedef, static, primal, joint, fn, fn_t, out_t):
+        self.treedef, self.static = treedef, static
+        self.primal, self.joint, self.fn, self.fn_t = primal, joint, fn, fn_t
+        self.out_t = out_t
+        self.split_jaxpr = self.out = None
+
+    def args(self, dynamic):
+        return _unflatten(dynamic, self.treedef, self.static)
+
+    def split(self, *dynamic):
+        """`(primal(res), custom_linear(fn, fn_t, res, lin))`."""
+        res, lin = self.args(dynamic)
+        tangent = custom_linear(self.fn, self.fn_t, res, lin, self.out_t)
+        return self.primal(res), tangent
+
+    def split_flat(self, *dynamic):
+        return jtu.tree_leaves(self.split(*dynamic))
+
+
+def _pair_impl(*dynamic, pair):
+    return jtu.tree_leaves(pair.joint(*pair.args(dynamic)))
+
+
+def _pair_abstract_eval(*avals, pair):
+    return [v.aval for v in pair.split_jaxpr.jaxpr.outvars], pair.split_jaxpr.effects
+
+
+def _pair_jvp(primals, tangents, *, pair):
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(pair.split_flat, tuple(primals), tangents)
+
+
+def _pair_batch(axis_size, axis_name, _, dynamic, batch_axes, *, pair):
+    """`vmap`: the two calls, the primal unbatched where `res` is (as `jax.jacfwd`
+    needs)."""
+    no_axes = [x if _is_dynamic(x) else None for x in pair.static]
+    res_axes, lin_axes = _unflatten(batch_axes, pair.treedef, no_axes)
+    res, lin = pair.args(dynamic)
+    vmap = ft.partial(jax.vmap, axis_size=axis_size, axis_name=axis_name)
+    dyn, static = eqx.partition(res, eqx.is_array)
+
+    def primal(dyn):
+        return pair.primal(eqx.combine(dyn, static))
+
+    def tangent(dyn, lin):
+        res = eqx.combine(dyn, static)
+        return custom_linear(pair.fn, pair.fn_t, res, lin, pair.out_t)
+
+    if any(a is not None for a in jtu.tree_leaves(res_axes)):
+        primal_out, primal_axis = vmap(primal, in_axes=(res_axes,))(dyn), 0
+    else:
+        primal_out, primal_axis = primal(dyn), None
+    primal_out = jtu.tree_leaves(primal_out)
+    tangent_out = jtu.tree_leaves(vmap(tangent, in_axes=(res_axes, lin_axes))(dyn, lin))
+    axes = [primal_axis] * len(primal_out) + [0] * len(tangent_out)
+    return [*primal_out, *tangent_out], axes
+
+
+def _pair_partial_eval(trace, *tracers, pair):
+    """Partial evaluation (`jax.linearize`, reverse mode): the primal now, the linear
+    tangent staged."""
+    with jax.extend.core.set_current_trace(trace):
+        return pair.split_flat(*tracers)
+
+
+def _pair_partial_eval_jaxpr(saveable, unks_in, inst_in, eqn):
+    """The same on a jaxpr (`jax.checkpoint`): the equation as a call of the split
+    form (traced when the primitive was bound, where its axis names were known)."""
+    split_jaxpr = eqn.params["pair"].split_jaxpr
+    closed_call_p = jax.extend.core.primitives.closed_call_p
+    call = eqn.replace(
+        primitive=closed_call_p,
+        params=dict(call_jaxpr=split_jaxpr),
+        effects=split_jaxpr.effects,
+    )
+    rule = pe.partial_eval_jaxpr_custom_rules[closed_call_p]
+    return rule(saveable, unks_in, inst_in, call)
+
+
+_pair_p = jax.extend.core.Primitive("moe_eqx_primal_and_tangent")
+_pair_p.multiple_results = True
+_pair_p.def_impl(_pair_impl)
+_pair_p.def_effectful_abstract_eval(_pair_abstract_eval)
+ad.primitive_jvps[_pair_p] = _pair_jvp
+batching.axis_primitive_batchers[_pair_p] = _pair_batch
+pe.custom_partial_eval_rules[_pair_p] = _pair_partial_eval
+pe.partial_eval_jaxpr_custom_rules[_pair_p] = _pair_partial_eval_jaxpr
+mlir.register_lowering(_pair_p, mlir.lower_fun(_pair_impl, multiple_results=True))
+
+
+def _is_unknown(x) -> bool:
+    return isinstance(x, pe.JaxprTracer) and not x.pval.is_known()
+
+
+def primal_and_tangent(
+    primal: Callable[[Any], Any],
+    joint: Callable[[Any, Any], Any],
+    fn: Callable[[Any, Any], Any],
+    fn_t: Callable[[Any, Any], Any],
+    res: Any,
+    lin: Any,
+    out_t: Any,
+) -> tuple[Any, Any]:
+    """`(primal(res), custom_linear(fn, fn_t, res, lin))`, the outputs of a
+    `jax.custom_jvp` rule, evaluated as `joint(res, lin)`, one pass for both (e.g. one
+    loop carrying the value and its tangent), wherever the tangent is evaluated
+    (forward mode). Under partial evaluation (`jax.linearize`, reverse mode,
+    `jax.checkpoint`) it is split: `primal(res)` computed, the tangent staged for its
+    transpose `fn_t`. Differentiated or `vmap`ped, it is the two calls.
+
+    **Arguments:**
+
+    - `primal`: `res -> primal_out`, calling the custom_jvp function itself (so that
+        its own derivatives are its rule's).
+    - `joint`: `(res, lin) -> (primal_out, tangent_out)`, equal to the two calls.
+    - `fn`, `fn_t`, `res`, `lin`: as for `custom_linear` (`fn` the tangent).
+    - `out_t`: `fn`'s output as `jax.ShapeDtypeStruct`s.
+
+    **Returns:**
+
+    `(primal_out, tangent_out)`.
+    """
+    flat, treedef = jtu.tree_flatten((res, lin))
+    if any(_is_unknown(x) for x in flat):
+        # Already being linearized: no pass evaluates the tangent.
+        return primal(res), custom_linear(fn, fn_t, res, lin, out_t)
+    dynamic = [x for x in flat if eqx.is_array(x)]
+    static = tuple(_MISSING if eqx.is_array(x) else x for x in flat)
+    pair = _Pair(treedef, static, primal, joint, fn, fn_t, jtu.tree_map(_struct, out_t))
+    pair.split_jaxpr, out = jax.make_jaxpr(pair.split, return_shape=True)(*dynamic)
+    flat_out = _pair_p.bind(*dynamic, pair=pair)
+    return jtu.tree_unflatten(jtu.tree_structure(out), flat_out)

@@ -10,13 +10,17 @@ of the capped trip, so no pair is ever dropped, the memory stays that of the cap
 path, and the trip is compiled once.
 
 Derivatives (`jax.custom_jvp`, the tangent a `custom_linear`, see
-`moe_eqx._autodiff`): forward mode differentiates the loop directly; reverse mode
-keeps no residuals at all, and its backward re-runs the pieces one at a time,
-differentiating each and summing the expert weights' gradients in place in one
-float32 accumulator. The loop count is traced, so a step that does not overflow runs
-the capped trip once forward and once more in its backward. (Carrying the last
-piece's residuals from the forward loop instead compiled more and ran slower on
-XLA:CPU: see `docs/measured.md`.)
+`moe_eqx._autodiff`): forward mode differentiates the loop directly, one loop carrying
+the value and its tangent (`primal_and_tangent`); reverse mode keeps no residuals at
+all, and its backward re-runs the pieces one at a time, differentiating each and
+summing the expert weights' gradients in place in one float32 accumulator. The loop
+count is traced, so a step that does not overflow runs the capped trip once forward
+and once more in its backward. (Carrying the last piece's residuals from the forward
+loop instead compiled more and ran slower on XLA:CPU: see `docs/measured.md`.) JAX
+cannot transpose a loop with a traced count, so for higher orders the backward and
+the tangent are differentiated as the same loops over `num_chunks` trips, the pieces
+past the count skipped (`moe_eqx._autodiff.fused`); their reverse mode keeps each
+trip's residuals.
 """
 
 import functools as ft
@@ -30,7 +34,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
-from ._autodiff import custom_linear, fused, symbolic_zeros_to_none
+from ._autodiff import fused, primal_and_tangent, symbolic_zeros_to_none
 from ._overflow import BufferSizes
 from ._rules import acc_dtype, per_token_counts
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
@@ -232,8 +236,9 @@ def _piece_pullback(res: _Res, p):
     return jax.vjp(trip, *diff)[1]
 
 
-def _tangent_loop(res: _Res, lin, bounded: bool):
-    """Forward mode: the loop differentiated directly (it keeps no residuals)."""
+def _jvp_loop(res: _Res, lin, bounded: bool):
+    """Forward mode: `((y, stats), t_y)`, the loop differentiated directly, one loop
+    carrying the value and its tangent (it keeps no residuals)."""
     i = res.inputs
     primals = (i.x, i.weights, i.w_gate_up, i.w_down)
     tangents = tuple(
@@ -246,9 +251,14 @@ def _tangent_loop(res: _Res, lin, bounded: bool):
             res.inputs,
             (x, weights, w_gate_up, w_down),
         )
-        return _loop(res.spec, res.num_chunks, res.overflow, inputs, bounded)[0]
+        return _loop(res.spec, res.num_chunks, res.overflow, inputs, bounded)
 
-    return jax.jvp(y_of, primals, tangents)[1]
+    y, t_y, stats = jax.jvp(y_of, primals, tangents, has_aux=True)
+    return (y, stats), t_y
+
+
+def _tangent_loop(res: _Res, lin, bounded: bool):
+    return _jvp_loop(res, lin, bounded)[1]
 
 
 def _tangent(res: _Res, lin):
@@ -291,14 +301,26 @@ def _transpose(res: _Res, dy):
     return fused(fast, reference, res, dy)
 
 
+def _primal(res: _Res):
+    return _dropless(res.spec, res.num_chunks, res.overflow, res.inputs)
+
+
 def _dropless_jvp(spec, num_chunks, primals, tangents):
     overflow, inputs = primals
     _, t = symbolic_zeros_to_none(tangents)
-    y, stats = _dropless(spec, num_chunks, overflow, inputs)
     lin = (t.x, t.weights, t.w_gate_up, t.w_down)
     want = _Want(*(a is not None for a in lin))
     res = _Res(spec, num_chunks, want, overflow, inputs)
-    t_y = custom_linear(_tangent, _transpose, res, lin, y)
+    # `y` is as wide as the experts' output (`x` may carry a folded bias column).
+    out_t = jax.ShapeDtypeStruct(
+        (inputs.x.shape[0], inputs.w_down.shape[-1]), inputs.x.dtype
+    )
+    # Forward mode runs one loop for the value and its tangent; reverse mode runs
+    # the loop for the value, and `_transpose` for the backward.
+    joint = ft.partial(_jvp_loop, bounded=False)
+    (y, stats), t_y = primal_and_tangent(
+        _primal, joint, _tangent, _transpose, res, lin, out_t
+    )
     t_stats = jtu.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), stats)
     return (y, stats), (t_y, t_stats)
 
