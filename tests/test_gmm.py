@@ -1284,3 +1284,93 @@ def test_reverse_over_reverse(op, backend):
     got, want = run(ours), run(ref)
     assert set(got) == {"penalty", "hvp"} | ({"jacrev(jacrev)"} if jacrev else set())
     _close_trees(got, want)
+
+
+def _opaque(fn, shape, *args):
+    """`fn(*args)` (float64 numpy) as a host callback of `shape`: evaluated, never
+    differentiated (JAX has no derivative of it), like a kernel."""
+
+    def host(*a):
+        return np.asarray(fn(*a), np.float32)
+
+    out = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.pure_callback(host, out, *args, vmap_method="sequential")
+
+
+@pytest.mark.parametrize("transpose_in_kernel", [True, False])
+def test_mosaic_reverse_over_reverse_rules(monkeypatch, transpose_in_kernel):
+    """The Mosaic backend's derivative rules to the second order in reverse mode:
+    which kernel computes which cotangent, with which tiling and `transpose_rhs`, with
+    no derivative of a kernel ever asked of JAX. The two kernel entry points are
+    replaced by opaque host callbacks with their contracts (the kernels themselves
+    run in the interpreter tests, which this jax cannot run for the backward
+    kernels), and the transformations compared with the reference's."""
+    from moe_eqx._gmm.mosaic_gpu import derivatives
+
+    fwd, dlhs, drhs = (mi.MosaicTileConfig(64, 64, 64, s, 1) for s in (2, 3, 4))
+    calls = set()
+
+    def ragged(lhs, rhs, sizes, config, transpose_rhs):
+        calls.add(("ragged", config, transpose_rhs))
+        if transpose_rhs:
+            rhs = jnp.swapaxes(rhs, 1, 2)
+        shape = (lhs.shape[0], rhs.shape[2])
+        return _opaque(_numpy_gmm, shape, lhs, rhs, sizes)
+
+    def transposed_ragged(lhs, d_out, sizes, config):
+        calls.add(("transposed_ragged", config))
+        shape = (sizes.shape[0], lhs.shape[1], d_out.shape[1])
+        d_rhs = lambda *a: _numpy_grads(*a)[1]  # noqa: E731
+        rhs = jnp.zeros(shape, lhs.dtype)
+        return _opaque(d_rhs, shape, lhs, rhs, sizes, d_out)
+
+    monkeypatch.setattr(derivatives, "ragged", ragged)
+    monkeypatch.setattr(derivatives, "transposed_ragged", transposed_ragged)
+    ours = derivatives.mosaic_gmm(fwd, dlhs, drhs, transpose_in_kernel)
+    args, tangents, sizes, w = _small_args("gmm", seed=9)
+
+    def run(f):
+        def single(*a):
+            return (f(*a, sizes),)
+
+        return jax.jit(lambda a, t: _reverse_over_reverse(single, w, a, t, True))(
+            args, tangents
+        )
+
+    _close_trees(run(ours), run(_ref_gmm))
+    assert calls == {
+        ("ragged", fwd, False),
+        ("ragged", dlhs, transpose_in_kernel),
+        ("transposed_ragged", drhs),
+    }
+
+
+@_INTERPRETER_RUNS_DERIVATIVES
+def test_mosaic_reverse_over_reverse_in_interpreter():
+    """Reverse over reverse through the kernels (`jax.grad` of `<jax.grad(f), t>`).
+    The loss is bilinear in `(lhs, rhs)`, so this Hessian-vector product is
+    `(gmm(d_out, t_rhs^T), t_lhs_g^T d_out_g)`."""
+    config = mi.MosaicTileConfig(64, 64, 64, 2, 1)
+    backend = me.MosaicGPUGMM(fwd_config=config, dlhs_config=config, drhs_config=config)
+    lhs, rhs, sizes, d_out = _bf16_data(100, 64, 128, [0, 40, 0, 50], seed=13)
+    t_lhs, t_rhs, _, _ = _bf16_data(100, 64, 128, [0, 40, 0, 50], seed=14)
+
+    def loss(a, b):
+        out = me.gmm(a, b, sizes, backend=backend).astype(jnp.float32)
+        return jnp.sum(out * d_out.astype(jnp.float32))
+
+    @jax.jit
+    def hvp(a, b, t_a, t_b):
+        def inner(a, b):
+            g_a, g_b = jax.grad(loss, (0, 1))(a, b)
+            return jnp.vdot(g_a.astype(jnp.float32), t_a.astype(jnp.float32)) + (
+                jnp.vdot(g_b.astype(jnp.float32), t_b.astype(jnp.float32))
+            )
+
+        return jax.grad(inner, (0, 1))(a, b)
+
+    with _interpreted():
+        hvp_lhs, hvp_rhs = hvp(lhs, rhs, t_lhs, t_rhs)
+    f32 = _f32(lhs, rhs, d_out, t_lhs, t_rhs)
+    _close_bf16(hvp_lhs, _numpy_grads(f32[0], f32[4], sizes, f32[2])[0])
+    _close_bf16(hvp_rhs, _numpy_grads(f32[3], f32[1], sizes, f32[2])[1])

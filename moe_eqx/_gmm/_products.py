@@ -31,7 +31,13 @@ from .._autodiff import custom_linear, fused, symbolic_zeros_to_none
 
 class AbstractProducts(eqx.Module):
     """A backend's raw grouped products (see the module); rows at or beyond
-    `sum(group_sizes)` belong to no group: zero rows out, no contribution to `tgmm`."""
+    `sum(group_sizes)` belong to no group: zero rows out, no contribution to `tgmm`.
+
+    `has_effects`: whether the products have side effects (a Pallas kernel in its
+    interpreter), which the derivative rules then find by tracing them.
+    """
+
+    has_effects: eqx.AbstractClassVar[bool]
 
     @abc.abstractmethod
     def gmm(
@@ -126,7 +132,8 @@ def _product_jvp(kind, products, primals, tangents):
     out = _product(kind, products, a, b, group_sizes)
     res = (kind, products, a, b, group_sizes)
     transpose = ft.partial(_transpose, want=(t_a is not None, t_b is not None))
-    return out, custom_linear(_tangent, transpose, res, (t_a, t_b), out)
+    out_struct = None if products.has_effects else out
+    return out, custom_linear(_tangent, transpose, res, (t_a, t_b), out_struct)
 
 
 _product.defjvp(_product_jvp, symbolic_zeros=True)

@@ -9,6 +9,8 @@ emit), so every order is defined; JAX's own would fail at the second order in re
 mode (it has no transpose of the weights' gradient, a ragged contraction).
 """
 
+from typing import ClassVar
+
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
@@ -41,6 +43,8 @@ def _ragged(a, b, group_sizes, dims=None):
 
 
 class _RaggedDotProducts(AbstractProducts):
+    has_effects: ClassVar[bool] = False
+
     def gmm(self, a, b, group_sizes):
         return _ragged(a, b, group_sizes).astype(a.dtype)
 

@@ -25,7 +25,7 @@ composed of those products and plain-JAX activations (`moe_eqx._autodiff.fused`)
 """
 
 import functools as ft
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -183,6 +183,7 @@ class _TiledProducts(AbstractProducts):
     """The loops over windows of `window` rows."""
 
     window: int = eqx.field(static=True)
+    has_effects: ClassVar[bool] = False
 
     def gmm(self, a, b, group_sizes):
         return _gmm_forward(a, b, group_sizes, self.window)
