@@ -1,10 +1,11 @@
-"""Second derivatives through the layer by reverse over reverse mode: the gradient of
-a gradient penalty (in the input and every parameter), Hessian-vector products as the
-gradient of `<grad, v>` in every parameter (router weight, expert weights), and
-`jax.jacrev(jax.jacrev(loss))`, each equal to the same transformation of the dense
-oracle `moe_eqx.reference_moe` (plain JAX, differentiated by JAX), on one device and
-over an 8-device mesh in drop and fallback modes, the fallback both passed through and
-really taken (adversarial routing)."""
+"""Second derivatives through the layer with reverse mode outside: the gradient of a
+gradient penalty plus `<grad, v>` (reverse over reverse, so a Hessian-vector product)
+plus a directional derivative (reverse over forward), in the input and every
+parameter (router weight, expert weights), and `jax.jacrev(jax.jacrev(loss))`, each
+equal to the same transformation of the dense oracle `moe_eqx.reference_moe` (plain
+JAX, differentiated by JAX), on one device and over an 8-device mesh in drop and
+fallback modes, the fallback both passed through and really taken (adversarial
+routing)."""
 
 import equinox as eqx
 import jax
@@ -35,29 +36,28 @@ def _loss(y):
     return jnp.sum(jnp.sin(y.astype(jnp.float32)))
 
 
-def _second_order(forward, params, static, x, v_params):
-    """`(penalty, hvp, jacrev2)`: the gradient in `(params, x)` of the gradient
-    penalty `|d loss / dx|^2`; the gradient in `params` of `<d loss / d params,
-    v_params>` (a Hessian-vector product); and `jax.jacrev(jax.jacrev(loss))` in two
-    entries of `x`."""
+def _second_order(forward, params, static, x, v_params, v_x):
+    """`(grads, jacrev2)`: the gradient in `(params, x)` of the gradient penalty
+    `|d loss / dx|^2` plus `<d loss / d params, v_params>` (reverse over reverse: the
+    gradient in `params` holds a Hessian-vector product in the parameters) plus the
+    directional derivative along `(v_params, v_x)` (reverse over forward), and
+    `jax.jacrev(jax.jacrev(loss))` in two entries of `x`."""
 
     def loss(params, x):
         return _loss(forward(eqx.combine(params, static), x))
 
     def penalty(params, x):
-        return jnp.sum(jnp.square(jax.grad(loss, argnums=1)(params, x)))
-
-    def inner(params):
-        g = jax.grad(loss)(params, x)
-        leaves = zip(jax.tree.leaves(g), jax.tree.leaves(v_params), strict=True)
-        return sum(jnp.vdot(a, b) for a, b in leaves)
+        g_params, g_x = jax.grad(loss, argnums=(0, 1))(params, x)
+        leaves = zip(jax.tree.leaves(g_params), jax.tree.leaves(v_params), strict=True)
+        hvp = sum(jnp.vdot(a, b) for a, b in leaves)
+        directional = jax.jvp(loss, (params, x), (v_params, v_x))[1]
+        return jnp.sum(jnp.square(g_x)) + hvp + directional
 
     def of_corner(corner):
         return loss(params, x.at[0, :2].set(corner))
 
     return (
         jax.grad(penalty, argnums=(0, 1))(params, x),
-        jax.grad(inner)(params),
         jax.jacrev(jax.jacrev(of_corner))(x[0, :2]),
     )
 
@@ -88,9 +88,9 @@ def case_setup():
             return layer(x, mesh=m)[0]
 
         @jax.jit
-        def run(params, x, v_params):
+        def run(params, x, v_params, v_x):
             stats = eqx.combine(params, static)(x, mesh=m)[1]
-            out = _second_order(ours, params, static, x, v_params)
+            out = _second_order(ours, params, static, x, v_params, v_x)
             return out, stats
 
         built[case] = (layer, run)
@@ -100,8 +100,8 @@ def case_setup():
 
 
 @eqx.filter_jit
-def _oracle(params, static, x, v_params):
-    return _second_order(me.reference_moe, params, static, x, v_params)
+def _oracle(params, static, x, v_params, v_x):
+    return _second_order(me.reference_moe, params, static, x, v_params, v_x)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def test_second_derivatives_match_the_oracle(case_setup, case, routing):
     num_shards = CASES[case][0]
     bias = routing_bias(routing, 8, 2, num_shards)
     layer = with_bias(layer, bias)
-    kx, kp = jr.split(jr.key(len(case) + len(routing)))
+    kx, kp, kv = jr.split(jr.key(len(case) + len(routing)), 3)
     x = tokens(kx, TOKENS, D_MODEL)
     params, static = eqx.partition(layer, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(params)
@@ -121,18 +121,18 @@ def test_second_derivatives_match_the_oracle(case_setup, case, routing):
     v_params = jax.tree.unflatten(
         treedef, [jr.normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves)]
     )
+    v_x = jr.normal(kv, x.shape)
 
-    got, stats = run(params, x, v_params)
+    got, stats = run(params, x, v_params, v_x)
     assert int(stats.dropped_pairs) == 0  # the oracle computes every pair
     taken = routing == "one_expert"
     assert bool(stats.fallback_used) == (taken and case == "EP8 fallback")
-    penalty, hvp, jacrev2 = got
-    want_penalty, want_hvp, want_jacrev2 = _oracle(params, static, x, v_params)
+    grads, jacrev2 = got
+    want_grads, want_jacrev2 = _oracle(params, static, x, v_params, v_x)
     # Every parameter's second derivatives: the router's weight (and its selection
-    # bias, a constant for the derivatives) and both expert weights.
+    # bias, a constant for the derivatives) and both expert weights; and the input's.
     for name, a, b in (
-        ("penalty", penalty, want_penalty),
-        ("hvp", hvp, want_hvp),
+        ("penalty", grads, want_grads),
         ("jacrev(jacrev)", jacrev2, want_jacrev2),
     ):
         paths = jax.tree_util.tree_flatten_with_path(a)[0]
