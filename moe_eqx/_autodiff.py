@@ -16,9 +16,17 @@ exchange trips, the slot weights, the chunked fallback) instead define a
   it and differentiates an equal composition of differentiable pieces instead.
 - `vmap` makes a `custom_linear` of the `vmap`ped `fn` and `fn_t`, so `jax.jacfwd`,
   `jax.jacrev` and per-example gradients work too.
+- A custom_jvp rule computes its primal through the custom_jvp function itself (not
+  the raw computation), so that a higher order differentiates the primal by the
+  same rule.
 
 `fn` and `fn_t` must be pure functions of their arguments (no closed-over arrays):
 every array they need travels in `res`.
+
+`primal_and_tangent` lets a rule's forward mode compute the value and its tangent in
+one pass (one loop), where they are otherwise two. Like the primitives' rules (on
+`jax.interpreters.ad`, `batching`, `mlir`), it uses JAX's interpreter hooks: those of
+partial evaluation (`jax.interpreters.partial_eval`).
 """
 
 import functools as ft
