@@ -9,13 +9,24 @@ exchange trips, the slot weights, the chunked fallback) instead define a
 
 - Forward mode and `jax.linearize` evaluate `fn`.
 - Reverse mode transposes it: the backward is `fn_t`, the stage's own.
-- Forward-over-reverse (Hessian-vector products) differentiates `fn_t` with respect
-  to the residuals by plain forward-mode autodiff.
-- `vmap` batches every rule (`equinox.internal.create_vprim`), so `jax.jacfwd` and
-  per-example gradients work too.
+- Higher orders differentiate `fn_t` (and `fn`) with respect to the residuals by
+  plain forward-mode autodiff, and reverse modes transpose that: so `fn` and `fn_t`
+  must themselves be differentiable in both modes. A loop whose trip count is traced
+  is not (JAX cannot transpose it): such a loop is wrapped in `fused`, which evaluates
+  it and differentiates an equal composition of differentiable pieces instead.
+- `vmap` makes a `custom_linear` of the `vmap`ped `fn` and `fn_t`, so `jax.jacfwd`,
+  `jax.jacrev` and per-example gradients work too.
+- A custom_jvp rule computes its primal through the custom_jvp function itself (not
+  the raw computation), so that a higher order differentiates the primal by the
+  same rule.
 
 `fn` and `fn_t` must be pure functions of their arguments (no closed-over arrays):
 every array they need travels in `res`.
+
+`primal_and_tangent` lets a rule's forward mode compute the value and its tangent in
+one pass (one loop), where they are otherwise two. Like the primitives' rules (on
+`jax.interpreters.ad`, `batching`, `mlir`), it uses JAX's interpreter hooks: those of
+partial evaluation (`jax.interpreters.partial_eval`).
 """
 
 import functools as ft
@@ -25,11 +36,12 @@ from typing import Any
 import equinox as eqx
 import equinox.internal as eqxi
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
-from jax.interpreters import ad
+from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
 
 def _is_none(x) -> bool:
@@ -160,8 +172,13 @@ def _transpose(cts, *dynamic, treedef, static, flatten):
     res, lin, fn, fn_t, out_structs, out_t, effects = jtu.tree_unflatten(
         treedef, leaves
     )
+    # (`out_structs` has `None` where a transposed primitive's `fn_t` had no
+    # cotangent: that linear operand stays `None`, a zero.)
     cts = jtu.tree_map(
-        lambda s, c: _zeros(s) if c is None else c, out_structs, cts, is_leaf=_is_none
+        lambda s, c: _zeros(s) if c is None and s is not None else c,
+        out_structs,
+        cts,
+        is_leaf=_is_none,
     )
     # The transpose of the transpose is `fn` again. (With effects, `fn_t` is traced
     # to find its own.)
@@ -191,12 +208,82 @@ def _is_dynamic(x) -> bool:
 from ._compat import missing_dynamic as _MISSING  # noqa: E402, I001
 
 
-_custom_linear_p = eqxi.create_vprim(
-    "moe_eqx_custom_linear",
-    eqxi.filter_primitive_def(_impl),
-    eqxi.filter_primitive_def(_abstract_eval),
-    eqxi.filter_primitive_jvp(_jvp),
-    _transpose,
+def _unflatten(dynamic, treedef, static):
+    dynamic_iter = iter(dynamic)
+    leaves = [next(dynamic_iter) if _is_dynamic(x) else x for x in static]
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def _with_axis(struct, axis, size):
+    if struct is None:
+        return None
+    shape = list(struct.shape)
+    shape.insert(0 if axis is None else axis, size)
+    return jax.ShapeDtypeStruct(tuple(shape), struct.dtype)
+
+
+def _batch(axis_size, axis_name, _, dynamic, batch_axes, *, treedef, static, flatten):
+    """`vmap`: the same primitive of the `vmap`ped `fn` and `fn_t`. A linear operand
+    that is not batched while others are is broadcast in `fn`, so its cotangent is
+    summed over the batch in `fn_t`. (Not `equinox.internal.create_vprim`'s rule:
+    its transpose cannot return a batched cotangent for an unbatched operand, which
+    reverse over reverse mode meets under `jax.jacrev`.)"""
+    params = dict(treedef=treedef, static=static, flatten=flatten)
+    if all(b is None for b in batch_axes):
+        out = _custom_linear_p.bind(*dynamic, **params)
+        return out, [None] * len(out)
+    res, lin, fn, fn_t, out, out_t, effects = _unflatten(dynamic, treedef, static)
+    no_axes = [x if _is_dynamic(x) else None for x in static]
+    res_axes, lin_axes = _unflatten(batch_axes, treedef, no_axes)[:2]
+    vmap = ft.partial(jax.vmap, axis_size=axis_size, axis_name=axis_name)
+
+    def fn_batched(res, lin):
+        dyn, static_res = eqx.partition(res, eqx.is_array)
+
+        def one(dyn, lin):
+            return fn(eqx.combine(dyn, static_res), lin)
+
+        return vmap(one, in_axes=(res_axes, lin_axes))(dyn, lin)
+
+    def fn_t_batched(res, ct):
+        dyn, static_res = eqx.partition(res, eqx.is_array)
+
+        def one(dyn, ct):
+            return fn_t(eqx.combine(dyn, static_res), ct)
+
+        ct_lin = vmap(one, in_axes=(res_axes, 0))(dyn, ct)
+        return jtu.tree_map(
+            lambda c, a: (
+                None if c is None else c.sum(0) if a is None else jnp.moveaxis(c, 0, a)
+            ),
+            ct_lin,
+            lin_axes,
+            is_leaf=_is_none,
+        )
+
+    out = jtu.tree_map(lambda s: _with_axis(s, 0, axis_size), out)
+    out_t = jtu.tree_map(
+        lambda s, a: _with_axis(s, a, axis_size) if a is not None else s,
+        out_t,
+        lin_axes,
+        is_leaf=_is_none,
+    )
+    result = custom_linear(
+        fn_batched, fn_t_batched, res, lin, None if effects else out, out_t
+    )
+    flat = flatten(result)
+    return flat, [0] * len(flat)
+
+
+_custom_linear_p = jax.extend.core.Primitive("moe_eqx_custom_linear")
+_custom_linear_p.multiple_results = True
+_custom_linear_p.def_impl(eqxi.filter_primitive_def(_impl))
+ad.primitive_jvps[_custom_linear_p] = eqxi.filter_primitive_jvp(_jvp)
+ad.primitive_transposes[_custom_linear_p] = _transpose
+batching.axis_primitive_batchers[_custom_linear_p] = _batch
+mlir.register_lowering(
+    _custom_linear_p,
+    mlir.lower_fun(eqxi.filter_primitive_def(_impl), multiple_results=True),
 )
 
 
@@ -227,6 +314,49 @@ def symbolic_zeros_to_none(tangents: Any) -> Any:
         tangents,
         is_leaf=_is_symbolic_zero,
     )
+
+
+@eqx.filter_custom_jvp
+def _fused(args, *, fast, reference):
+    return fast(*args)
+
+
+@_fused.def_jvp
+def _fused_jvp(primals, tangents, *, fast, reference):
+    (args,) = primals
+    (t_args,) = tangents
+    out = _fused(args, fast=fast, reference=reference)
+    # Only the arguments that have a tangent are differentiated.
+    wanted = jtu.tree_map(lambda t: t is not None, t_args, is_leaf=_is_none)
+    diff, rest = eqx.partition(args, wanted)
+    t_diff = eqx.filter(t_args, wanted, is_leaf=_is_none)
+
+    def of_diff(diff):
+        return reference(*eqx.combine(diff, rest))
+
+    return out, jax.jvp(of_diff, (diff,), (t_diff,))[1]
+
+
+def fused(fast: Callable[..., Any], reference: Callable[..., Any], *args: Any) -> Any:
+    """`fast(*args)`, differentiated as `reference(*args)`: the same function, once as
+    a fused loop (typically with a traced trip count, which JAX can evaluate and
+    differentiate in forward mode but never transpose) and once as a composition of
+    pieces with their own derivatives (each a `jax.custom_jvp` whose tangent is a
+    `custom_linear`, or plain JAX), so that every order of derivative is defined
+    while each order's value still comes from the fused loop.
+
+    **Arguments:**
+
+    - `fast`, `reference`: `(*args) -> out`, equal as functions, with one precision
+        policy; no closed-over arrays.
+    - `args`: any PyTrees; non-array leaves are static.
+
+    **Returns:**
+
+    `fast(*args)`. Its derivatives (forward mode, and reverse mode through their
+    transposes) are `reference`'s, in the arguments that have a tangent only.
+    """
+    return _fused(args, fast=fast, reference=reference)
 
 
 def custom_linear(
@@ -269,3 +399,144 @@ def custom_linear(
     return eqxi.filter_primitive_bind(
         _custom_linear_p, res, lin, fn, fn_t, out, out_t, effects
     )
+
+
+# ---------------------------------------------------------------------------------
+# A primal and its tangent in one pass where the tangent is evaluated.
+
+
+class _Pair:
+    """The static part of a `primal_and_tangent` call (compared by identity)."""
+
+    def __init__(self, treedef, static, primal, joint, fn, fn_t, out_t):
+        self.treedef, self.static = treedef, static
+        self.primal, self.joint, self.fn, self.fn_t = primal, joint, fn, fn_t
+        self.out_t = out_t
+        self.split_jaxpr = self.out = None
+
+    def args(self, dynamic):
+        return _unflatten(dynamic, self.treedef, self.static)
+
+    def split(self, *dynamic):
+        """`(primal(res), custom_linear(fn, fn_t, res, lin))`."""
+        res, lin = self.args(dynamic)
+        tangent = custom_linear(self.fn, self.fn_t, res, lin, self.out_t)
+        return self.primal(res), tangent
+
+    def split_flat(self, *dynamic):
+        return jtu.tree_leaves(self.split(*dynamic))
+
+
+def _pair_impl(*dynamic, pair):
+    return jtu.tree_leaves(pair.joint(*pair.args(dynamic)))
+
+
+def _pair_abstract_eval(*avals, pair):
+    return [v.aval for v in pair.split_jaxpr.jaxpr.outvars], pair.split_jaxpr.effects
+
+
+def _pair_jvp(primals, tangents, *, pair):
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(pair.split_flat, tuple(primals), tangents)
+
+
+def _pair_batch(axis_size, axis_name, _, dynamic, batch_axes, *, pair):
+    """`vmap`: the two calls, the primal unbatched where `res` is (as `jax.jacfwd`
+    needs)."""
+    no_axes = [x if _is_dynamic(x) else None for x in pair.static]
+    res_axes, lin_axes = _unflatten(batch_axes, pair.treedef, no_axes)
+    res, lin = pair.args(dynamic)
+    vmap = ft.partial(jax.vmap, axis_size=axis_size, axis_name=axis_name)
+    dyn, static = eqx.partition(res, eqx.is_array)
+
+    def primal(dyn):
+        return pair.primal(eqx.combine(dyn, static))
+
+    def tangent(dyn, lin):
+        res = eqx.combine(dyn, static)
+        return custom_linear(pair.fn, pair.fn_t, res, lin, pair.out_t)
+
+    if any(a is not None for a in jtu.tree_leaves(res_axes)):
+        primal_out, primal_axis = vmap(primal, in_axes=(res_axes,))(dyn), 0
+    else:
+        primal_out, primal_axis = primal(dyn), None
+    primal_out = jtu.tree_leaves(primal_out)
+    tangent_out = jtu.tree_leaves(vmap(tangent, in_axes=(res_axes, lin_axes))(dyn, lin))
+    axes = [primal_axis] * len(primal_out) + [0] * len(tangent_out)
+    return [*primal_out, *tangent_out], axes
+
+
+def _pair_partial_eval(trace, *tracers, pair):
+    """Partial evaluation (`jax.linearize`, reverse mode): the primal now, the linear
+    tangent staged."""
+    with jax.extend.core.set_current_trace(trace):
+        return pair.split_flat(*tracers)
+
+
+def _pair_partial_eval_jaxpr(saveable, unks_in, inst_in, eqn):
+    """The same on a jaxpr (`jax.checkpoint`): the equation as a call of the split
+    form (traced when the primitive was bound, where its axis names were known)."""
+    split_jaxpr = eqn.params["pair"].split_jaxpr
+    closed_call_p = jax.extend.core.primitives.closed_call_p
+    call = eqn.replace(
+        primitive=closed_call_p,
+        params=dict(call_jaxpr=split_jaxpr),
+        effects=split_jaxpr.effects,
+    )
+    rule = pe.partial_eval_jaxpr_custom_rules[closed_call_p]
+    return rule(saveable, unks_in, inst_in, call)
+
+
+_pair_p = jax.extend.core.Primitive("moe_eqx_primal_and_tangent")
+_pair_p.multiple_results = True
+_pair_p.def_impl(_pair_impl)
+_pair_p.def_effectful_abstract_eval(_pair_abstract_eval)
+ad.primitive_jvps[_pair_p] = _pair_jvp
+batching.axis_primitive_batchers[_pair_p] = _pair_batch
+pe.custom_partial_eval_rules[_pair_p] = _pair_partial_eval
+pe.partial_eval_jaxpr_custom_rules[_pair_p] = _pair_partial_eval_jaxpr
+mlir.register_lowering(_pair_p, mlir.lower_fun(_pair_impl, multiple_results=True))
+
+
+def _is_unknown(x) -> bool:
+    return isinstance(x, pe.JaxprTracer) and not x.pval.is_known()
+
+
+def primal_and_tangent(
+    primal: Callable[[Any], Any],
+    joint: Callable[[Any, Any], Any],
+    fn: Callable[[Any, Any], Any],
+    fn_t: Callable[[Any, Any], Any],
+    res: Any,
+    lin: Any,
+    out_t: Any,
+) -> tuple[Any, Any]:
+    """`(primal(res), custom_linear(fn, fn_t, res, lin))`, the outputs of a
+    `jax.custom_jvp` rule, evaluated as `joint(res, lin)`, one pass for both (e.g. one
+    loop carrying the value and its tangent), wherever the tangent is evaluated
+    (forward mode). Under partial evaluation (`jax.linearize`, reverse mode,
+    `jax.checkpoint`) it is split: `primal(res)` computed, the tangent staged for its
+    transpose `fn_t`. Differentiated or `vmap`ped, it is the two calls.
+
+    **Arguments:**
+
+    - `primal`: `res -> primal_out`, calling the custom_jvp function itself (so that
+        its own derivatives are its rule's).
+    - `joint`: `(res, lin) -> (primal_out, tangent_out)`, equal to the two calls.
+    - `fn`, `fn_t`, `res`, `lin`: as for `custom_linear` (`fn` the tangent).
+    - `out_t`: `fn`'s output as `jax.ShapeDtypeStruct`s.
+
+    **Returns:**
+
+    `(primal_out, tangent_out)`.
+    """
+    flat, treedef = jtu.tree_flatten((res, lin))
+    if any(_is_unknown(x) for x in flat):
+        # Already being linearized: no pass evaluates the tangent.
+        return primal(res), custom_linear(fn, fn_t, res, lin, out_t)
+    dynamic = [x for x in flat if eqx.is_array(x)]
+    static = tuple(_MISSING if eqx.is_array(x) else x for x in flat)
+    pair = _Pair(treedef, static, primal, joint, fn, fn_t, jtu.tree_map(_struct, out_t))
+    pair.split_jaxpr, out = jax.make_jaxpr(pair.split, return_shape=True)(*dynamic)
+    flat_out = _pair_p.bind(*dynamic, pair=pair)
+    return jtu.tree_unflatten(jtu.tree_structure(out), flat_out)

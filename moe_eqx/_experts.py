@@ -127,8 +127,8 @@ def expert_ffn(
     - `backend`: the [`moe_eqx.gmm`][] backend.
     - `grad_acc`: optional float accumulators `(acc_gate_up, acc_down)` shaped like
         the weights, passed through: under `jax.vjp` the cotangent of the input
-        accumulators is that of the output ones plus the weights' gradient, and the
-        weights get none through this call (see `moe_eqx.AbstractGMMBackend.ffn`).
+        accumulators is that of the output ones plus the weights' gradient (their
+        derivative is the weights', see `moe_eqx.AbstractGMMBackend.ffn`).
     - `activation`: the [`moe_eqx.Activation`][] (SwiGLU by default).
 
     **Returns:**

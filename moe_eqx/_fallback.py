@@ -10,13 +10,17 @@ of the capped trip, so no pair is ever dropped, the memory stays that of the cap
 path, and the trip is compiled once.
 
 Derivatives (`jax.custom_jvp`, the tangent a `custom_linear`, see
-`moe_eqx._autodiff`): forward mode differentiates the loop directly; reverse mode
-keeps no residuals at all, and its backward re-runs the pieces one at a time,
-differentiating each and summing the expert weights' gradients in place in one
-float32 accumulator. The loop count is traced, so a step that does not overflow runs
-the capped trip once forward and once more in its backward. (Carrying the last
-piece's residuals from the forward loop instead compiled more and ran slower on
-XLA:CPU: see `docs/measured.md`.)
+`moe_eqx._autodiff`): forward mode differentiates the loop directly, one loop carrying
+the value and its tangent (`primal_and_tangent`); reverse mode keeps no residuals at
+all, and its backward re-runs the pieces one at a time, differentiating each and
+summing the expert weights' gradients in place in one float32 accumulator. The loop
+count is traced, so a step that does not overflow runs the capped trip once forward
+and once more in its backward. (Carrying the last piece's residuals from the forward
+loop instead compiled more and ran slower on XLA:CPU: see `docs/measured.md`.) JAX
+cannot transpose a loop with a traced count, so for higher orders the backward and
+the tangent are differentiated as the same loops over `num_chunks` trips, the pieces
+past the count skipped (`moe_eqx._autodiff.fused`); their reverse mode keeps each
+trip's residuals.
 """
 
 import functools as ft
@@ -30,7 +34,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
-from ._autodiff import custom_linear, symbolic_zeros_to_none
+from ._autodiff import fused, primal_and_tangent, symbolic_zeros_to_none
 from ._overflow import BufferSizes
 from ._rules import acc_dtype, per_token_counts
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
@@ -141,7 +145,23 @@ def _add(a, b):
     return jtu.tree_map(jnp.add, a, b)
 
 
-def _loop(spec, num_chunks, overflow, inputs):
+def _fold_pieces(body, init, overflow, num_chunks: int, bounded: bool):
+    """`body(p, carry)` folded over the pieces: a loop of `1` or `num_chunks` trips
+    (a traced count, which JAX can evaluate and differentiate in forward mode only),
+    or, `bounded`, always `num_chunks` trips that skip the pieces past the count (a
+    static count: every mode). The skip's predicate is identical on all shards, so
+    no shard skips a collective another one runs."""
+    pieces = _pieces(overflow, num_chunks)
+    if not bounded:
+        return jax.lax.fori_loop(0, pieces, body, init)
+
+    def maybe(p, carry):
+        return jax.lax.cond(p < pieces, body, lambda _, carry: carry, p, carry)
+
+    return jax.lax.fori_loop(0, num_chunks, maybe, init)
+
+
+def _loop(spec, num_chunks, overflow, inputs, bounded=False):
     def body(p, carry):
         y, stats = carry
         y_p, stats_p = expert_parallel_trip(
@@ -152,7 +172,7 @@ def _loop(spec, num_chunks, overflow, inputs):
     # `y` is as wide as the experts' output (`x` may carry a folded bias column).
     y0 = jnp.zeros_like(inputs.x)[:, : inputs.w_down.shape[-1]]
     init = (y0, _zero_stats(inputs.valid))
-    return jax.lax.fori_loop(0, _pieces(overflow, num_chunks), body, init)
+    return _fold_pieces(body, init, overflow, num_chunks, bounded)
 
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
@@ -216,8 +236,9 @@ def _piece_pullback(res: _Res, p):
     return jax.vjp(trip, *diff)[1]
 
 
-def _tangent(res: _Res, lin):
-    """Forward mode: the loop differentiated directly (it keeps no residuals)."""
+def _jvp_loop(res: _Res, lin, bounded: bool):
+    """Forward mode: `((y, stats), t_y)`, the loop differentiated directly, one loop
+    carrying the value and its tangent (it keeps no residuals)."""
     i = res.inputs
     primals = (i.x, i.weights, i.w_gate_up, i.w_down)
     tangents = tuple(
@@ -230,15 +251,25 @@ def _tangent(res: _Res, lin):
             res.inputs,
             (x, weights, w_gate_up, w_down),
         )
-        return _loop(res.spec, res.num_chunks, res.overflow, inputs)[0]
+        return _loop(res.spec, res.num_chunks, res.overflow, inputs, bounded)
 
-    return jax.jvp(y_of, primals, tangents)[1]
+    y, t_y, stats = jax.jvp(y_of, primals, tangents, has_aux=True)
+    return (y, stats), t_y
 
 
-def _transpose(res: _Res, dy):
-    """The backward: each piece re-run and differentiated, one at a time, summing the
-    gradients of the tokens' rows and of the routing weights, and the expert weights'
-    gradients in place in one float32 accumulator."""
+def _tangent_loop(res: _Res, lin, bounded: bool):
+    return _jvp_loop(res, lin, bounded)[1]
+
+
+def _tangent(res: _Res, lin):
+    fast, reference = (ft.partial(_tangent_loop, bounded=b) for b in (False, True))
+    return fused(fast, reference, res, lin)
+
+
+def _backward(res: _Res, dy, bounded: bool):
+    """Each piece re-run and differentiated, one at a time, summing the gradients of
+    the tokens' rows and of the routing weights, and the expert weights' gradients
+    in place in one float32 accumulator."""
     inputs, want = res.inputs, res.want
 
     def body(p, grads):
@@ -251,8 +282,8 @@ def _transpose(res: _Res, dy):
     grads = [jnp.zeros_like(inputs.x)] if want.x else []
     grads += [jnp.zeros_like(inputs.weights)] if want.weights else []
     grads += [_grad_acc(inputs)] if want.experts else []
-    pieces = _pieces(res.overflow, res.num_chunks)
-    grads = iter(jax.lax.fori_loop(0, pieces, body, tuple(grads)))
+    grads = _fold_pieces(body, tuple(grads), res.overflow, res.num_chunks, bounded)
+    grads = iter(grads)
     d_x = next(grads) if want.x else None
     d_weights = next(grads) if want.weights else None
     d_gu = d_dn = None
@@ -263,14 +294,33 @@ def _transpose(res: _Res, dy):
     return d_x, d_weights, d_gu, d_dn
 
 
+def _transpose(res: _Res, dy):
+    """The backward: `_backward` over the pieces' traced count, differentiated (for
+    higher orders) as the same loop over a static count."""
+    fast, reference = (ft.partial(_backward, bounded=b) for b in (False, True))
+    return fused(fast, reference, res, dy)
+
+
+def _primal(res: _Res):
+    return _dropless(res.spec, res.num_chunks, res.overflow, res.inputs)
+
+
 def _dropless_jvp(spec, num_chunks, primals, tangents):
     overflow, inputs = primals
     _, t = symbolic_zeros_to_none(tangents)
-    y, stats = _loop(spec, num_chunks, overflow, inputs)
     lin = (t.x, t.weights, t.w_gate_up, t.w_down)
     want = _Want(*(a is not None for a in lin))
     res = _Res(spec, num_chunks, want, overflow, inputs)
-    t_y = custom_linear(_tangent, _transpose, res, lin, y)
+    # `y` is as wide as the experts' output (`x` may carry a folded bias column).
+    out_t = jax.ShapeDtypeStruct(
+        (inputs.x.shape[0], inputs.w_down.shape[-1]), inputs.x.dtype
+    )
+    # Forward mode runs one loop for the value and its tangent; reverse mode runs
+    # the loop for the value, and `_transpose` for the backward.
+    joint = ft.partial(_jvp_loop, bounded=False)
+    (y, stats), t_y = primal_and_tangent(
+        _primal, joint, _tangent, _transpose, res, lin, out_t
+    )
     t_stats = jtu.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), stats)
     return (y, stats), (t_y, t_stats)
 

@@ -137,3 +137,40 @@ def test_hessian(getkey, case):
     got = jax.jit(jax.hessian(loss(lambda x: layer(x, mesh=m)[0])))(x_small)
     want = jax.jit(jax.hessian(loss(lambda x: me.reference_moe(layer, x))))(x_small)
     _close(got, want)
+
+
+def test_forward_mode_runs_the_fallback_loop_once(getkey, monkeypatch):
+    """`jax.jvp` through the fallback computes the value and its tangent in one loop
+    over the pieces: the program runs as many round trips as the forward pass (it
+    ran the loop twice, once for the value and once more for the tangent), and the
+    same tangent as the oracle."""
+    import moe_eqx._fallback as fallback
+
+    trips = []
+    trip = fallback.expert_parallel_trip
+
+    def counted(inputs, spec, *grad_acc):
+        # Once per shard and trip: the operand varies over the shards.
+        jax.debug.callback(lambda _: trips.append(1), jnp.sum(inputs.valid))
+        return trip(inputs, spec, *grad_acc)
+
+    monkeypatch.setattr(fallback, "expert_parallel_trip", counted)
+    # The trip is looked up when the layer is traced: no trace cached by an earlier
+    # test (without the counter) may serve these programs.
+    jax.clear_caches()
+    layer, m = _setup(getkey(), "EP4 fallback")
+    x = tokens(getkey(), 32)
+    t_x = jr.normal(getkey(), x.shape)
+
+    def f(x):
+        return layer(x, mesh=m)[0]
+
+    jax.block_until_ready(jax.jit(f)(x))
+    forward = len(trips)
+    trips.clear()
+    got = jax.block_until_ready(jax.jit(lambda x, t: jax.jvp(f, (x,), (t,)))(x, t_x))
+    # Four shards, each running more than one chunk: the fallback really runs.
+    assert forward > 4 and forward % 4 == 0, forward
+    assert len(trips) == forward
+    want = jax.jvp(lambda x: me.reference_moe(layer, x), (x,), (t_x,))
+    _close(got, want)

@@ -265,26 +265,38 @@ def test_ffn_grad_acc(backend):
 
 
 @pytest.mark.parametrize("backend", ["tiled", "dense"])
-def test_ffn_grad_acc_weights_get_zero(backend):
-    """Differentiated with respect to the weights too, `ffn` with `grad_acc` gives
-    them a zero cotangent (their gradient goes to the accumulators)."""
+def test_ffn_grad_acc_is_a_true_transpose(backend):
+    """`ffn` with `grad_acc` is `(ffn(x, w + acc - acc'), acc)` (`acc'` a constant):
+    differentiated with respect to the weights too, they get their gradient and the
+    accumulators theirs plus the output accumulators' cotangent (the weights got a
+    zero cotangent before, which was not the transpose of the tangent); in forward
+    mode the accumulators' tangent adds to the weights'."""
     impl = BACKENDS[backend]
     x, w_gu, w_dn, sizes, dy = _ffn_data(M, D_MODEL, D_FF, CASES["skewed"], seed=2)
     acc = _acc((w_gu, w_dn), 2)
+    acc_ct = _acc((w_gu, w_dn), 3)
+    t_acc = _acc((w_gu, w_dn), 4)
+
+    def ffn_acc(x, w_gate_up, w_down, acc):
+        return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc=acc)
 
     @jax.jit
     def run(x, w_gate_up, w_down, acc, dy):
-        def ffn_acc(x, w_gate_up, w_down, acc):
-            return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc=acc)
-
         _, vjp = jax.vjp(ffn_acc, x, w_gate_up, w_down, acc)
-        return vjp((dy, tuple(jnp.zeros_like(a) for a in acc)))
+        zero = (jnp.zeros_like(x), jnp.zeros_like(w_gate_up), jnp.zeros_like(w_down))
+        _, t_out = jax.jvp(ffn_acc, (x, w_gate_up, w_down, acc), (*zero, t_acc))
+        return vjp((dy, acc_ct)), t_out
 
-    d_x, d_gu, d_dn, d_acc = run(x, w_gu, w_dn, acc, dy)
+    (d_x, d_gu, d_dn, d_acc), (t_y, t_acc_out) = run(x, w_gu, w_dn, acc, dy)
     _, (ref_x, ref_gu, ref_dn) = _ref_ffn_vjp(x, w_gu, w_dn, sizes, dy)
-    assert _zero(d_gu) and _zero(d_dn)
     _close(d_x, ref_x)
-    _close_trees(d_acc, (ref_gu, ref_dn))
+    _close_trees((d_gu, d_dn), (ref_gu, ref_dn))
+    _close_trees(d_acc, (acc_ct[0] + ref_gu, acc_ct[1] + ref_dn))
+    ref_t = jax.jvp(
+        lambda a, b: _ref_ffn(x, a, b, sizes), (w_gu, w_dn), (t_acc[0], t_acc[1])
+    )[1]
+    _close(t_y, ref_t)
+    _close_trees(t_acc_out, t_acc)
 
 
 def test_expert_ffn_calls_backend_ffn():
@@ -1191,3 +1203,184 @@ def test_benchmark_smoke(script, flags, tmp_path):
     out = tmp_path / "out.json"
     results = module["main"]([*flags, "--out", str(out)])
     assert results["rows"] and json.loads(out.read_text())["rows"]
+
+
+# --- reverse over reverse ----------------------------------------------------------
+
+
+def _ffn_acc_op(impl):
+    def f(x, w_gate_up, w_down, acc_gu, acc_dn, sizes):
+        y, acc = impl.ffn(x, w_gate_up, w_down, sizes, grad_acc=(acc_gu, acc_dn))
+        return y, *acc
+
+    return f
+
+
+def _ref_ffn_acc(x, w_gate_up, w_down, acc_gu, acc_dn, sizes):
+    # The accumulators' derivative is the weights' (`AbstractGMMBackend.ffn`).
+    w_gate_up = w_gate_up + acc_gu - lax.stop_gradient(acc_gu)
+    w_down = w_down + acc_dn - lax.stop_gradient(acc_dn)
+    return _ref_ffn(x, w_gate_up, w_down, sizes), acc_gu, acc_dn
+
+
+def _reverse_over_reverse(f, w, args, tangents, jacrev: bool):
+    """Second-order transformations of the loss `sum(sin(f(*args)) * w)` (plus
+    `sum(sin(acc))` of any accumulators `f` returns) with reverse mode outside: the
+    gradient of the gradient penalty `sum(grad**2)` (reverse over reverse) plus the
+    directional derivative along `tangents` (reverse over forward: a Hessian-vector
+    product), and `jax.jacrev(jax.jacrev(loss))`."""
+
+    def loss(*a):
+        y, *acc = f(*a)
+        return jnp.sum(jnp.sin(y) * w) + sum(jnp.sum(jnp.sin(c)) for c in acc)
+
+    every = tuple(range(len(args)))
+    grad = jax.grad(loss, every)
+
+    def penalty(*a):
+        directional = jax.jvp(loss, a, tangents)[1]
+        return sum(jnp.sum(jnp.square(g)) for g in grad(*a)) + directional
+
+    out = {"penalty": jax.grad(penalty, every)(*args)}
+    if jacrev:
+        out["jacrev(jacrev)"] = jax.jacrev(jax.jacrev(loss, every), every)(*args)
+    return out
+
+
+_SECOND_ORDER_OPS = {
+    "gmm": (_gmm_op, _ref_gmm),
+    "ffn": (_ffn_op, _ref_ffn),
+    "ffn_acc": (_ffn_acc_op, _ref_ffn_acc),
+}
+
+
+# The dense backend's gmm and FFN are plain JAX: only its accumulating FFN
+# (`gmm_ffn`'s) has derivatives of its own.
+@pytest.mark.parametrize(
+    ("op", "backend"),
+    [
+        *(("gmm", b) for b in ("tiled_small", "ragged_dot")),
+        *(("ffn", b) for b in ("tiled_small",)),
+        *(("ffn_acc", b) for b in TRANSFORM_BACKENDS),
+    ],
+)
+def test_reverse_over_reverse(op, backend):
+    """Second derivatives with reverse mode outside (the gradient of a gradient
+    penalty, reverse over reverse, plus a directional derivative, reverse over
+    forward; `jax.jacrev` of `jax.jacrev`) through `me.gmm`, `backend.ffn` and the accumulating `ffn`, in every
+    argument, against the same transformations of the one-hot reference. (The tiled
+    loops' trip counts are traced: JAX transposes none of them; `lax.ragged_dot`
+    cannot be `vmap`ped, so `jax.jacrev` of `jax.jacrev` is left out for it.)"""
+    args, tangents, sizes, w = _small_args("gmm" if op == "gmm" else "ffn", seed=7)
+    if op == "ffn_acc":
+        rng = np.random.default_rng(8)
+        acc = tuple(
+            jnp.asarray(rng.standard_normal(a.shape) / 2, jnp.float32) for a in args[1:]
+        )
+        args, tangents = (*args, *acc), (*tangents, *acc)
+    op_of, ref = _SECOND_ORDER_OPS[op]
+    ours = op_of(BACKENDS[backend])
+    jacrev = backend != "ragged_dot"
+
+    def run(f):
+        def single(*a):
+            out = f(*a, sizes)
+            return out if isinstance(out, tuple) else (out,)
+
+        return jax.jit(lambda a, t: _reverse_over_reverse(single, w, a, t, jacrev))(
+            args, tangents
+        )
+
+    got, want = run(ours), run(ref)
+    assert set(got) == {"penalty"} | ({"jacrev(jacrev)"} if jacrev else set())
+    _close_trees(got, want)
+
+
+def _opaque(fn, shape, *args):
+    """`fn(*args)` (float64 numpy) as a host callback of `shape`: evaluated, never
+    differentiated (JAX has no derivative of it), like a kernel."""
+
+    def host(*a):
+        return np.asarray(fn(*a), np.float32)
+
+    out = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.pure_callback(host, out, *args, vmap_method="sequential")
+
+
+@pytest.mark.parametrize("transpose_in_kernel", [True, False])
+def test_mosaic_reverse_over_reverse_rules(monkeypatch, transpose_in_kernel):
+    """The Mosaic backend's derivative rules to the second order in reverse mode:
+    which kernel computes which cotangent, with which tiling and `transpose_rhs`, with
+    no derivative of a kernel ever asked of JAX. The two kernel entry points are
+    replaced by opaque host callbacks with their contracts (the kernels themselves
+    run in the interpreter tests, which this jax cannot run for the backward
+    kernels), and the transformations compared with the reference's."""
+    from moe_eqx._gmm.mosaic_gpu import derivatives
+
+    fwd, dlhs, drhs = (mi.MosaicTileConfig(64, 64, 64, s, 1) for s in (2, 3, 4))
+    calls = set()
+
+    def ragged(lhs, rhs, sizes, config, transpose_rhs):
+        calls.add(("ragged", config, transpose_rhs))
+        if transpose_rhs:
+            rhs = jnp.swapaxes(rhs, 1, 2)
+        shape = (lhs.shape[0], rhs.shape[2])
+        return _opaque(_numpy_gmm, shape, lhs, rhs, sizes)
+
+    def transposed_ragged(lhs, d_out, sizes, config):
+        calls.add(("transposed_ragged", config))
+        shape = (sizes.shape[0], lhs.shape[1], d_out.shape[1])
+        d_rhs = lambda *a: _numpy_grads(*a)[1]  # noqa: E731
+        rhs = jnp.zeros(shape, lhs.dtype)
+        return _opaque(d_rhs, shape, lhs, rhs, sizes, d_out)
+
+    monkeypatch.setattr(derivatives, "ragged", ragged)
+    monkeypatch.setattr(derivatives, "transposed_ragged", transposed_ragged)
+    ours = derivatives.mosaic_gmm(fwd, dlhs, drhs, transpose_in_kernel)
+    args, tangents, sizes, w = _small_args("gmm", seed=9)
+
+    def run(f):
+        def single(*a):
+            return (f(*a, sizes),)
+
+        return jax.jit(lambda a, t: _reverse_over_reverse(single, w, a, t, True))(
+            args, tangents
+        )
+
+    _close_trees(run(ours), run(_ref_gmm))
+    assert calls == {
+        ("ragged", fwd, False),
+        ("ragged", dlhs, transpose_in_kernel),
+        ("transposed_ragged", drhs),
+    }
+
+
+@_INTERPRETER_RUNS_DERIVATIVES
+def test_mosaic_reverse_over_reverse_in_interpreter():
+    """Reverse over reverse through the kernels (`jax.grad` of `<jax.grad(f), t>`).
+    The loss is bilinear in `(lhs, rhs)`, so this Hessian-vector product is
+    `(gmm(d_out, t_rhs^T), t_lhs_g^T d_out_g)`."""
+    config = mi.MosaicTileConfig(64, 64, 64, 2, 1)
+    backend = me.MosaicGPUGMM(fwd_config=config, dlhs_config=config, drhs_config=config)
+    lhs, rhs, sizes, d_out = _bf16_data(100, 64, 128, [0, 40, 0, 50], seed=13)
+    t_lhs, t_rhs, _, _ = _bf16_data(100, 64, 128, [0, 40, 0, 50], seed=14)
+
+    def loss(a, b):
+        out = me.gmm(a, b, sizes, backend=backend).astype(jnp.float32)
+        return jnp.sum(out * d_out.astype(jnp.float32))
+
+    @jax.jit
+    def hvp(a, b, t_a, t_b):
+        def inner(a, b):
+            g_a, g_b = jax.grad(loss, (0, 1))(a, b)
+            return jnp.vdot(g_a.astype(jnp.float32), t_a.astype(jnp.float32)) + (
+                jnp.vdot(g_b.astype(jnp.float32), t_b.astype(jnp.float32))
+            )
+
+        return jax.grad(inner, (0, 1))(a, b)
+
+    with _interpreted():
+        hvp_lhs, hvp_rhs = hvp(lhs, rhs, t_lhs, t_rhs)
+    f32 = _f32(lhs, rhs, d_out, t_lhs, t_rhs)
+    _close_bf16(hvp_lhs, _numpy_grads(f32[0], f32[4], sizes, f32[2])[0])
+    _close_bf16(hvp_rhs, _numpy_grads(f32[3], f32[1], sizes, f32[2])[1])

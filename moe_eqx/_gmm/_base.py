@@ -3,14 +3,13 @@ built on them."""
 
 import abc
 import dataclasses
-import functools as ft
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._autodiff import custom_linear, symbolic_zeros_to_none
+from .._autodiff import symbolic_zeros_to_none
 
 GradAcc = tuple[
     Float[Array, "groups d_in two_d_ff"], Float[Array, "groups d_ff d_model"]
@@ -169,10 +168,13 @@ class AbstractGMMBackend(eqx.Module):
         - `activation`: the [`moe_eqx.Activation`][] (SwiGLU by default).
         - `grad_acc`: optional float32 accumulators shaped like the weights, for
             the chunked fallback's backward, which sums its chunks' weight gradients
-            in one buffer: they pass through unchanged, and under `jax.vjp` the
+            in one buffer. The function is then `(ffn(x, w + acc - acc'), acc)`
+            with `acc'` a constant equal to `acc`: its value is `(ffn(x, w), acc)`
+            and its derivative in `acc` that in the weights, so under `jax.vjp` the
             cotangent of the input accumulators is that of the output ones plus the
-            weights' gradient (summed in place where the backend can); the weights
-            get no cotangent through this call.
+            weights' gradient (summed in place where the backend can), and so is
+            the weights' own (without the output's cotangent) when they are
+            differentiated too.
 
         **Returns:**
 
@@ -205,54 +207,29 @@ def _two_products(ffn, x, w_gate_up, w_down, group_sizes):
     return backend(act, w_down.astype(x.dtype), group_sizes)
 
 
-def _acc_tangent(res, lin):
-    backend, x, w_gate_up, w_down, group_sizes, _ = res
-    t_x, t_gu, t_dn, t_acc = lin
-    ffn = ft.partial(_two_products, backend, group_sizes=group_sizes)
-    primals = (x, w_gate_up, w_down)
-    tangents = tuple(
-        jnp.zeros_like(p) if t is None else t
-        for p, t in zip(primals, (t_x, t_gu, t_dn), strict=True)
-    )
-    return jax.jvp(ffn, primals, tangents)[1], t_acc
+@jax.custom_jvp
+def with_tangent_of(w: Array, acc: Array) -> Array:
+    """`w`, whose tangent is `w`'s plus `acc`'s (cast to `w.dtype`): so under
+    `jax.vjp` the cotangent of `w` also goes to `acc`. The weights of an accumulating
+    FFN (see `AbstractGMMBackend.ffn`)."""
+    return w
 
 
-def _acc_transpose(res, ct):
-    pullback = res[-1]
-    d_out, acc = ct
-    d_x, d_gu, d_dn = pullback(d_out)
-    acc = tuple(a + d.astype(a.dtype) for a, d in zip(acc, (d_gu, d_dn), strict=True))
-    return d_x, None, None, acc
+def _with_tangent_of_jvp(primals, tangents):
+    w, acc = primals
+    t_w, t_acc = symbolic_zeros_to_none(tangents)
+    terms = [t for t in (t_w, t_acc) if t is not None]
+    terms = [t.astype(w.dtype) for t in terms]
+    # The primal through the function itself, so that its own derivative (a higher
+    # order's) keeps `acc`'s part.
+    out = with_tangent_of(w, acc)
+    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
-def _acc_transpose_no_x(res, ct):
-    return (None, *_acc_transpose(res, ct)[1:])
+with_tangent_of.defjvp(_with_tangent_of_jvp, symbolic_zeros=True)
 
 
-@ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _accumulating_ffn(backend, x, w_gate_up, w_down, group_sizes, grad_acc):
-    return _two_products(backend, x, w_gate_up, w_down, group_sizes), grad_acc
-
-
-def _accumulating_ffn_jvp(backend, primals, tangents):
-    x, w_gate_up, w_down, group_sizes, grad_acc = primals
-    t_x, t_gu, t_dn, _, t_acc = symbolic_zeros_to_none(tangents)
-    t_acc = tuple(
-        jnp.zeros_like(a) if t is None else t
-        for a, t in zip(grad_acc, t_acc, strict=True)
-    )
-    ffn = ft.partial(_two_products, backend, group_sizes=group_sizes)
-    # The backend's own residuals: the backward never re-runs the products.
-    out, pullback = jax.vjp(ffn, x, w_gate_up, w_down)
-    res = (backend, x, w_gate_up, w_down, group_sizes, pullback)
-    lin = (t_x, t_gu, t_dn, t_acc)
-    # The transpose gives the weights no cotangent (it goes to the accumulators).
-    out_t = (None if t_x is None else x, None, None, grad_acc)
-    transpose = _acc_transpose if t_x is not None else _acc_transpose_no_x
-    # No `out` given: `_acc_tangent` is traced, so that a backend's kernel effects
-    # (a Pallas kernel in interpret mode) are declared.
-    t_out = custom_linear(_acc_tangent, transpose, res, lin, out_t=out_t)
-    return (out, grad_acc), t_out
-
-
-_accumulating_ffn.defjvp(_accumulating_ffn_jvp, symbolic_zeros=True)
+def _accumulating_ffn(ffn, x, w_gate_up, w_down, group_sizes, grad_acc):
+    w_gate_up = with_tangent_of(w_gate_up, grad_acc[0])
+    w_down = with_tangent_of(w_down, grad_acc[1])
+    return _two_products(ffn, x, w_gate_up, w_down, group_sizes), grad_acc

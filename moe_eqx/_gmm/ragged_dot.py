@@ -2,13 +2,62 @@
 
 Off TPU it lowers to a dense masked product, `G` times the work (see
 `docs/measured.md`), so `auto` never picks it there.
+
+Derivatives: the three grouped products of `moe_eqx._gmm._products` as
+`lax.ragged_dot_general` calls (the same ones JAX's own transposes of `ragged_dot`
+emit), so every order is defined; JAX's own would fail at the second order in reverse
+mode (it has no transpose of the weights' gradient, a ragged contraction).
 """
 
-import jax
+from typing import ClassVar
+
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float, Int
 
 from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, gmm_ffn
+from ._products import AbstractProducts, gmm
+
+# `a_i @ b[g]^T` (`a`'s columns against `b`'s last axis), and `a_g^T d_g` (the ragged
+# rows contracted: one output per group).
+_GMM_T = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+_TGMM = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+)
+
+
+def _ragged(a, b, group_sizes, dims=None):
+    """`ragged_dot_general` of `a` and `b` (cast to `a.dtype`) with float32
+    accumulation, in float32."""
+    b = b.astype(a.dtype)
+    sizes = group_sizes.astype(jnp.int32)
+    if dims is None:
+        return lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+    return lax.ragged_dot_general(a, b, sizes, dims, preferred_element_type=jnp.float32)
+
+
+class _RaggedDotProducts(AbstractProducts):
+    has_effects: ClassVar[bool] = False
+
+    def gmm(self, a, b, group_sizes):
+        return _ragged(a, b, group_sizes).astype(a.dtype)
+
+    def gmm_t(self, a, b, group_sizes):
+        return _ragged(a, b, group_sizes, _GMM_T).astype(a.dtype)
+
+    def tgmm(self, a, d, group_sizes):
+        return _ragged(a, d, group_sizes, _TGMM)
+
+    def backward(self, a, b, group_sizes, d_out, want):
+        d_a = self.gmm_t(d_out, b, group_sizes) if want[0] else None
+        d_b = self.tgmm(a, d_out, group_sizes) if want[1] else None
+        return d_a, d_b
 
 
 class RaggedDotGMM(AbstractGMMBackend):
@@ -20,13 +69,7 @@ class RaggedDotGMM(AbstractGMMBackend):
         rhs: Float[Array, "groups k_dim n_dim"],
         group_sizes: Int[Array, " groups"],
     ) -> Float[Array, "rows n_dim"]:
-        out = jax.lax.ragged_dot(
-            lhs,
-            rhs,
-            group_sizes.astype(jnp.int32),
-            preferred_element_type=jnp.float32,
-        )
-        return out.astype(lhs.dtype)
+        return gmm(_RaggedDotProducts(), lhs, rhs, group_sizes.astype(jnp.int32))
 
     def ffn(
         self,

@@ -14,17 +14,21 @@ group's weights (and, backward, its summed weight gradient) while an inner loop 
 its windows. The expert FFN (`TiledGMM.ffn`) runs both products and the activation in
 those loops.
 
-Derivatives: `jax.custom_jvp`, whose tangent is a `custom_linear`
-(`moe_eqx._autodiff`) transposing to one backward pass over the same windows: it
-computes the rows' gradient and sums each group's weight gradient over its windows in
-float32, storing it once per group. So forward mode (`jax.jvp`, `jax.jacfwd`),
-reverse mode and their compositions all work, and a gradient nobody asked for (the
-weights', or the rows') is not computed.
+Derivatives: the loops are the raw products of `moe_eqx._gmm._products` (`gmm`,
+`gmm_t`, `tgmm`, and a backward pass that computes the rows' gradient and sums each
+group's weight gradient over its windows in float32, storing it once per group), which
+makes them differentiable to every order: forward mode (`jax.jvp`, `jax.jacfwd`),
+reverse mode and their compositions, reverse over reverse included; a gradient nobody
+asked for (the weights', or the rows') is not computed. The FFN (`jax.custom_jvp`,
+its tangent a `custom_linear`) runs its forward, tangent and backward in one loop each;
+their trip counts are traced, so JAX could never transpose their derivatives: each is
+evaluated as it is and differentiated (for higher orders) as the same function
+composed of those products and plain-JAX activations (`moe_eqx._autodiff.fused`).
 """
 
 import functools as ft
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -32,9 +36,10 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from .._autodiff import custom_linear, symbolic_zeros_to_none
+from .._autodiff import custom_linear, fused, symbolic_zeros_to_none
 from .._rules import acc_dtype, cumsum, div, match_varying
-from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc
+from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, with_tangent_of
+from ._products import AbstractProducts, gmm, gmm_t, tgmm
 
 # Window rows: at most `_MAX_WINDOW`; an even count of windows per typical group where
 # they stay at least `_EVEN_WINDOW` rows; below `_POW2_WINDOW` rows a power of two
@@ -153,17 +158,20 @@ def _zeros(shape, dtype, *like):
 
 
 # ---------------------------------------------------------------------------------
-# One grouped matmul.
+# The raw grouped products (see `moe_eqx._gmm._products`).
 
 
-def _gmm_forward(lhs, rhs, group_sizes, window):
+def _gmm_forward(lhs, rhs, group_sizes, window, transpose_rhs=False):
+    """`lhs_i @ rhs[g]` (`rhs[g]^T` with `transpose_rhs`) in `lhs.dtype`."""
     num_rows = lhs.shape[0]
-    out = _zeros((num_rows, rhs.shape[2]), lhs.dtype, lhs, rhs)
+    columns = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out = _zeros((num_rows, columns), lhs.dtype, lhs, rhs)
     if num_rows == 0:
         return out
 
     def enter(out, g):
-        return out, _index(rhs, g).astype(lhs.dtype)
+        w = _index(rhs, g).astype(lhs.dtype)
+        return out, w.T if transpose_rhs else w
 
     def body(out, w, start, keep):
         y = _dot(_take(lhs, start, window), w, lhs.dtype)
@@ -172,33 +180,17 @@ def _gmm_forward(lhs, rhs, group_sizes, window):
     return _for_windows(group_sizes, window, num_rows, body, out, enter)
 
 
-class _GMMRes(NamedTuple):
-    lhs: Array
-    rhs: Array
-    group_sizes: Array
-    window: int
-
-
-def _gmm_tangent(res: _GMMRes, lin):
-    t_lhs, t_rhs = lin
-    terms = []
-    if t_lhs is not None:
-        terms.append(_gmm_forward(t_lhs, res.rhs, res.group_sizes, res.window))
-    if t_rhs is not None:
-        terms.append(_gmm_forward(res.lhs, t_rhs, res.group_sizes, res.window))
-    return terms[0] if len(terms) == 1 else terms[0] + terms[1]
-
-
-def _gmm_backward(res: _GMMRes, d_out, want_lhs: bool, want_rhs: bool):
-    """`(d_lhs, d_rhs)` (each `None` unless wanted): `d_lhs = gmm(d_out, rhs^T)`,
-    `d_rhs[g] = lhs_g^T d_out_g` (summed in float32), in one pass over the windows."""
-    lhs, rhs, window = res.lhs, res.rhs, res.window
-    num_rows = lhs.shape[0]
+def _gmm_backward(lhs, rhs, group_sizes, d_out, window, want_lhs, want_rhs):
+    """`(d_lhs, d_rhs)` (each `None` unless wanted): `d_lhs = gmm(d_out, rhs^T)` in
+    `lhs.dtype`, `d_rhs[g] = lhs_g^T d_out_g` summed in float32 (`[G, K, N]` float32;
+    `rhs` may be `None` when `d_lhs` is not wanted), in one pass over the windows."""
+    num_rows, num_groups = lhs.shape[0], group_sizes.shape[0]
     d_out = d_out.astype(lhs.dtype)
     acc = acc_dtype(lhs.dtype)
-    like = (lhs, d_out, rhs)
+    like = (lhs, d_out) if rhs is None else (lhs, d_out, rhs)
     d_lhs = _zeros(lhs.shape, lhs.dtype, *like) if want_lhs else None
-    d_rhs = _zeros(rhs.shape, acc, *like) if want_rhs else None
+    shape = (num_groups, lhs.shape[1], d_out.shape[1])
+    d_rhs = _zeros(shape, acc, *like) if want_rhs else None
 
     def enter(carry, g):
         w = _index(rhs, g).astype(lhs.dtype) if want_lhs else None
@@ -215,29 +207,28 @@ def _gmm_backward(res: _GMMRes, d_out, want_lhs: bool, want_rhs: bool):
 
     if num_rows > 0:
         d_lhs, d_rhs = _for_windows(
-            res.group_sizes, window, num_rows, body, (d_lhs, d_rhs), enter, _leave
+            group_sizes, window, num_rows, body, (d_lhs, d_rhs), enter, _leave
         )
-    return d_lhs, None if d_rhs is None else d_rhs.astype(rhs.dtype)
+    return d_lhs, d_rhs
 
 
-@ft.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _tiled_gmm(lhs, rhs, group_sizes, window):
-    return _gmm_forward(lhs, rhs, group_sizes, window)
+class _TiledProducts(AbstractProducts):
+    """The loops over windows of `window` rows."""
 
+    window: int = eqx.field(static=True)
+    has_effects: ClassVar[bool] = False
 
-def _tiled_gmm_jvp(window, primals, tangents):
-    lhs, rhs, group_sizes = primals
-    t_lhs, t_rhs, _ = symbolic_zeros_to_none(tangents)
-    out = _tiled_gmm(lhs, rhs, group_sizes, window)
-    res = _GMMRes(lhs, rhs, group_sizes, window)
+    def gmm(self, a, b, group_sizes):
+        return _gmm_forward(a, b, group_sizes, self.window)
 
-    def transpose(res, d_out):
-        return _gmm_backward(res, d_out, t_lhs is not None, t_rhs is not None)
+    def gmm_t(self, a, b, group_sizes):
+        return _gmm_forward(a, b, group_sizes, self.window, transpose_rhs=True)
 
-    return out, custom_linear(_gmm_tangent, transpose, res, (t_lhs, t_rhs), out)
+    def tgmm(self, a, d, group_sizes):
+        return _gmm_backward(a, None, group_sizes, d, self.window, False, True)[1]
 
-
-_tiled_gmm.defjvp(_tiled_gmm_jvp, symbolic_zeros=True)
+    def backward(self, a, b, group_sizes, d_out, want):
+        return _gmm_backward(a, b, group_sizes, d_out, self.window, *want)
 
 
 # ---------------------------------------------------------------------------------
@@ -273,6 +264,19 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, keep_gate_up: b
     return _for_windows(group_sizes, window, num_rows, body, (out, gate_up), enter)
 
 
+def _ffn_unfused(x, w_gate_up, w_down, group_sizes, window, act):
+    products = _TiledProducts(window)
+    gate_up = gmm(products, x, w_gate_up, group_sizes)
+    out = gmm(products, act(gate_up).astype(x.dtype), w_down, group_sizes)
+    return out, gate_up
+
+
+def _ffn_with_gate_up(x, w_gate_up, w_down, group_sizes, window, act):
+    """`(out, gate_up)` in one loop, differentiated as two gmms."""
+    fast = ft.partial(_ffn_forward, keep_gate_up=True)
+    return fused(fast, _ffn_unfused, x, w_gate_up, w_down, group_sizes, window, act)
+
+
 class _FFNRes(NamedTuple):
     x: Array
     w_gate_up: Array
@@ -281,12 +285,10 @@ class _FFNRes(NamedTuple):
     group_sizes: Array
     window: int
     act: Activation
+    acc: tuple | None = None  # the accumulators' `ShapeDtypeStruct`s, if any
 
 
-def _ffn_tangent(res: _FFNRes, lin):
-    """The FFN's tangent in `(x, w_gate_up, w_down)` (`None`: zero); accumulators
-    pass through."""
-    t_x, t_gu, t_dn, *t_acc = lin  # `t_acc`: `[(t_acc_gu, t_acc_dn)]` or `[]`
+def _ffn_tangent_fused(res: _FFNRes, t_x, t_gu, t_dn):
     x, window = res.x, res.window
     num_rows = x.shape[0]
     out = _zeros((num_rows, res.w_down.shape[2]), x.dtype, x, res.w_gate_up)
@@ -313,13 +315,50 @@ def _ffn_tangent(res: _FFNRes, lin):
 
     if num_rows > 0:
         out = _for_windows(res.group_sizes, window, num_rows, body, out, enter)
-    return (out, t_acc[0]) if t_acc else out
+    return out
 
 
-def _ffn_backward(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
-    """`(d_x, d_w_gate_up, d_w_down)` in one pass over the windows, each `None` unless
-    wanted (the weights' summed in float32); with accumulators `acc_in` the weight
-    gradients are added into them in place instead (returned in their place)."""
+def _ffn_tangent_unfused(res: _FFNRes, t_x, t_gu, t_dn):
+    x, w_gate_up, w_down, gate_up, group_sizes, window, act, _ = res
+    products = _TiledProducts(window)
+    t_gate_up = jnp.zeros(gate_up.shape, jnp.float32)
+    if t_x is not None:
+        t_gate_up += gmm(products, t_x, w_gate_up, group_sizes).astype(jnp.float32)
+    if t_gu is not None:
+        t_gate_up += gmm(products, x, t_gu, group_sizes).astype(jnp.float32)
+    a, t_act = act.jvp(gate_up, t_gate_up.astype(x.dtype))
+    t_y = gmm(products, t_act.astype(x.dtype), w_down, group_sizes)
+    if t_dn is not None:
+        t_y += gmm(products, a.astype(x.dtype), t_dn, group_sizes)
+    return t_y
+
+
+def _with_acc(t_w, t_acc, w):
+    """The tangent the weights `w` take: theirs plus their accumulator's."""
+    if t_acc is None:
+        return t_w
+    t_acc = t_acc.astype(w.dtype)
+    return t_acc if t_w is None else t_w + t_acc
+
+
+def _ffn_tangent(res: _FFNRes, lin):
+    """The FFN's tangent in `(x, w_gate_up, w_down[, grad_acc])` (`None`: zero): the
+    accumulators count as the weights' (see `AbstractGMMBackend.ffn`) and pass
+    through."""
+    t_x, t_gu, t_dn, *t_acc = lin  # `t_acc`: `[(t_acc_gu, t_acc_dn) or None]`, `[]`
+    if t_acc and t_acc[0] is not None:
+        t_gu = _with_acc(t_gu, t_acc[0][0], res.w_gate_up)
+        t_dn = _with_acc(t_dn, t_acc[0][1], res.w_down)
+    args = (res, t_x, t_gu, t_dn)
+    t_out = fused(_ffn_tangent_fused, _ffn_tangent_unfused, *args)
+    if not t_acc:
+        return t_out
+    if t_acc[0] is None:
+        return t_out, tuple(jnp.zeros(s.shape, s.dtype) for s in res.acc)
+    return t_out, t_acc[0]
+
+
+def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
     x, window = res.x, res.window
     num_rows = x.shape[0]
     acc = acc_dtype(x.dtype)
@@ -373,6 +412,56 @@ def _ffn_backward(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
     return d_x, d_gu, d_dn
 
 
+def _ffn_backward_unfused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
+    x, w_gate_up, w_down, gate_up, group_sizes, window, act, _ = res
+    products = _TiledProducts(window)
+    acc = acc_dtype(x.dtype)
+    d_out = d_out.astype(x.dtype)
+    d_act = gmm_t(products, d_out, w_down, group_sizes)
+    d_gate_up = act.vjp(gate_up, d_act).astype(x.dtype)
+    d_x = d_gu = d_dn = None
+    if want_x:
+        d_x = gmm_t(products, d_gate_up, w_gate_up, group_sizes)
+    if want_w or acc_in is not None:
+        a = act(gate_up).astype(x.dtype)
+        d_gu = tgmm(products, x, d_gate_up, group_sizes).astype(acc)
+        d_dn = tgmm(products, a, d_out, group_sizes).astype(acc)
+        if acc_in is not None:
+            d_gu, d_dn = d_gu + acc_in[0].astype(acc), d_dn + acc_in[1].astype(acc)
+    return d_x, d_gu, d_dn
+
+
+def _ffn_backward(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
+    """`(d_x, d_w_gate_up, d_w_down)` in one pass over the windows, each `None` unless
+    wanted (the weights' summed in float32); with accumulators `acc_in` the weight
+    gradients are added into them in place instead (returned in their place)."""
+    args = (res, d_out, acc_in, want_x, want_w)
+    return fused(_ffn_backward_fused, _ffn_backward_unfused, *args)
+
+
+def _ffn_transpose(res: _FFNRes, ct, want):
+    """The transpose of `_ffn_tangent`; `want`: which of `(x, w_gate_up, w_down,
+    grad_acc)` get a cotangent (the last only with accumulators)."""
+    want_x, want_gu, want_dn, *want_acc = want
+    d_out, ct_acc = ct if want_acc else (ct, None)
+    weights = (res.w_gate_up, res.w_down)
+    if want_acc and want_acc[0] and not (want_gu or want_dn):
+        # The weights' gradient summed into the accumulators' cotangent in place.
+        d_x, *acc = _ffn_backward(res, d_out, ct_acc, want_x, True)
+        acc = tuple(a.astype(c.dtype) for a, c in zip(acc, ct_acc, strict=True))
+        return d_x, None, None, acc
+    d_x, *d_w = _ffn_backward(res, d_out, None, want_x, want_gu or want_dn)
+    out = [d_x]
+    for wanted, d, w in zip((want_gu, want_dn), d_w, weights, strict=True):
+        out.append(d.astype(w.dtype) if wanted else None)
+    if want_acc:
+        acc = None
+        if want_acc[0]:
+            acc = tuple(c + d.astype(c.dtype) for c, d in zip(ct_acc, d_w, strict=True))
+        out.append(acc)
+    return tuple(out)
+
+
 @ft.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
 def _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, act, grad_acc):
     out = _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, False)[0]
@@ -382,35 +471,34 @@ def _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, act, grad_acc):
 def _tiled_ffn_jvp(window, act, primals, tangents):
     x, w_gate_up, w_down, group_sizes, grad_acc = primals
     t_x, t_gu, t_dn, _, t_acc = symbolic_zeros_to_none(tangents)
-    out, gate_up = _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, True)
+    if grad_acc is not None:
+        # The same weights, whose derivative (a higher order's) is also the
+        # accumulators'.
+        w_gate_up = with_tangent_of(w_gate_up, grad_acc[0])
+        w_down = with_tangent_of(w_down, grad_acc[1])
+    out, gate_up = _ffn_with_gate_up(x, w_gate_up, w_down, group_sizes, window, act)
     res = _FFNRes(x, w_gate_up, w_down, gate_up, group_sizes, window, act)
-    want_x = t_x is not None
+    want = (t_x is not None, t_gu is not None, t_dn is not None)
+    lin = (t_x, t_gu, t_dn)
     if grad_acc is None:
-        want_w = (t_gu is not None, t_dn is not None)
-
-        def transpose(res, d_out):
-            d_x, d_gu, d_dn = _ffn_backward(res, d_out, None, want_x, any(want_w))
-            d_gu = d_gu.astype(res.w_gate_up.dtype) if want_w[0] else None
-            d_dn = d_dn.astype(res.w_down.dtype) if want_w[1] else None
-            return d_x, d_gu, d_dn
-
-        lin = (t_x, t_gu, t_dn)
+        transpose = ft.partial(_ffn_transpose, want=want)
         return out, custom_linear(_ffn_tangent, transpose, res, lin, out)
 
-    # The weight gradients go to the accumulators (the weights get no cotangent).
-    def acc_transpose(res, ct):
-        d_out, acc_in = ct
-        d_x, d_gu, d_dn = _ffn_backward(res, d_out, acc_in, want_x, True)
-        return d_x, None, None, (d_gu, d_dn)
-
-    t_acc = tuple(
-        jnp.zeros_like(a) if t is None else t
-        for a, t in zip(grad_acc, t_acc, strict=True)
-    )
-    lin = (t_x, t_gu, t_dn, t_acc)
-    out_t = (x if want_x else None, None, None, grad_acc)
-    t_out = custom_linear(_ffn_tangent, acc_transpose, res, lin, (out, grad_acc), out_t)
-    return (out, grad_acc), t_out
+    # The accumulators' tangent counts as the weights' (see `_ffn_tangent`).
+    want_acc = any(t is not None for t in t_acc)
+    if want_acc:
+        t_acc = tuple(
+            jnp.zeros_like(a) if t is None else t
+            for a, t in zip(grad_acc, t_acc, strict=True)
+        )
+    acc = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in grad_acc)
+    res = res._replace(acc=acc)
+    transpose = ft.partial(_ffn_transpose, want=(*want, want_acc))
+    out_t = tuple(p if w else None for p, w in zip(primals[:3], want, strict=True))
+    out_t = (*out_t, grad_acc if want_acc else None)
+    primal = (out, grad_acc)
+    lin = (*lin, t_acc if want_acc else None)
+    return primal, custom_linear(_ffn_tangent, transpose, res, lin, primal, out_t)
 
 
 _tiled_ffn.defjvp(_tiled_ffn_jvp, symbolic_zeros=True)
@@ -467,7 +555,7 @@ class TiledGMM(AbstractGMMBackend):
             lhs, rhs, group_sizes = match_varying(
                 lhs, rhs, group_sizes.astype(jnp.int32)
             )
-            return _tiled_gmm(lhs, rhs, group_sizes, window)
+            return gmm(_TiledProducts(window), lhs, rhs, group_sizes)
 
     def ffn(
         self,

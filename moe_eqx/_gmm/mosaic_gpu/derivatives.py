@@ -1,47 +1,51 @@
-"""The backend's differentiable grouped matmul: a `jax.custom_jvp` over the kernels,
-whose tangent is a `custom_linear` (`moe_eqx._autodiff`) transposing to the kernels.
+"""The backend's differentiable grouped matmul: the kernels as the raw grouped
+products of `moe_eqx._gmm._products`, which makes them differentiable to every order
+(reverse over reverse included), each value a kernel call.
 
-Tangent: `gmm(t_lhs, rhs) + gmm(lhs, t_rhs)` (the forward kernel twice). Transpose:
-`d_lhs` is the forward kernel on `d_out` with `transpose_rhs=True` (contracting `N`
-against `rhs [G, K, N]` without materialising `rhs^T`), or on a materialised
-`[G, N, K]` transpose; `d_rhs` is the transposed kernel, `lhs_g^T @ d_out_g`,
-`[G, K, N]`. Each kernel call is itself a `jax.custom_jvp` (a bilinear function's
-tangent is the same kernel on the tangents), so the transpose can be differentiated
-again: Hessian-vector products work.
+`gmm` is the forward kernel; `gmm_t` (`d_lhs = d_out @ rhs[g]^T`) the forward kernel
+with `transpose_rhs=True` (contracting `N` against `rhs [G, K, N]` without
+materialising `rhs^T`), or on a materialised `[G, N, K]` transpose; `tgmm`
+(`d_rhs[g] = lhs_g^T @ d_out_g`, `[G, K, N]`) the transposed kernel. The derivatives of
+each are the others, with the same tilings (a derivative has the shapes of the
+forward, `d_lhs` or `d_rhs` kernel call it transposes).
 """
 
 import functools
+from typing import ClassVar
 
-import jax
+import equinox as eqx
 import jax.numpy as jnp
 
-from ..._autodiff import custom_linear, symbolic_zeros_to_none
+from .._products import AbstractProducts, gmm
 from .kernels import ragged, transposed_ragged
 from .tiling import MosaicTileConfig
 
 
-def _bilinear(kernel):
-    """`kernel(a, b, group_sizes)`, bilinear in `(a, b)`, with forward mode."""
+class _MosaicProducts(AbstractProducts):
+    fwd: MosaicTileConfig = eqx.field(static=True)
+    dlhs: MosaicTileConfig = eqx.field(static=True)
+    drhs: MosaicTileConfig = eqx.field(static=True)
+    transpose_in_kernel: bool = eqx.field(static=True)
+    # In the Pallas interpreter the kernels have effects, which the custom derivative
+    # rules must declare.
+    has_effects: ClassVar[bool] = True
 
-    @jax.custom_jvp
-    def f(a, b, group_sizes):
-        return kernel(a, b, group_sizes)
+    def gmm(self, a, b, group_sizes):
+        return ragged(a, b.astype(a.dtype), group_sizes, self.fwd, False)
 
-    def f_jvp(primals, tangents):
-        a, b, group_sizes = primals
-        t_a, t_b, _ = symbolic_zeros_to_none(tangents)
-        out = f(a, b, group_sizes)
-        terms = []
-        if t_a is not None:
-            terms.append(f(t_a, b, group_sizes))
-        if t_b is not None:
-            terms.append(f(a, t_b, group_sizes))
-        if not terms:
-            return out, jnp.zeros_like(out)
-        return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    def gmm_t(self, a, b, group_sizes):
+        b = b.astype(a.dtype)
+        if not self.transpose_in_kernel:
+            b = jnp.swapaxes(b, 1, 2)
+        return ragged(a, b, group_sizes, self.dlhs, self.transpose_in_kernel)
 
-    f.defjvp(f_jvp, symbolic_zeros=True)
-    return f
+    def tgmm(self, a, d, group_sizes):
+        return transposed_ragged(a, d, group_sizes, self.drhs).astype(jnp.float32)
+
+    def backward(self, a, b, group_sizes, d_out, want):
+        d_a = self.gmm_t(d_out, b, group_sizes) if want[0] else None
+        d_b = self.tgmm(a, d_out, group_sizes) if want[1] else None
+        return d_a, d_b
 
 
 @functools.cache
@@ -63,49 +67,7 @@ def mosaic_gmm(
     **Returns:**
 
     `f(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]`, with `K` and `N`
-    already padded to the tiles; differentiable with respect to `lhs` and `rhs` in
-    forward and reverse mode.
+    already padded to the tiles; differentiable with respect to `lhs` and `rhs` to
+    every order.
     """
-
-    forward = _bilinear(lambda a, b, gs: ragged(a, b, gs, fwd, False))
-    backward_lhs = _bilinear(
-        lambda a, b, gs: ragged(a, b, gs, dlhs, transpose_in_kernel)
-    )
-    backward_rhs = _bilinear(lambda a, b, gs: transposed_ragged(a, b, gs, drhs))
-
-    def tangent(res, lin):
-        lhs, rhs, group_sizes, _ = res
-        t_lhs, t_rhs = lin
-        terms = []
-        if t_lhs is not None:
-            terms.append(forward(t_lhs, rhs, group_sizes))
-        if t_rhs is not None:
-            terms.append(forward(lhs, t_rhs, group_sizes))
-        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
-
-    def transpose(res, d_out):
-        lhs, rhs, group_sizes, (want_lhs, want_rhs) = res
-        d_out = d_out.astype(lhs.dtype)
-        d_lhs = d_rhs = None
-        if want_lhs:
-            rhs_t = rhs if transpose_in_kernel else jnp.swapaxes(rhs, 1, 2)
-            d_lhs = backward_lhs(d_out, rhs_t, group_sizes)
-        if want_rhs:
-            d_rhs = backward_rhs(lhs, d_out, group_sizes).astype(rhs.dtype)
-        return d_lhs, d_rhs
-
-    @jax.custom_jvp
-    def mosaic(lhs, rhs, group_sizes):
-        return forward(lhs, rhs, group_sizes)
-
-    def mosaic_jvp(primals, tangents):
-        lhs, rhs, group_sizes = primals
-        t_lhs, t_rhs, _ = symbolic_zeros_to_none(tangents)
-        out = mosaic(lhs, rhs, group_sizes)
-        res = (lhs, rhs, group_sizes, (t_lhs is not None, t_rhs is not None))
-        # No `out` given: `tangent` is traced, so that the kernels' effects (in the
-        # Pallas interpreter) are declared.
-        return out, custom_linear(tangent, transpose, res, (t_lhs, t_rhs))
-
-    mosaic.defjvp(mosaic_jvp, symbolic_zeros=True)
-    return mosaic
+    return functools.partial(gmm, _MosaicProducts(fwd, dlhs, drhs, transpose_in_kernel))
