@@ -494,11 +494,12 @@ def resolve_platform(platform: str | None, devices: str | None) -> str:
 def check_stage_configs(layer) -> None:
     """Each stage of `layer` holds the layer's own config (one value per setting),
     else a `ValueError` naming the stage and the fields that differ (as after an
-    `eqx.tree_at` on `layer.config` alone)."""
+    `eqx.tree_at` on `layer.config` alone). A stage of the user's own that holds no
+    config (e.g. a module wrapping the router) is not checked."""
     cfg = layer.config
     for name in ("router", "experts", "shared_experts"):
         stage = getattr(layer, name)
-        if stage is None or stage.config == cfg:
+        if getattr(stage, "config", cfg) == cfg:
             continue
         fields = [
             f.name

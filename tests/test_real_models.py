@@ -76,11 +76,13 @@ def test_scaling_factor_and_shared_expert_change_the_output(getkey):
     y0, _ = base(x)
 
     def like_base(**changes):
+        # A new layer with the base's router and expert arrays (its own config).
         cfg = me.MoEConfig(**{**_fields(base.config), **changes})
         layer = me.MoELayer(cfg, key=getkey())
-        return eqx.tree_at(
-            lambda l: (l.router, l.experts), layer, (base.router, base.experts)
-        )
+        arrays = lambda l: [
+            leaf for stage in (l.router, l.experts) for leaf in jax.tree.leaves(stage)
+        ]
+        return eqx.tree_at(arrays, layer, arrays(base))
 
     y1, _ = like_base(routed_scaling_factor=2.5)(x)
     np.testing.assert_allclose(y1, 2.5 * y0, rtol=1e-5, atol=1e-6)
