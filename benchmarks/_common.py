@@ -16,6 +16,28 @@ def setup_devices(n: int = 8) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
 
 
+def layer_fns(layer, x, mesh):
+    """The layer's forward and fwd+bwd (all float parameters and `x`), jitted, each
+    with its arguments: `((fwd, args), (step, args))`."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def fwd(p, x):
+        return eqx.combine(p, static)(x, mesh=mesh)
+
+    def step(p, x):
+        def loss(p, x):
+            y, stats = eqx.combine(p, static)(x, mesh=mesh)
+            return jnp.sum(jnp.square(y.astype(jnp.float32))), stats
+
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(p, x)
+
+    return (jax.jit(fwd), (params, x)), (jax.jit(step), (params, x))
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     def fmt(v):
         if isinstance(v, float):

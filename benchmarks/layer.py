@@ -53,6 +53,7 @@ import sys
 from _common import (
     hlo_instructions,
     interleaved_min,
+    layer_fns,
     print_table,
     setup_devices,
     thunk_times,
@@ -62,7 +63,6 @@ from _common import (
 if "--gpu" not in sys.argv:
     setup_devices(8)
 
-import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
@@ -90,23 +90,6 @@ def dense_fns(dtype, rows, d_model, d_ff, key):
 
     args = (x, w_gu, w_dn)
     return (jax.jit(ffn), args), (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), args)
-
-
-def layer_fns(layer, x, mesh):
-    """The layer's forward and fwd+bwd (all float parameters and `x`)."""
-    params, static = eqx.partition(layer, eqx.is_inexact_array)
-
-    def fwd(p, x):
-        return eqx.combine(p, static)(x, mesh=mesh)
-
-    def step(p, x):
-        def loss(p, x):
-            y, stats = eqx.combine(p, static)(x, mesh=mesh)
-            return jnp.sum(jnp.square(y.astype(jnp.float32))), stats
-
-        return jax.grad(loss, argnums=(0, 1), has_aux=True)(p, x)
-
-    return (jax.jit(fwd), (params, x)), (jax.jit(step), (params, x))
 
 
 def make_layer(shape, dtype, quick=False, **overrides):

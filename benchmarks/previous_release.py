@@ -45,7 +45,7 @@ import tarfile
 import tempfile
 import time
 
-from _common import print_table, setup_devices, write_json
+from _common import layer_fns, print_table, setup_devices, write_json
 
 setup_devices(8)
 
@@ -191,19 +191,8 @@ def make_layer(lib, shape, like=None, **overrides):
 def layer_programs(layer, x, mesh, forward: bool):
     """The layer's forward (`forward`) or fwd+bwd step, compiled; raises if its
     routing overflows or loses pairs."""
-    params, static = eqx.partition(layer, eqx.is_inexact_array)
-
-    def fwd(p, x):
-        return eqx.combine(p, static)(x, mesh=mesh)
-
-    def step(p, x):
-        def loss(p, x):
-            y, stats = eqx.combine(p, static)(x, mesh=mesh)
-            return jnp.sum(jnp.square(y.astype(jnp.float32))), stats
-
-        return jax.grad(loss, argnums=(0, 1), has_aux=True)(p, x)
-
-    fn, args = compiled(fwd if forward else step, params, x)
+    (fwd, args), (step, _) = layer_fns(layer, x, mesh)
+    fn, args = compiled(fwd if forward else step, *args)
     stats = fn(*args)[1]
     if bool(stats.overflow) or int(stats.lost_pairs) != 0:
         raise RuntimeError(f"the routing overflowed or lost pairs: {stats}")
