@@ -20,7 +20,7 @@ from ._fsdp import expert_specs, fsdp_dim, fsdp_size
 from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
-from ._router import Router
+from ._router import Router, check_expert_ids
 from ._rules import has_explicit_axes, local_experts
 from ._shard import (
     MoEStats,
@@ -103,6 +103,7 @@ class MoELayer(eqx.Module):
         *,
         mesh: Mesh | None = None,
         platform: str | None = None,
+        experts: Int[Array, "*batch k"] | None = None,
     ) -> tuple[Float[Array, "*batch d_model"], MoEStats]:
         """Applies the layer.
 
@@ -125,6 +126,11 @@ class MoELayer(eqx.Module):
             of the mesh's devices, else `jax.default_backend()`. Set it to lower for
             another platform than the devices' (`jax.jit(f).trace(...).lower(
             lowering_platforms=("cuda",))`).
+        - `experts`: optional `[..., k]` int forced expert ids (routing replay, e.g.
+            `layer.router(x).experts` recorded at rollout), used instead of the
+            router's top-k; see [`moe_eqx.Router`][]. Bad ids are a `ValueError`
+            where they are concrete; traced ones are counted in
+            `stats.bad_expert_ids` and raised by [`moe_eqx.MoEStats.check`][].
 
         **Returns:**
 
@@ -134,6 +140,8 @@ class MoELayer(eqx.Module):
         cfg = self.config
         check_stage_configs(self)
         _check_input(x, cfg)
+        if experts is not None:
+            check_expert_ids(experts, x.shape[:-1], cfg)
         ambient = concrete_mesh()
         mesh = _resolve_mesh(mesh, ambient, cfg, self.experts.w_gate_up)
         num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
@@ -151,6 +159,7 @@ class MoELayer(eqx.Module):
                 self.shared_experts,
                 self.expert_ids,
                 x.reshape(-1, cfg.d_model),
+                None if experts is None else experts.reshape(-1, cfg.top_k),
             )
             return add_output_bias(
                 y.reshape(*batch_shape, cfg.d_model), self.output_bias
@@ -160,7 +169,14 @@ class MoELayer(eqx.Module):
         home = _home(x, ambient)
         if home is not None and x.sharding.device_set != set(mesh.devices.flat):
             x = jax.device_put(x, NamedSharding(mesh, P()))
-        args = (self.router, self.experts, self.shared_experts, self.expert_ids, x)
+        args = (
+            self.router,
+            self.experts,
+            self.shared_experts,
+            self.expert_ids,
+            x,
+            experts,
+        )
         if ambient is not None and ambient != mesh:
             # An explicit `mesh=` wins over the ambient one: run under it.
             with jax.set_mesh(mesh):
@@ -338,13 +354,13 @@ def _empty_stats(cfg: MoEConfig, num_shards: int) -> MoEStats:
 # once instead of running op by op; under an outer jit this is inlined.
 @ft.partial(jax.jit, static_argnums=(0, 1))
 def _single_device_call(
-    cfg: MoEConfig, platform: str, router, experts, shared, expert_ids, x
+    cfg: MoEConfig, platform: str, router, experts, shared, expert_ids, x, forced
 ):
     tokens = x.shape[0]
     # A token with a non-finite value is routed nowhere, and the experts see it as
     # zeros (their gradients never meet its NaNs); its output is NaN.
     finite = jnp.all(jnp.isfinite(x), axis=-1)
-    routing = router(x, finite)
+    routing = router(x, finite, experts=forced)
     x = jnp.where(finite[:, None], x, 0)
     physical, _ = physical_routing(routing, expert_ids)
     pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
@@ -384,6 +400,7 @@ def _single_device_call(
         router_z_loss=routing.router_z_loss,
         nan_tokens=jnp.sum(~finite),
         identity_counts=routing.identity_counts,
+        bad_expert_ids=routing.bad_ids,
     )
     # No wire on one device: nothing to deduplicate.
     return y, eqx.tree_at(lambda s: s.dedup_ratio, stats, jnp.array(1.0, jnp.float32))
@@ -402,6 +419,7 @@ def _expert_parallel_call(
     shared,
     expert_ids,
     x,
+    forced,
 ):
     ax = cfg.axis_name
     explicit = has_explicit_axes(mesh)
@@ -413,7 +431,7 @@ def _expert_parallel_call(
     # group of devices that share their other coordinates is its own EP group.
     tokens = P(tuple(mesh.axis_names))
     other = tuple(a for a in mesh.axis_names if a != ax)
-    specs = (P(), expert_specs(cfg, experts, mesh.shape), P(), P(), tokens)
+    specs = (P(), expert_specs(cfg, experts, mesh.shape), P(), P(), tokens, tokens)
     per_shard = jax.shard_map(
         ft.partial(expert_parallel_shard_body, cfg, mesh.shape[ax], platform, other),
         mesh=mesh,
@@ -436,6 +454,8 @@ def _expert_parallel_call(
         )
     else:
         x = x.reshape(flat)
+    if forced is not None:
+        forced = _flat_ids(forced, cfg.top_k, flat[0], pad, mesh, explicit, tokens)
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
         per_shard = jax.shard_map(
@@ -452,7 +472,7 @@ def _expert_parallel_call(
             out_specs=(tokens, P()),
             check_vma=False,
         )
-    args = (router, experts, shared, expert_ids, x)
+    args = (router, experts, shared, expert_ids, x, forced)
     place = _reshard if explicit else _place
     args = tuple(
         _place_tree(place, a, s, mesh) for a, s in zip(args, specs, strict=True)
@@ -476,6 +496,23 @@ def _expert_parallel_call(
     if spec is not None and set(_spec_axes(spec)) <= set(mesh.axis_names):
         y = jax.sharding.reshard(y, NamedSharding(mesh, spec))
     return y, stats
+
+
+def _flat_ids(forced, top_k: int, num_tokens: int, pad: int, mesh, explicit, tokens):
+    """Forced expert ids `[..., k]` as `[tokens + pad, k]`, like the tokens; the
+    padding tokens get ids `0..k-1` (valid, and routed nowhere as padding)."""
+    flat = (num_tokens, top_k)
+    if explicit:
+        forced = jax.lax.reshape(
+            forced, flat, out_sharding=NamedSharding(mesh, P() if pad else tokens)
+        )
+    else:
+        forced = forced.reshape(flat)
+    forced = forced.astype(jnp.int32)
+    if pad:
+        filler = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (pad, top_k))
+        forced = jnp.concatenate([forced, filler])
+    return forced
 
 
 def _place_tree(place, tree, spec, mesh: Mesh):
@@ -621,7 +658,10 @@ def shard_specs(
 
 
 def reference_moe(
-    layer: MoELayer, x: Float[Array, "*batch d_model"]
+    layer: MoELayer,
+    x: Float[Array, "*batch d_model"],
+    *,
+    experts: Int[Array, "*batch k"] | None = None,
 ) -> Float[Array, "*batch d_model"]:
     """Dense oracle: every token through each of its top-k experts, no dispatch at all.
 
@@ -636,6 +676,8 @@ def reference_moe(
 
     - `layer`: a [`moe_eqx.MoELayer`][].
     - `x`: `[..., d_model]`.
+    - `experts`: optional `[..., k]` forced expert ids (routing replay): the router's
+        weights at these ids replace its top-k, as in the layer.
 
     **Returns:**
 
@@ -643,11 +685,14 @@ def reference_moe(
     mesh axes (the oracle itself computes on replicated arrays).
     """
     check_stage_configs(layer)
+    if experts is not None:
+        check_expert_ids(experts, x.shape[:-1], layer.config)
+        experts = _replicate(experts).reshape(-1, layer.config.top_k)
     # Its dense scatters and einsums have no sharding rule for tokens or experts split
     # over `Explicit` axes: such arrays are replicated, and the result split as `x`.
     explicit = _explicit_sharding(x)
     layer = jax.tree.map(lambda a: _replicate(a) if eqx.is_array(a) else a, layer)
-    y = _reference(layer, _replicate(x))
+    y = _reference(layer, _replicate(x), experts)
     if explicit is not None:
         y = jax.sharding.reshard(y, explicit)
     return y
@@ -677,10 +722,10 @@ def _replicate(a):
     return jax.sharding.reshard(a, NamedSharding(sharding.mesh, P()))
 
 
-def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"]):
+def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
     batch_shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    routing = layer.router(x)
+    routing = layer.router(x, experts=forced)
     num_experts = layer.config.num_experts
     # Dense [T, E] combine weights: w[t, j] at column e[t, j].
     dense_w = jnp.zeros((x.shape[0], num_experts), jnp.float32)

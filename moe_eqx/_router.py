@@ -25,6 +25,8 @@ class Routing(eqx.Module):
     - `mean_probs`: `[E]` float32 mean normalised score per expert (for the balance loss).
     - `load_balance_loss`: scalar `E * sum_e f_e * P_e` over these tokens.
     - `router_z_loss`: scalar `mean(logsumexp(logits)^2)` over these tokens.
+    - `bad_ids`: scalar int32, the forced expert ids (routing replay) that are out of
+        range or repeat an earlier id of their token; 0 without forced ids.
     """
 
     weights: Float[Array, "tokens k"]
@@ -34,6 +36,71 @@ class Routing(eqx.Module):
     load_balance_loss: Float[Array, ""]
     router_z_loss: Float[Array, ""]
     identity_counts: Int[Array, " identity"]
+    # A default, so that routings built by hand (or by a user's own router) need not
+    # name it.
+    bad_ids: Int[Array, ""] = eqx.field(default_factory=lambda: jnp.array(0, jnp.int32))
+
+
+def bad_expert_ids(
+    experts: Int[Array, "tokens k"], num_columns: int
+) -> Bool[Array, "tokens k"]:
+    """The forced expert ids that cannot be a routing: out of `[0, num_columns)` or
+    equal to an earlier id of the same token.
+
+    **Arguments:**
+
+    - `experts`: `[T, k]` expert ids.
+    - `num_columns`: `E + I`, the routed and identity experts.
+
+    **Returns:**
+
+    `[T, k]` bool, true at each bad id.
+    """
+    k = experts.shape[-1]
+    out = (experts < 0) | (experts >= num_columns)
+    earlier = jnp.tril(jnp.ones((1, k, k), bool), -1)  # [_, j, i]: i before j
+    same = experts[:, :, None] == experts[:, None, :]
+    return out | jnp.any(same & earlier, axis=-1)
+
+
+def check_expert_ids(ids, batch_shape: tuple[int, ...], config: MoEConfig) -> None:
+    """Forced expert ids (routing replay) fit the tokens and the config, else a
+    `TypeError` (not integers) or `ValueError` naming what is wrong. Their values
+    are checked where they are concrete; traced ones are counted in the stats
+    instead (`MoEStats.bad_expert_ids`).
+
+    **Arguments:**
+
+    - `ids`: the `experts=` argument, `[..., k]`.
+    - `batch_shape`: the tokens' leading dimensions (`x.shape[:-1]`).
+    - `config`: the layer's [`moe_eqx.MoEConfig`][].
+    """
+    dtype = getattr(ids, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"`experts` (forced expert ids) must be an integer array, got dtype {dtype}."
+        )
+    want = (*batch_shape, config.top_k)
+    if tuple(ids.shape) != want:
+        raise ValueError(
+            f"`experts` (forced expert ids) must have shape {want} (the tokens' "
+            f"leading dimensions, then `config.top_k`), got {tuple(ids.shape)}."
+        )
+    if isinstance(ids, jax.core.Tracer) or ids.size == 0:
+        return
+    columns = config.num_experts + config.num_identity_experts
+    flat = jnp.asarray(ids).reshape(-1, config.top_k)
+    bad = bad_expert_ids(flat, columns)
+    if bool(jnp.any(bad)):
+        tokens = jnp.nonzero(jnp.any(bad, axis=-1))[0]
+        first = int(tokens[0])
+        raise ValueError(
+            f"`experts` (forced expert ids) must be distinct per token and in "
+            f"[0, {columns}) (`num_experts` {config.num_experts} + "
+            f"`num_identity_experts` {config.num_identity_experts}): "
+            f"{int(jnp.sum(bad))} bad ids in {tokens.size} tokens, the first at "
+            f"token {first} (flattened): {flat[first].tolist()}."
+        )
 
 
 def load_balance_loss(
@@ -175,6 +242,8 @@ class Router(eqx.Module):
         self,
         x: Float[Array, "tokens d_model"],
         valid: Bool[Array, " tokens"] | None = None,
+        *,
+        experts: Int[Array, "tokens k"] | None = None,
     ) -> Routing:
         """Routes tokens to experts.
 
@@ -189,6 +258,14 @@ class Router(eqx.Module):
             gradient is NaN in a batch that has one. Masking `x` here instead
             would keep a `[T, d_model]` float32 copy alive through the whole
             layer, which the fallback's memory bound does not allow.)
+        - `experts`: optional `[T, k]` int forced expert ids (routing replay), used
+            instead of the top-k selection: the selection bias and the group mask
+            choose nothing, and the weights are these tokens' scores at the given ids,
+            normalised as configured (so the router's weight gets its gradient).
+            `E + j` is identity expert `j`. A token with an id out of `[0, E + I)` or
+            repeated is routed nowhere, like a token outside `valid`, and its bad ids
+            are counted in `bad_ids` (concrete ids are checked first: a
+            `ValueError`).
 
         **Returns:**
 
@@ -196,13 +273,18 @@ class Router(eqx.Module):
         """
         with jax.named_scope("moe_eqx.router"):
             logits, scores, probs = self._scores(x)
-            select = jax.lax.stop_gradient(scores)
-            if self.bias is not None:
-                select = select + jax.lax.stop_gradient(self.bias)[None, :]
-            if self.num_groups > 1:
-                select = jnp.where(self._group_mask(select), select, -jnp.inf)
-            _, experts = jax.lax.top_k(select, self.top_k)
-            experts = experts.astype(jnp.int32)
+            bad_ids = jnp.array(0, jnp.int32)
+            if experts is None:
+                experts = self._select(scores)
+            else:
+                check_expert_ids(experts, x.shape[:-1], self.config)
+                experts = experts.astype(jnp.int32)
+                bad = bad_expert_ids(experts, scores.shape[-1])
+                bad_ids = jnp.sum(bad).astype(jnp.int32)
+                ok = ~jnp.any(bad, axis=-1)
+                valid = ok if valid is None else valid & ok
+                # In range for the gather; the token is routed nowhere below.
+                experts = jnp.where(bad, 0, experts)
             chosen = jnp.take_along_axis(scores, experts, axis=-1)
             if self.norm_topk:
                 total = jnp.sum(chosen, axis=-1, keepdims=True)
@@ -236,7 +318,19 @@ class Router(eqx.Module):
                 load_balance_loss=lb,
                 router_z_loss=z,
                 identity_counts=identity_counts,
+                bad_ids=bad_ids,
             )
+
+    def _select(self, scores: Float[Array, "tokens experts"]) -> Int[Array, "tokens k"]:
+        """The top-k experts by score (plus the selection bias), within the best
+        groups with group-limited routing."""
+        select = jax.lax.stop_gradient(scores)
+        if self.bias is not None:
+            select = select + jax.lax.stop_gradient(self.bias)[None, :]
+        if self.num_groups > 1:
+            select = jnp.where(self._group_mask(select), select, -jnp.inf)
+        _, experts = jax.lax.top_k(select, self.top_k)
+        return experts.astype(jnp.int32)
 
 
 def sequence_balance_loss(

@@ -25,7 +25,7 @@ from ._overflow import (
 )
 from ._placement import physical_routing
 from ._planner import assign_destinations, default_max_exports, plan_duplication
-from ._router import Router, Routing, load_balance_loss
+from ._router import Router, Routing, check_expert_ids, load_balance_loss
 from ._rules import div, local_experts, rem
 from ._slots import gather_slot_weights
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
@@ -67,6 +67,9 @@ class MoEStats(eqx.Module):
     - `nan_tokens`: tokens with a non-finite value, over all shards: routed nowhere
         (no pair sent or counted, no statistic or gradient from them), their output
         NaN.
+    - `bad_expert_ids`: forced expert ids (routing replay, `layer(x, experts=ids)`)
+        out of range or repeated within a token, over all shards. Always 0: their
+        tokens were routed nowhere, and [`MoEStats.check`][] raises a `ValueError`.
     """
 
     overflow: Bool[Array, ""]
@@ -90,9 +93,13 @@ class MoEStats(eqx.Module):
     identity_counts: Int[Array, " identity"] = eqx.field(
         default_factory=lambda: jnp.zeros((0,), jnp.int32)
     )
+    bad_expert_ids: Int[Array, ""] = eqx.field(
+        default_factory=lambda: jnp.array(0, jnp.int32)
+    )
 
     def check(self) -> "MoEStats":
-        """Raises [`moe_eqx.LostPairsError`][] if any pair was lost; returns `self`.
+        """Raises [`moe_eqx.LostPairsError`][] if any pair was lost, and a
+        `ValueError` if forced expert ids were bad (`bad_expert_ids`); returns `self`.
 
         Call it on concrete stats, on the host (after `jax.jit` returns them): inside
         `jit` the values are not known yet. A test of the error as a value inside a
@@ -115,6 +122,13 @@ class MoEStats(eqx.Module):
             raise LostPairsError(
                 f"The MoE layer lost pairs (lost_pairs={lost.tolist()}): routed pairs "
                 "were neither computed nor counted as dropped."
+            )
+        bad = jnp.asarray(self.bad_expert_ids)
+        if bool(jnp.any(bad != 0)):
+            raise ValueError(
+                f"Forced expert ids (`experts=`) were out of range or repeated within "
+                f"a token (bad_expert_ids={bad.tolist()}): those tokens were routed "
+                "nowhere."
             )
         return self
 
@@ -154,6 +168,7 @@ def expert_parallel_shard_body(
     shared: SharedExperts | None,
     expert_ids: Int[Array, " experts"],
     x: Float[Array, "tokens d_model"],
+    forced: Int[Array, "tokens k"] | None = None,
     *,
     num_tokens: tuple[int, tuple[str, ...]] | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
@@ -168,6 +183,8 @@ def expert_parallel_shard_body(
     the global token array (split over `token_axes` jointly, in order) are real;
     the others are routed nowhere and counted in nothing.
 
+    `forced`: this shard's forced expert ids (routing replay), or `None`.
+
     With `cfg.fsdp_axes`, `experts` is this device's part of the shard's experts,
     gathered here (`moe_eqx._fsdp`).
     """
@@ -179,7 +196,7 @@ def expert_parallel_shard_body(
     finite = jnp.all(jnp.isfinite(x), axis=-1)
     nan = jnp.sum(real & ~finite)
     finite = finite & real
-    routed = _route(setup, router, expert_ids, x, finite)
+    routed = _route(setup, router, expert_ids, x, finite, forced)
     experts = gather_experts(cfg, experts, num_shards)
     # This shard's experts (biases folded into their weights: `fold_biases`).
     x_in, w_gate_up, w_down, _ = expert_arrays(experts, x, setup.spec.activation)
@@ -264,13 +281,16 @@ class _Routed(eqx.Module):
     counts: Int[Array, "shards experts"]  # all shards' per-expert counts, physical
 
 
-def _route(setup: _ShardSetup, router: Router, expert_ids, x, finite) -> _Routed:
+def _route(
+    setup: _ShardSetup, router: Router, expert_ids, x, finite, forced
+) -> _Routed:
     """Steps 1-2: route (a non-finite token nowhere), then share the per-expert
     counts: every plan below is identical on all shards, so every shard takes the
     same path."""
     # Logical expert ids -> physical positions (`expert_ids[p]` is held at `p`): from
     # here on everything (plan, dispatch, GMM, slots) works in physical order.
-    routing, position = physical_routing(router(x, finite), expert_ids)
+    routing = router(x, finite, experts=forced)
+    routing, position = physical_routing(routing, expert_ids)
     counts = jax.lax.all_gather(routing.counts, setup.cfg.axis_name)
     return _Routed(routing=routing, position=position, counts=counts)
 
@@ -387,13 +407,19 @@ def _stats(
         jnp.concatenate(
             [
                 jnp.stack(
-                    [trip.computed_pairs, trip.recv_rows, trip.dropped_pairs, nan]
+                    [
+                        trip.computed_pairs,
+                        trip.recv_rows,
+                        trip.dropped_pairs,
+                        nan,
+                        routed.routing.bad_ids,
+                    ]
                 ),
                 identity.astype(jnp.int32),
             ]
         ),
         ax,
-    )  # [R, 4 + I]
+    )  # [R, 5 + I]
     global_counts = jnp.sum(routed.counts, axis=0).astype(jnp.int32)  # [E] physical
     # Means over every shard's counted tokens: sums weighted by their counts.
     finite = counted.astype(jnp.float32)
@@ -429,7 +455,8 @@ def _stats(
         mean_probs=router_floats[:-1],
         router_z_loss=router_floats[-1],
         nan_tokens=jnp.sum(per_shard[:, 3]),
-        identity_counts=jnp.sum(per_shard[:, 4:], axis=0),
+        identity_counts=jnp.sum(per_shard[:, 5:], axis=0),
+        bad_expert_ids=jnp.sum(per_shard[:, 4]),
     )
 
 
@@ -450,6 +477,7 @@ def routed_stats(
     router_z_loss,
     identity_counts,
     nan_tokens=0,
+    bad_expert_ids=0,
 ) -> MoEStats:
     computed = jnp.sum(recv_pairs)
     return MoEStats(
@@ -471,6 +499,7 @@ def routed_stats(
         expert_counts=expert_counts,
         nan_tokens=jnp.asarray(nan_tokens, jnp.int32),
         identity_counts=identity_counts.astype(jnp.int32),
+        bad_expert_ids=jnp.asarray(bad_expert_ids, jnp.int32),
     )
 
 
@@ -526,6 +555,7 @@ def expert_parallel_shard(
     num_shards: int | None = None,
     data_axes: tuple[str, ...] | None = None,
     platform: str | None = None,
+    experts: Int[Array, "tokens k"] | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
     """The MoE layer for one shard's tokens, inside the caller's own `shard_map`.
 
@@ -560,6 +590,9 @@ def expert_parallel_shard(
         `"gpu"` (or `"cuda"`, `"rocm"`) or `"tpu"`. `None`: the platform of the
         enclosing `shard_map`'s devices (else `jax.default_backend()`). Set it to
         lower for another platform than the devices'.
+    - `experts`: optional `[T, k]` int forced expert ids of this shard's tokens
+        (routing replay), as in [`moe_eqx.MoELayer`][]; traced bad ids are counted in
+        `stats.bad_expert_ids`.
 
     **Returns:**
 
@@ -575,6 +608,8 @@ def expert_parallel_shard(
             f"`x` must be a floating-point array, got dtype {x.dtype} "
             "(cast it first, e.g. x.astype(jnp.float32))."
         )
+    if experts is not None:
+        check_expert_ids(experts, x.shape[:-1], cfg)
     manual = _manual_axes()
     if manual and cfg.axis_name not in manual:
         raise ValueError(
@@ -618,5 +653,6 @@ def expert_parallel_shard(
         layer.shared_experts,
         layer.expert_ids,
         x,
+        experts,
     )
     return add_output_bias(y, layer.output_bias), stats

@@ -1,0 +1,160 @@
+"""Routing replay: `layer(x, experts=ids)` forces the experts each token uses."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import moe_eqx as me
+
+# Identity experts (ids 8, 9) are forced too; the selection bias must be bypassed.
+CFG = me.MoEConfig(
+    d_model=8, d_ff=16, num_experts=8, top_k=3, num_identity_experts=2,
+    use_router_bias=True,
+)  # fmt: skip
+COLUMNS = CFG.num_experts + CFG.num_identity_experts
+
+
+def _random_ids(key, batch_shape, columns=COLUMNS, k=CFG.top_k):
+    """Distinct ids per token, uniform over `columns`."""
+    n = int(np.prod(batch_shape))
+    keys = jr.split(key, n)
+    ids = jax.vmap(lambda kk: jr.permutation(kk, columns)[:k])(keys)
+    return ids.astype(jnp.int32).reshape(*batch_shape, k)
+
+
+@pytest.fixture(scope="module")
+def layer():
+    layer = me.MoELayer(CFG, key=jr.key(0))
+    # A strong selection bias: the top-k would pick experts 0..2 for every token.
+    bias = jnp.zeros((COLUMNS,), jnp.float32).at[:3].set(100.0)
+    return eqx.tree_at(lambda l: l.router.bias, layer, bias)
+
+
+def _loss(y):
+    c = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+    return jnp.sum(y * c) + 0.05 * jnp.sum(jnp.square(y))
+
+
+@eqx.filter_jit
+def _value_and_grad(layer, x, ids):
+    def f(args):
+        layer, x = args
+        y, stats = layer(x, experts=ids)
+        return _loss(y), (y, stats)
+
+    (_, (y, stats)), grads = eqx.filter_value_and_grad(f, has_aux=True)((layer, x))
+    return y, stats, grads
+
+
+@eqx.filter_jit
+def _oracle_value_and_grad(layer, x, ids):
+    def f(args):
+        layer, x = args
+        y = me.reference_moe(layer, x, experts=ids)
+        return _loss(y), y
+
+    (_, y), grads = eqx.filter_value_and_grad(f, has_aux=True)((layer, x))
+    return y, grads
+
+
+def _assert_trees_close(a, b, atol=1e-5, rtol=1e-5):
+    a = jax.tree.leaves(eqx.filter(a, eqx.is_inexact_array))
+    b = jax.tree.leaves(eqx.filter(b, eqx.is_inexact_array))
+    assert len(a) == len(b) > 0
+    for u, v in zip(a, b, strict=True):
+        np.testing.assert_allclose(u, v, atol=atol, rtol=rtol)
+
+
+def test_router_weights_are_the_scores_at_the_forced_ids(getkey):
+    # Group-limited routing with a selection bias: neither may choose anything.
+    cfg = me.MoEConfig(
+        d_model=8, d_ff=16, num_experts=8, top_k=2, num_groups=4, top_groups=1,
+        use_router_bias=True, norm_topk_min=0.0,
+    )  # fmt: skip
+    router = me.Router(cfg, key=getkey())
+    router = eqx.tree_at(lambda r: r.bias, router, jnp.arange(8.0) * 10)
+    x = jr.normal(getkey(), (32, 8))
+    ids = _random_ids(getkey(), (32,), columns=8, k=2)
+    r = router(x, experts=ids)
+    np.testing.assert_array_equal(r.experts, ids)
+    # Written out independently: softmax over all experts, taken at ids, renormalised.
+    logits = np.asarray(x, np.float64) @ np.asarray(router.weight, np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    chosen = np.take_along_axis(p, np.asarray(ids), axis=-1)
+    np.testing.assert_allclose(r.weights, chosen / chosen.sum(-1, keepdims=True), 1e-5)
+    counts = np.bincount(np.asarray(ids).ravel(), minlength=8)
+    np.testing.assert_array_equal(r.counts, counts)
+    # The balance loss counts the forced pairs.
+    expected_lb = 8 * np.sum(counts / counts.sum() * p.mean(0))
+    np.testing.assert_allclose(r.load_balance_loss, expected_lb, rtol=1e-5)
+    assert int(r.bad_ids) == 0
+    # Without forced ids the bias and the group mask choose: experts 6 and 7 only.
+    assert set(np.asarray(router(x).experts).ravel().tolist()) == {6, 7}
+
+
+def test_replaying_the_recorded_routing_is_the_routing(layer, getkey):
+    x = jr.normal(getkey(), (4, 16, 8))
+    recorded = layer.router(x.reshape(-1, 8)).experts.reshape(4, 16, 3)
+    y, stats = layer(x)
+    y_replay, stats_replay = layer(x, experts=recorded)
+    np.testing.assert_allclose(y_replay, y, atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(stats_replay.expert_counts, stats.expert_counts)
+    np.testing.assert_array_equal(stats_replay.identity_counts, stats.identity_counts)
+    np.testing.assert_allclose(stats_replay.load_balance_loss, stats.load_balance_loss)
+
+
+def test_replay_matches_the_oracle_one_device(layer, getkey):
+    x = jr.normal(getkey(), (4, 16, 8))
+    ids = _random_ids(getkey(), (4, 16))
+    y, stats, grads = _value_and_grad(layer, x, ids)
+    y_ref, grads_ref = _oracle_value_and_grad(layer, x, ids)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    _assert_trees_close(grads, grads_ref)
+    stats.check()
+    flat = np.asarray(ids).ravel()
+    np.testing.assert_array_equal(
+        stats.expert_counts, np.bincount(flat[flat < 8], minlength=8)
+    )
+    np.testing.assert_array_equal(
+        stats.identity_counts, np.bincount(flat[flat >= 8] - 8)
+    )
+    assert int(stats.identity_counts.sum()) > 0
+    # The router gets its gradient from the forced pairs' weights: not zero, and not
+    # the gradient of the router's own (bias-chosen) routing.
+    g_router = grads[0].router.weight
+    assert float(jnp.max(jnp.abs(g_router))) > 1e-3
+    _, grads_own = _oracle_value_and_grad(
+        layer, x, layer.router(x.reshape(-1, 8)).experts.reshape(4, 16, 3)
+    )
+    assert not np.allclose(g_router, grads_own[0].router.weight, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda ids: ids.at[3, 1].set(COLUMNS), "in \\[0, 10\\)"),
+        (lambda ids: ids.at[0, 2].set(-1), "in \\[0, 10\\)"),
+        (lambda ids: ids.at[5, 1].set(ids[5, 0]), "distinct per token"),
+        (lambda ids: ids[:, :2], "shape \\(16, 3\\)"),
+    ],
+)
+def test_bad_concrete_ids_are_a_value_error(layer, getkey, edit, message):
+    x = jr.normal(getkey(), (16, 8))
+    ids = edit(_random_ids(getkey(), (16,)))
+    with pytest.raises(ValueError, match=message):
+        layer(x, experts=ids)
+    with pytest.raises(ValueError, match=message):
+        me.reference_moe(layer, x, experts=ids)
+    with pytest.raises(ValueError, match=message):
+        layer.router(x, experts=ids)
+
+
+def test_float_ids_are_a_type_error(layer, getkey):
+    x = jr.normal(getkey(), (16, 8))
+    ids = _random_ids(getkey(), (16,)).astype(jnp.float32)
+    with pytest.raises(TypeError):
+        layer(x, experts=ids)
