@@ -1,11 +1,15 @@
 """Routing replay: `layer(x, experts=ids)` forces the experts each token uses."""
 
+import functools as ft
+
 import equinox as eqx
+import helpers
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import moe_eqx as me
 
@@ -120,7 +124,7 @@ def test_replay_matches_the_oracle_one_device(layer, getkey):
         stats.expert_counts, np.bincount(flat[flat < 8], minlength=8)
     )
     np.testing.assert_array_equal(
-        stats.identity_counts, np.bincount(flat[flat >= 8] - 8)
+        stats.identity_counts, np.bincount(flat[flat >= 8] - 8, minlength=2)
     )
     assert int(stats.identity_counts.sum()) > 0
     # The router gets its gradient from the forced pairs' weights: not zero, and not
@@ -158,3 +162,146 @@ def test_float_ids_are_a_type_error(layer, getkey):
     ids = _random_ids(getkey(), (16,)).astype(jnp.float32)
     with pytest.raises(TypeError):
         layer(x, experts=ids)
+
+
+# Expert parallelism over 8 devices: one expert per shard. B = ceil(factor * T * k)
+# rows per shard with T = 8 tokens per shard: 24 with factor 1 (the fallback's), 48
+# with factor 2 (the drop config's): uniform ids fit both, every token on expert 0
+# (64 pairs on shard 0) fits neither.
+SKEWED = jnp.broadcast_to(jnp.array([0, 8, 5], jnp.int32), (64, 3))
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+    return helpers.mesh(8)
+
+
+@eqx.filter_jit
+def _ep_value_and_grad(layer, x, ids, mesh):
+    def f(args):
+        layer, x = args
+        y, stats = layer(x, mesh=mesh, experts=ids)
+        return _loss(y), (y, stats)
+
+    (_, (y, stats)), grads = eqx.filter_value_and_grad(f, has_aux=True)((layer, x))
+    return y, stats, grads
+
+
+@eqx.filter_jit
+def _ep_forward(layer, x, ids, mesh):
+    return layer(x, mesh=mesh, experts=ids)
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_replay_matches_the_oracle_ep8_fallback(layer, mesh8, getkey, skewed):
+    layer = layer.with_config(buffer_factor=1.0, on_overflow="fallback")
+    x = jr.normal(getkey(), (64, 8))
+    ids = SKEWED if skewed else _random_ids(getkey(), (64,))
+    y, stats, grads = _ep_value_and_grad(layer, x, ids, mesh8)
+    y_ref, grads_ref = _oracle_value_and_grad(layer, x, ids)
+    assert bool(stats.fallback_used) == skewed
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    _assert_trees_close(grads, grads_ref)
+    stats.check()
+    flat = np.asarray(ids).ravel()
+    np.testing.assert_array_equal(
+        stats.expert_counts, np.bincount(flat[flat < 8], minlength=8)
+    )
+    np.testing.assert_array_equal(
+        stats.identity_counts, np.bincount(flat[flat >= 8] - 8, minlength=2)
+    )
+
+
+def test_replay_ep8_drop(layer, mesh8, getkey):
+    layer = layer.with_config(buffer_factor=2.0, on_overflow="drop")
+    x = jr.normal(getkey(), (64, 8))
+    ids = _random_ids(getkey(), (64,))
+    y, stats = _ep_forward(layer, x, ids, mesh8)
+    assert int(stats.dropped_pairs) == 0
+    np.testing.assert_allclose(
+        y, me.reference_moe(layer, x, experts=ids), atol=1e-5, rtol=1e-5
+    )
+    # Forced onto one shard, the pairs beyond its buffer are dropped and counted.
+    y, stats = _ep_forward(layer, x, SKEWED, mesh8)
+    assert int(stats.dropped_pairs) > 0
+    assert int(stats.lost_pairs) == 0
+    assert not np.allclose(y, me.reference_moe(layer, x, experts=SKEWED), atol=1e-3)
+
+
+def _bad_ids(getkey, tokens):
+    """Random ids with two tokens' ids made bad (one out of range, one repeated), and
+    the same ids with those tokens' ids made good again."""
+    good = _random_ids(getkey(), (tokens,))
+    bad = good.at[3, 1].set(COLUMNS + 5).at[tokens - 2, 2].set(good[tokens - 2, 0])
+    return good, bad
+
+
+def _assert_bad_ids_counted(layer, x, y, stats, good):
+    assert int(stats.bad_expert_ids) == 2
+    assert int(stats.lost_pairs) == 0
+    with pytest.raises(ValueError, match="bad_expert_ids=2"):
+        stats.check()
+    # Those two tokens were routed nowhere; every other token is exact.
+    tokens = x.shape[0]
+    bad_tokens = np.array([3, tokens - 2])
+    np.testing.assert_array_equal(np.asarray(y)[bad_tokens], 0.0)
+    rest = np.setdiff1d(np.arange(tokens), bad_tokens)
+    y_ref = me.reference_moe(layer, x, experts=good)
+    np.testing.assert_allclose(
+        np.asarray(y)[rest], np.asarray(y_ref)[rest], atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("where", ["one_device", "ep8_drop", "ep8_fallback"])
+def test_traced_bad_ids_are_counted_and_raised_by_check(layer, mesh8, getkey, where):
+    x = jr.normal(getkey(), (64, 8))
+    good, bad = _bad_ids(getkey, 64)
+    if where == "one_device":
+        y, stats, _ = _value_and_grad(layer, x.reshape(4, 16, 8), bad.reshape(4, 16, 3))
+        y = y.reshape(64, 8)
+    elif where == "ep8_drop":
+        layer = layer.with_config(buffer_factor=2.0, on_overflow="drop")
+        y, stats = _ep_forward(layer, x, bad, mesh8)
+    else:
+        layer = layer.with_config(buffer_factor=1.0, on_overflow="fallback")
+        y, stats, _ = _ep_value_and_grad(layer, x, bad, mesh8)
+    _assert_bad_ids_counted(layer, x, y, stats, good)
+
+
+def test_expert_parallel_shard_takes_forced_ids(layer, mesh8, getkey):
+    layer = layer.with_config(buffer_factor=2.0, on_overflow="drop")
+    x = jr.normal(getkey(), (64, 8))
+    good, bad = _bad_ids(getkey, 64)
+    m = helpers.auto_mesh(8)
+
+    @jax.jit
+    @ft.partial(
+        jax.shard_map,
+        mesh=m,
+        in_specs=(me.shard_specs(layer), P("expert"), P("expert")),
+        out_specs=(P("expert"), P()),
+        check_vma=False,
+    )
+    def block(layer, x, ids):
+        return me.expert_parallel_shard(layer, x, experts=ids)
+
+    y, stats = block(layer, x, good)
+    np.testing.assert_allclose(
+        y, me.reference_moe(layer, x, experts=good), atol=1e-5, rtol=1e-5
+    )
+    assert int(stats.bad_expert_ids) == 0
+    y, stats = block(layer, x, bad)
+    _assert_bad_ids_counted(layer, x, y, stats, good)
+
+
+def test_replay_ep8_padded_tokens(layer, mesh8, getkey):
+    # 60 tokens: padded to 64 inside, the padding's ids neither bad nor counted.
+    layer = layer.with_config(buffer_factor=2.0, on_overflow="drop")
+    x = jr.normal(getkey(), (60, 8))
+    ids = _random_ids(getkey(), (60,))
+    y, stats = _ep_forward(layer, x, ids, mesh8)
+    stats.check()
+    assert int(jnp.sum(stats.expert_counts) + jnp.sum(stats.identity_counts)) == 180
+    np.testing.assert_allclose(
+        y, me.reference_moe(layer, x, experts=ids), atol=1e-5, rtol=1e-5
+    )
