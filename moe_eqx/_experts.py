@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._config import MoEConfig
 from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
 from ._gmm._base import SWIGLU, Activation
+from ._rules import DISPATCHED, EXPERT_OUT, remat_name
 
 
 def _check_float(dtype) -> None:
@@ -145,9 +146,14 @@ def expert_ffn(
             )
         impl = resolve_backend(backend)
         sizes = group_sizes.astype(jnp.int32)
+        x = remat_name(x, DISPATCHED)
         if activation == SWIGLU:  # any backend, including one written before
-            return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc)
-        return impl.ffn(x, w_gate_up, w_down, sizes, grad_acc, activation=activation)
+            out = impl.ffn(x, w_gate_up, w_down, sizes, grad_acc)
+        else:
+            out = impl.ffn(x, w_gate_up, w_down, sizes, grad_acc, activation=activation)
+        if grad_acc is None:
+            return remat_name(out, EXPERT_OUT)
+        return remat_name(out[0], EXPERT_OUT), out[1]
 
 
 def expert_arrays(experts: Experts, x, activation: Activation):

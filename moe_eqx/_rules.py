@@ -3,6 +3,19 @@
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+# `jax.ad_checkpoint.checkpoint_name` names of the layer's large intermediates, for
+# `jax.checkpoint` policies (`save_only_these_names(...)`, ...).
+DISPATCHED = "moe_dispatched"  # [pairs, d_model] rows entering the experts
+HIDDEN = "moe_hidden"  # [pairs, 2 d_ff] the experts' first product, pre-activation
+EXPERT_OUT = "moe_expert_out"  # [pairs, d_model] the experts' outputs
+REMAT_NAMES = (DISPATCHED, HIDDEN, EXPERT_OUT)
+
+
+def remat_name(a, name: str):
+    """`a` named `name` for `jax.checkpoint` policies (one of `REMAT_NAMES`)."""
+    return checkpoint_name(a, name)
 
 
 def local_experts(num_experts: int, num_shards: int, *, shards: str = "shards") -> int:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._autodiff import symbolic_zeros_to_none
+from .._rules import HIDDEN, remat_name
 
 GradAcc = tuple[
     Float[Array, "groups d_in two_d_ff"], Float[Array, "groups d_ff d_model"]
@@ -202,7 +203,7 @@ def gmm_ffn(
 
 def _two_products(ffn, x, w_gate_up, w_down, group_sizes):
     backend, activation = ffn
-    gate_up = backend(x, w_gate_up.astype(x.dtype), group_sizes)
+    gate_up = remat_name(backend(x, w_gate_up.astype(x.dtype), group_sizes), HIDDEN)
     act = activation(gate_up).astype(x.dtype)
     return backend(act, w_down.astype(x.dtype), group_sizes)
 

@@ -37,7 +37,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .._autodiff import custom_linear, fused, symbolic_zeros_to_none
-from .._rules import acc_dtype, cumsum, div, match_varying
+from .._rules import HIDDEN, acc_dtype, cumsum, div, match_varying, remat_name
 from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, with_tangent_of
 from ._products import AbstractProducts, gmm, gmm_t, tgmm
 
@@ -477,6 +477,7 @@ def _tiled_ffn_jvp(window, act, primals, tangents):
         w_gate_up = with_tangent_of(w_gate_up, grad_acc[0])
         w_down = with_tangent_of(w_down, grad_acc[1])
     out, gate_up = _ffn_with_gate_up(x, w_gate_up, w_down, group_sizes, window, act)
+    gate_up = remat_name(gate_up, HIDDEN)
     res = _FFNRes(x, w_gate_up, w_down, gate_up, group_sizes, window, act)
     want = (t_x is not None, t_gu is not None, t_dn is not None)
     lin = (t_x, t_gu, t_dn)

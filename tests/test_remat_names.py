@@ -1,0 +1,102 @@
+"""The layer's large intermediates carry `checkpoint_name`s for `jax.checkpoint`."""
+
+import collections
+import dataclasses
+
+import equinox as eqx
+import helpers
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+import moe_eqx as me
+
+# The names the docs promise (docs/guide.md, "Remat names").
+NAMES = ("moe_dispatched", "moe_hidden", "moe_expert_out")
+
+
+def _names_inside(jaxpr, enclosing=()) -> collections.Counter:
+    """`(name, enclosing primitives)` of every `checkpoint_name` in `jaxpr` and the
+    jaxprs nested in it."""
+    found = collections.Counter()
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        if prim == "name":
+            found[eqn.params["name"], frozenset(enclosing)] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jcore.Jaxpr):
+                    found += _names_inside(sub, (*enclosing, prim))
+    return found
+
+
+def _loss(layer, x, mesh=None):
+    return jnp.sum(jnp.square(layer(x, mesh=mesh)[0]))
+
+
+@pytest.mark.parametrize("where", ["one_device", "ep8_drop", "ep8_fallback"])
+def test_names_are_in_the_traced_layer(getkey, where):
+    cfg = me.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=2, buffer_factor=1.0)
+    if where == "ep8_drop":
+        cfg = dataclasses.replace(cfg, on_overflow="drop")
+    layer = me.MoELayer(cfg, key=getkey())
+    x = jr.normal(getkey(), (64, 8))
+    mesh = None if where == "one_device" else helpers.mesh(8)
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def loss(p):
+        return _loss(eqx.combine(p, static), x, mesh)
+
+    # Differentiated by JAX's own AD (the fallback's trip is differentiated by its
+    # custom derivative, which recomputes it chunk by chunk: forward only there).
+    fn = loss if where == "ep8_fallback" else jax.grad(loss)
+    found = _names_inside(jax.make_jaxpr(fn)(params).jaxpr)
+    names = {name for name, _ in found}
+    want = set(NAMES) - ({"moe_hidden"} if where == "ep8_fallback" else set())
+    assert names == want, found
+    if where != "one_device":
+        assert all("shard_map" in enclosing for _, enclosing in found), found
+    if where == "ep8_fallback":
+        assert all("custom_jvp_call" in enclosing for _, enclosing in found), found
+
+
+def test_a_policy_on_the_names_changes_memory_not_gradients(getkey):
+    cfg = me.MoEConfig(d_model=16, d_ff=64, num_experts=8, top_k=2)
+    layer = me.MoELayer(cfg, key=getkey())
+    x = jr.normal(getkey(), (256, 16))
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def grad_fn(policy):
+        def loss(p, x):
+            return _loss(eqx.combine(p, static), x)
+
+        if policy is not None:
+            loss = jax.checkpoint(loss, policy=policy)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+    policies = jax.checkpoint_policies
+    runs = {}
+    for name, policy in [
+        ("plain", None),
+        ("save_nothing", policies.save_only_these_names()),
+        ("save_hidden", policies.save_only_these_names("moe_hidden")),
+    ]:
+        fn = grad_fn(policy)
+        memory = fn.lower(params, x).compile().memory_analysis()
+        runs[name] = (memory.temp_size_in_bytes, fn(params, x))
+    # Saving the experts' `[pairs, 2 d_ff]` first product keeps at least that array
+    # from the forward to the backward.
+    hidden_bytes = 256 * cfg.top_k * 2 * cfg.d_ff * 4
+    assert runs["save_hidden"][0] >= runs["save_nothing"][0] + hidden_bytes, runs
+    for name in ("save_nothing", "save_hidden"):
+        for a, b in zip(
+            jax.tree.leaves(runs[name][1]),
+            jax.tree.leaves(runs["plain"][1]),
+            strict=True,
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
