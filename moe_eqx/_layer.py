@@ -28,6 +28,7 @@ from ._shard import (
     check_stage_configs,
     expert_parallel_shard_body,
     resolve_platform,
+    route_tokens,
     routed_stats,
 )
 
@@ -360,7 +361,7 @@ def _single_device_call(
     # A token with a non-finite value is routed nowhere, and the experts see it as
     # zeros (their gradients never meet its NaNs); its output is NaN.
     finite = jnp.all(jnp.isfinite(x), axis=-1)
-    routing = router(x, finite, experts=forced)
+    routing = route_tokens(router, x, finite, forced)
     x = jnp.where(finite[:, None], x, 0)
     physical, _ = physical_routing(routing, expert_ids)
     pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
@@ -725,7 +726,10 @@ def _replicate(a):
 def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
     batch_shape = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
-    routing = layer.router(x, experts=forced)
+    if forced is None:
+        routing = layer.router(x)
+    else:
+        routing = layer.router(x, experts=forced)
     num_experts = layer.config.num_experts
     # Dense [T, E] combine weights: w[t, j] at column e[t, j].
     dense_w = jnp.zeros((x.shape[0], num_experts), jnp.float32)

@@ -289,7 +289,7 @@ def _route(
     same path."""
     # Logical expert ids -> physical positions (`expert_ids[p]` is held at `p`): from
     # here on everything (plan, dispatch, GMM, slots) works in physical order.
-    routing = router(x, finite, experts=forced)
+    routing = route_tokens(router, x, finite, forced)
     routing, position = physical_routing(routing, expert_ids)
     counts = jax.lax.all_gather(routing.counts, setup.cfg.axis_name)
     return _Routed(routing=routing, position=position, counts=counts)
@@ -540,6 +540,14 @@ def check_stage_configs(layer) -> None:
             "a layer's config with `layer.with_config(...)`, which changes it in "
             "every stage."
         )
+
+
+def route_tokens(router, x, valid, forced) -> Routing:
+    """`router(x, valid)`, with `experts=forced` only when ids are forced, so that a
+    user's own router without routing replay still works."""
+    if forced is None:
+        return router(x, valid)
+    return router(x, valid, experts=forced)
 
 
 def _manual_axes() -> tuple[str, ...]:
