@@ -908,6 +908,80 @@ def _longcat_flash(r: _Reader) -> dict:
     )
 
 
+# ---------------------------------------------------------------------------------
+# Batch 1 of the families transformers builds from DeepSeek-V3's block.
+
+
+def _v3_block(
+    r: _Reader,
+    *,
+    experts: str = "n_routed_experts",
+    shared: str | None = "n_shared_experts",
+    shared_width: str = "moe_intermediate_size",
+    group: str = "n_group",
+    top_k: str = "num_experts_per_tok",
+    norm: str = "norm_topk_prob",
+) -> dict:
+    """DeepSeek-V3's block under a family's own key names: sigmoid scores with a
+    selection bias, groups (`group` of them, `topk_group` kept) scored by their best
+    two, renormalised when `norm`, then `routed_scaling_factor`; a shared SwiGLU of
+    `shared` times `shared_width` (`shared=None`: the block has none)."""
+    _swiglu(r)
+    n_group = int(r.get(group, default=1) or 1)
+    width = 0 if shared is None else int(r.get(shared_width))
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get(experts),
+        top_k=r.get(top_k),
+        score_func="sigmoid",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        use_router_bias=True,
+        norm_topk=bool(r.get(norm, default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=0 if shared is None else _shared_width(r, shared, width),
+    )
+
+
+def _v3_unbiased_shared(r: _Reader) -> dict:
+    # GLM-5 (`glm_moe_dsa`): DeepSeek-V3's block, whose shared experts have no biases
+    # whatever `mlp_bias` says (read so that no key goes unread).
+    r.get("mlp_bias", default=False)
+    return _v3_block(r)
+
+
+def _mimo_v2_flash(r: _Reader) -> dict:
+    # DeepSeek-V3's routing without shared experts: the block builds none, whatever
+    # `n_shared_experts` says (read so that no key goes unread).
+    r.get("n_shared_experts", default=0)
+    return _v3_block(r, shared=None)
+
+
+def _exaone_moe(r: _Reader) -> dict:
+    return _v3_block(r, experts="num_experts", shared="num_shared_experts")
+
+
+def _kimi_linear(r: _Reader) -> dict:
+    # Kimi-Linear and Bailing-Hybrid: DeepSeek-V3's block under the original
+    # checkpoints' names (transformers' `attribute_map`).
+    return _v3_block(
+        r,
+        experts="num_experts",
+        shared="num_shared_experts",
+        group="num_expert_group",
+        top_k="num_experts_per_token",
+        norm="moe_renormalize",
+    )
+
+
+def _dots3_note_text(r: _Reader) -> dict:
+    # dots.3-note's text block: DeepSeek-V3's, its shared experts
+    # `shared_experts_intermediate_size` wide each and without biases whatever
+    # `mlp_bias` says (that key sizes the vision tower's).
+    r.get("mlp_bias", default=False)
+    return _v3_block(r, shared_width="shared_experts_intermediate_size")
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -949,6 +1023,16 @@ _FAMILIES = {
     "gpt_oss": _gpt_oss,
     "jetmoe": _jetmoe,
     "longcat_flash": _longcat_flash,
+    # Batch 1 of the DeepSeek-V3-derived families.
+    "glm4_moe_lite": _v3_block,
+    "solar_open": _v3_block,
+    "glm_moe_dsa": _v3_unbiased_shared,
+    "mimo_v2_flash": _mimo_v2_flash,
+    "exaone_moe": _exaone_moe,
+    "kimi_linear": _kimi_linear,
+    "bailing_hybrid": _kimi_linear,
+    "dots3_note_text": _dots3_note_text,
+    "deepseek_ocr2_text": _deepseek_v2,
 }
 
 

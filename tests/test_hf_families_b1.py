@@ -1,0 +1,169 @@
+"""Hugging Face families transformers builds from DeepSeek-V3's block (GLM-4.7-Flash,
+GLM-5, Solar-Open, EXAONE-MoE, MiMo-V2-Flash, Kimi-Linear, Bailing-Hybrid,
+dots.3-note, DeepSeek-OCR-2, Mistral-4, Mistral-Large-4, A.X-K1, A.X-K2), each
+against its own block through `config_from_hf(config.to_dict())` and the importer,
+on one device and under EP4; the keys each family's block reads, honoured or
+refused by name; multimodal wrappers through `layers_from_hf`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mesh
+from test_hf_config import H, _state_dict, _torch_value_and_grad
+from test_hf_families import _drawn, _module
+
+import moe_eqx as me
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# DeepSeek-V3's keys at settings that each change the result: two groups of which one
+# is kept, a scaling factor, one shared expert.
+_V3 = dict(
+    hidden_size=H, moe_intermediate_size=12, n_routed_experts=8,
+    num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+    routed_scaling_factor=1.5, norm_topk_prob=True,
+)  # fmt: skip
+# The same settings under the names of Kimi-Linear's and Bailing-Hybrid's configs
+# and of EXAONE-MoE's (the same layer config: one compiled program for all).
+_KIMI = dict(
+    hidden_size=H, moe_intermediate_size=12, num_experts=8, num_experts_per_token=2,
+    num_expert_group=2, topk_group=1, num_shared_experts=1,
+    routed_scaling_factor=1.5, moe_renormalize=True,
+)  # fmt: skip
+_EXAONE = dict(
+    hidden_size=H, moe_intermediate_size=12, num_experts=8, num_experts_per_tok=2,
+    n_group=2, topk_group=1, num_shared_experts=1, routed_scaling_factor=1.5,
+    norm_topk_prob=True,
+)  # fmt: skip
+
+# name -> (module, config class, block class, config kwargs)
+_FAMILIES = {
+    "glm4_moe_lite": ("glm4_moe_lite", "Glm4MoeLiteConfig", "Glm4MoeLiteMoE", _V3),
+    "solar_open": ("solar_open", "SolarOpenConfig", "SolarOpenMoE", _V3),
+    "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaMoE", _V3),
+    "mimo_v2_flash": (
+        "mimo_v2_flash", "MiMoV2FlashConfig", "MiMoV2FlashMoE",
+        _V3,
+    ),
+    "exaone_moe": ("exaone_moe", "ExaoneMoeConfig", "ExaoneMoeSparseMoEBlock", _EXAONE),
+    "kimi_linear": ("kimi_linear", "KimiLinearConfig", "KimiLinearMoE", _KIMI),
+    "bailing_hybrid": (
+        "bailing_hybrid", "BailingHybridConfig", "BailingHybridMoE", _KIMI
+    ),
+    "dots3_note_text": (
+        "dots3_note", "Dots3NoteTextConfig", "Dots3NoteTextMoE",
+        _V3 | dict(shared_experts_intermediate_size=20),
+    ),
+    "deepseek_ocr2_text": (
+        "deepseek_ocr2", "DeepseekOcr2TextConfig", "DeepseekOcr2TextMoe",
+        _V3 | dict(
+            topk_method="group_limited_greedy", num_attention_heads=2,
+            num_key_value_heads=2,
+        ),
+    ),
+}  # fmt: skip
+
+
+def _family(name):
+    """`(config, block)`: a tiny config of family `name` and its block, drawn."""
+    module, config_class, block_class, kwargs = _FAMILIES[name]
+    cfg = getattr(transformers, config_class)(**kwargs)
+    return cfg, _drawn(getattr(_module(module), block_class)(cfg))
+
+
+@eqx.filter_jit
+def _value_and_grad(layer, x, num_shards):
+    """The layer's output and the gradient of `sum(y**2)` in `x`: one program per
+    layer config and `num_shards`, shared by the families whose configs are equal."""
+    m = None if num_shards == 1 else mesh(num_shards)
+
+    def loss(x):
+        y, _ = layer(x, mesh=m)
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+    (_, y), g = jax.value_and_grad(loss, has_aux=True)(x)
+    return y, g
+
+
+def _assert_matches_block(block, hf_config, x, num_shards=1):
+    """`config_from_hf` + the importer against `block`: output and input gradient,
+    and the dense oracle `reference_moe` against the block's output."""
+    config = me.config_from_hf(hf_config, buffer_factor=None)
+    layer = me.layer_from_hf_state_dict(config, _state_dict(block))
+    y_hf, g_hf = _torch_value_and_grad(block, x)
+    y, g = _value_and_grad(layer, x, num_shards)
+    scale, gscale = np.max(np.abs(y_hf)), np.max(np.abs(g_hf))
+    np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(g), g_hf, rtol=1e-5, atol=1e-5 * gscale)
+    y_ref = me.reference_moe(layer, x)
+    np.testing.assert_allclose(np.asarray(y_ref), y_hf, rtol=1e-5, atol=1e-5 * scale)
+    return layer
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+@pytest.mark.parametrize("name", sorted(_FAMILIES))
+def test_family_matches_its_block(getkey, name, num_shards):
+    """Output and input gradient within 1e-5 relative of the block's, and the dense
+    oracle's output too."""
+    cfg, block = _family(name)
+    assert cfg.to_dict()["model_type"] == name
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    _assert_matches_block(block, cfg.to_dict(), x, num_shards)
+
+
+# (family, key, value, the config's field, its value): each key the family's block
+# reads, at a value other than the tiny config's, lands in the field it sets.
+_HONOURED = [
+    ("glm4_moe_lite", "n_group", 4, "num_groups", 4),
+    ("glm4_moe_lite", "routed_scaling_factor", 1.8, "routed_scaling_factor", 1.8),
+    ("solar_open", "norm_topk_prob", False, "norm_topk", False),
+    ("exaone_moe", "norm_topk_prob", False, "norm_topk", False),
+    ("glm_moe_dsa", "n_shared_experts", 2, "shared_d_ff", 24),
+    ("exaone_moe", "num_shared_experts", 2, "shared_d_ff", 24),
+    ("exaone_moe", "num_experts", 16, "num_experts", 16),
+    ("kimi_linear", "moe_renormalize", False, "norm_topk", False),
+    ("kimi_linear", "num_expert_group", 4, "num_groups", 4),
+    ("kimi_linear", "num_experts_per_token", 3, "top_k", 3),
+    ("bailing_hybrid", "num_shared_experts", 0, "shared_d_ff", 0),
+    ("dots3_note_text", "shared_experts_intermediate_size", 8, "shared_d_ff", 8),
+    ("deepseek_ocr2_text", "topk_method", "greedy", "num_groups", 1),
+]
+
+
+@pytest.mark.parametrize(("name", "key", "value", "field", "expected"), _HONOURED)
+def test_keys_are_honoured(name, key, value, field, expected):
+    cfg, _ = _family(name)
+    assert getattr(me.config_from_hf(cfg.to_dict()), field) != expected
+    assert getattr(me.config_from_hf(cfg.to_dict() | {key: value}), field) == expected
+
+
+def test_mimo_v2_flash_builds_no_shared_experts():
+    """MiMo-V2-Flash's block has no shared experts whatever `n_shared_experts` says,
+    and nor does its layer."""
+    cfg, _ = _family("mimo_v2_flash")
+    cfg.n_shared_experts = 2
+    block = _module("mimo_v2_flash").MiMoV2FlashMoE(cfg)
+    assert not hasattr(block, "shared_experts")
+    assert me.config_from_hf(cfg.to_dict()).shared_d_ff == 0
+
+
+_REFUSED_KEYS = [
+    (name, "hidden_act", "relu", "hidden_act='relu' is not supported")
+    for name in sorted(_FAMILIES)
+] + [
+    ("deepseek_ocr2_text", "mlp_bias", True, "mlp_bias=True is not supported"),
+    ("deepseek_ocr2_text", "topk_method", "noaux_tc", "topk_method='noaux_tc'"),
+]
+
+
+@pytest.mark.parametrize(("name", "key", "value", "message"), _REFUSED_KEYS)
+def test_keys_it_cannot_map_are_refused(name, key, value, message):
+    """A value the layer does not compute is refused, naming the key: ReLU experts
+    (the blocks apply `hidden_act` to the gate projection), DeepSeek-OCR-2's biased
+    shared expert and a `topk_method` its router does not have."""
+    cfg, _ = _family(name)
+    with pytest.raises(ValueError, match=message):
+        me.config_from_hf(cfg.to_dict() | {key: value})
