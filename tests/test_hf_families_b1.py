@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import mesh
 from test_hf_config import H, _state_dict, _torch_value_and_grad
-from test_hf_families import _drawn, _module
+from test_hf_families import _drawn, _module, _saved
 
 import moe_eqx as me
 
@@ -167,3 +167,77 @@ def test_keys_it_cannot_map_are_refused(name, key, value, message):
     cfg, _ = _family(name)
     with pytest.raises(ValueError, match=message):
         me.config_from_hf(cfg.to_dict() | {key: value})
+
+
+# ---------------------------------------------------------------------------------
+# Multimodal wrappers: the text model's MoE layers from the wrapper's `config.json`
+# and checkpoint.
+
+_TEXT = dict(
+    hidden_size=H, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, vocab_size=64, mlp_layer_types=["dense", "sparse"],
+)  # fmt: skip
+
+
+def _wrapper(model_type, directory):
+    """A tiny `model_type` model (towers included; layer 0 dense, layer 1 MoE), its
+    parameters drawn, saved with `save_pretrained` to `directory`."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type == "dots3_note":
+        text = _FAMILIES["dots3_note_text"][3] | _TEXT | dict(
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            layer_types=["sliding_attention"] * 2, kv_lora_rank=8, q_lora_rank=8,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=8,
+        )  # fmt: skip
+        # Its vision tower has an MoE layer too (block 1), not a text layer.
+        vision = dict(
+            hidden_size=H, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=2, moe_intermediate_size=12, num_local_experts=8,
+            num_experts_per_tok=2, mlp_layer_types=["dense", "sparse"],
+            adapter_in_dim=H, adapter_out_dim=H,
+        )  # fmt: skip
+        audio = dict(
+            hidden_size=H, intermediate_size=24, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+            adapter_input_size=H, adapter_out_dim=H, downsample_hidden_size=8,
+            conv_output_size=16,
+        )  # fmt: skip
+        cfg = CONFIG_MAPPING[model_type](
+            text_config=text, vision_config=vision, audio_config=audio
+        )
+        model = transformers.Dots3NoteForConditionalGeneration(cfg)
+    else:
+        text = _FAMILIES["deepseek_ocr2_text"][3] | _TEXT
+        sam = dict(
+            hidden_size=8, output_channels=8, num_hidden_layers=1,
+            num_attention_heads=2, image_size=32, patch_size=16,
+            global_attn_indexes=[0], window_size=2, downsample_channels=[8, H],
+        )  # fmt: skip
+        encoder = dict(
+            hidden_size=H, intermediate_size=24, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+        )  # fmt: skip
+        cfg = CONFIG_MAPPING[model_type](
+            text_config=text, vision_config=dict(sam_config=sam, encoder_config=encoder)
+        )
+        model = transformers.DeepseekOcr2ForConditionalGeneration(cfg)
+    return cfg, _saved(model, directory)
+
+
+@pytest.mark.parametrize("model_type", ["dots3_note", "deepseek_ocr2"])
+def test_wrapper_layers_match_the_text_models_block(getkey, tmp_path, model_type):
+    """`config_from_hf` on the wrapper's config reads its `text_config`;
+    `layers_from_hf` on its directory finds the text model's one MoE layer (not
+    dots.3-note's vision MoE), equal to that layer's block."""
+    cfg, model = _wrapper(model_type, tmp_path)
+    text = cfg.text_config.to_dict()
+    assert me.config_from_hf(cfg.to_dict()) == me.config_from_hf(text)
+    layers = me.layers_from_hf(tmp_path)
+    assert list(layers) == [1]
+    assert layers[1].config == me.config_from_hf(text)
+    block = model.model.language_model.layers[1].mlp
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, _ = _torch_value_and_grad(block, x)
+    y = np.asarray(layers[1](x)[0])
+    np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
