@@ -982,6 +982,33 @@ def _dots3_note_text(r: _Reader) -> dict:
     return _v3_block(r, shared_width="shared_experts_intermediate_size")
 
 
+def _mistral4(r: _Reader, *, always_norm: bool = False) -> dict:
+    """Mistral-4's block: softmax scores, groups scored by the sum of their best two,
+    no selection bias, `norm_topk_prob` (always, with `always_norm`), then
+    `routed_scaling_factor`; a shared SwiGLU of `n_shared_experts` times
+    `moe_intermediate_size`. Its router fills the other groups' experts with 0,
+    which every chosen group's positive softmax score beats: the layer's -inf."""
+    _swiglu(r)
+    f = int(r.get("moe_intermediate_size"))
+    n_group = int(r.get("n_group", default=1) or 1)
+    norm = r.get("norm_topk_prob", default=True)  # read; ignored with `always_norm`
+    return dict(
+        d_ff=f,
+        num_experts=r.get("n_routed_experts"),
+        score_func="softmax",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        norm_topk=always_norm or bool(norm),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=_shared_width(r, "n_shared_experts", f),
+    )
+
+
+def _mistral_large4_text(r: _Reader) -> dict:
+    # Mistral-4's block with the top-k always renormalised.
+    return _mistral4(r, always_norm=True)
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -1033,6 +1060,8 @@ _FAMILIES = {
     "bailing_hybrid": _kimi_linear,
     "dots3_note_text": _dots3_note_text,
     "deepseek_ocr2_text": _deepseek_v2,
+    "mistral4": _mistral4,
+    "mistral_large4_text": _mistral_large4_text,
 }
 
 
@@ -1191,6 +1220,10 @@ _TRANSPOSED_BY_SHAPE = ("qwen3_vl_moe_text",)
 # Families whose shared expert sits beside the block in the decoder layer
 # (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
 _SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
+# Families whose checkpoints keep the MoE block's tensors directly under the decoder
+# layer's prefix (`layers.{i}.gate.weight`, beside its attention and norms): the
+# block's are those under these names.
+_BLOCK_IN_LAYER = {"mistral_large4_text": ("gate.", "experts.", "shared_experts.")}
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -1368,6 +1401,12 @@ def layers_from_hf(
             )
     # Each layer's tensors: file name -> the name under the block's prefix.
     names = {i: {n: n for n in files if n.startswith(prefixes[i])} for i in wanted}
+    if model_type in _BLOCK_IN_LAYER:
+        block = _BLOCK_IN_LAYER[model_type]
+        for i in wanted:
+            names[i] = {
+                n: n for n in names[i] if n[len(prefixes[i]) :].startswith(block)
+            }
     if model_type in _SHARED_BESIDE:
         for i in wanted:
             beside = prefixes[i].rstrip(".").rpartition(".")[0] + ".shared_mlp."

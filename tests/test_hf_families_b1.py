@@ -64,6 +64,14 @@ _FAMILIES = {
             num_key_value_heads=2,
         ),
     ),
+    "mistral4": (
+        "mistral4", "Mistral4Config", "Mistral4MoE",
+        _V3 | dict(norm_topk_prob=False, num_attention_heads=2, num_key_value_heads=2),
+    ),
+    "mistral_large4_text": (
+        "mistral_large4", "MistralLarge4TextConfig", "MistralLarge4TextMoE",
+        _V3 | dict(num_attention_heads=2, num_key_value_heads=2),
+    ),
 }  # fmt: skip
 
 
@@ -130,6 +138,9 @@ _HONOURED = [
     ("bailing_hybrid", "num_shared_experts", 0, "shared_d_ff", 0),
     ("dots3_note_text", "shared_experts_intermediate_size", 8, "shared_d_ff", 8),
     ("deepseek_ocr2_text", "topk_method", "greedy", "num_groups", 1),
+    ("mistral4", "norm_topk_prob", True, "norm_topk", True),
+    ("mistral4", "topk_group", 2, "top_groups", 2),
+    ("mistral_large4_text", "n_shared_experts", 0, "shared_d_ff", 0),
 ]
 
 
@@ -138,6 +149,12 @@ def test_keys_are_honoured(name, key, value, field, expected):
     cfg, _ = _family(name)
     assert getattr(me.config_from_hf(cfg.to_dict()), field) != expected
     assert getattr(me.config_from_hf(cfg.to_dict() | {key: value}), field) == expected
+
+
+def test_mistral_large4_always_renormalises():
+    """Mistral-Large-4's router renormalises whatever `norm_topk_prob` says."""
+    cfg, _ = _family("mistral_large4_text")
+    assert me.config_from_hf(cfg.to_dict() | {"norm_topk_prob": False}).norm_topk
 
 
 def test_mimo_v2_flash_builds_no_shared_experts():
@@ -207,6 +224,21 @@ def _wrapper(model_type, directory):
             text_config=text, vision_config=vision, audio_config=audio
         )
         model = transformers.Dots3NoteForConditionalGeneration(cfg)
+    elif model_type == "mistral_large4":
+        # Saved as Mistral's checkpoints are: the block's tensors under the decoder
+        # layer's prefix, beside its attention and norms (`layers.1.gate.weight`).
+        text = _FAMILIES["mistral_large4_text"][3] | _TEXT | dict(
+            first_k_dense_replace=1, kv_lora_rank=8, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, head_dim=4, index_head_dim=8,
+            index_n_heads=2, index_topk=4, layer_types=["indexed_attention"] * 2,
+            indexer_types=["full"] * 2,
+        )  # fmt: skip
+        vision = dict(
+            hidden_size=H, intermediate_size=24, num_hidden_layers=1,
+            num_attention_heads=2, head_dim=8, image_size=32, patch_size=16,
+        )  # fmt: skip
+        cfg = CONFIG_MAPPING[model_type](text_config=text, vision_config=vision)
+        model = transformers.MistralLarge4ForConditionalGeneration(cfg)
     else:
         text = _FAMILIES["deepseek_ocr2_text"][3] | _TEXT
         sam = dict(
@@ -225,7 +257,9 @@ def _wrapper(model_type, directory):
     return cfg, _saved(model, directory)
 
 
-@pytest.mark.parametrize("model_type", ["dots3_note", "deepseek_ocr2"])
+@pytest.mark.parametrize(
+    "model_type", ["dots3_note", "deepseek_ocr2", "mistral_large4"]
+)
 def test_wrapper_layers_match_the_text_models_block(getkey, tmp_path, model_type):
     """`config_from_hf` on the wrapper's config reads its `text_config`;
     `layers_from_hf` on its directory finds the text model's one MoE layer (not
