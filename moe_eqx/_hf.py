@@ -1009,6 +1009,14 @@ def _mistral_large4_text(r: _Reader) -> dict:
     return _mistral4(r, always_norm=True)
 
 
+def _axk2(r: _Reader) -> dict:
+    # A.X-K2: DeepSeek-V3's block, with no group step when `n_group` is None (its
+    # light checkpoints); with groups, its router fills the other groups' experts'
+    # selection scores with 0 rather than -inf.
+    out = _v3_block(r)
+    return dict(out, group_fill=0.0) if out["num_groups"] > 1 else out
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -1062,6 +1070,7 @@ _FAMILIES = {
     "deepseek_ocr2_text": _deepseek_v2,
     "mistral4": _mistral4,
     "mistral_large4_text": _mistral_large4_text,
+    "axk2": _axk2,
 }
 
 

@@ -5,6 +5,8 @@ against its own block through `config_from_hf(config.to_dict())` and the importe
 on one device and under EP4; the keys each family's block reads, honoured or
 refused by name; multimodal wrappers through `layers_from_hf`."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -72,14 +74,42 @@ _FAMILIES = {
         "mistral_large4", "MistralLarge4TextConfig", "MistralLarge4TextMoE",
         _V3 | dict(num_attention_heads=2, num_key_value_heads=2),
     ),
+    # Three of a kept group's four experts: one of them often scores below 0.
+    "axk2": (
+        "axk2", "AXK2Config", "AXK2MoE",
+        _V3 | dict(num_experts_per_tok=3, num_attention_heads=2),
+    ),
+    # Its light checkpoints: no group step.
+    "axk2:light": (
+        "axk2", "AXK2Config", "AXK2MoE",
+        _V3 | dict(n_group=None, topk_group=None, num_attention_heads=2),
+    ),
 }  # fmt: skip
+
+
+def _axk2_zero_fill_matters(block):
+    """A.X-K2's router fills the other group's experts with 0: with group 0's biases
+    `[-0.9, -0.9, 0.3, 0.3]`, a kept group 0 often has one expert of its best three
+    below 0, and an expert of group 1 (0) is chosen instead. Group 1's four experts
+    are made equal (router row, bias, weights), so which of the tied ones is chosen
+    (torch breaks ties its own way) does not change the output."""
+    with torch.no_grad():
+        block.gate.weight[4:] = block.gate.weight[4]
+        bias = torch.tensor([-0.9, -0.9, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0])
+        block.gate.e_score_correction_bias.copy_(bias)
+        block.experts.gate_up_proj[4:] = block.experts.gate_up_proj[4]
+        block.experts.down_proj[4:] = block.experts.down_proj[4]
+    return block
 
 
 def _family(name):
     """`(config, block)`: a tiny config of family `name` and its block, drawn."""
     module, config_class, block_class, kwargs = _FAMILIES[name]
     cfg = getattr(transformers, config_class)(**kwargs)
-    return cfg, _drawn(getattr(_module(module), block_class)(cfg))
+    block = _drawn(getattr(_module(module), block_class)(cfg))
+    if name == "axk2":
+        block = _axk2_zero_fill_matters(block)
+    return cfg, block
 
 
 @eqx.filter_jit
@@ -117,7 +147,7 @@ def test_family_matches_its_block(getkey, name, num_shards):
     """Output and input gradient within 1e-5 relative of the block's, and the dense
     oracle's output too."""
     cfg, block = _family(name)
-    assert cfg.to_dict()["model_type"] == name
+    assert cfg.to_dict()["model_type"] == name.partition(":")[0]
     x = jax.random.normal(getkey(), (32, H), jnp.float32)
     _assert_matches_block(block, cfg.to_dict(), x, num_shards)
 
@@ -141,6 +171,7 @@ _HONOURED = [
     ("mistral4", "norm_topk_prob", True, "norm_topk", True),
     ("mistral4", "topk_group", 2, "top_groups", 2),
     ("mistral_large4_text", "n_shared_experts", 0, "shared_d_ff", 0),
+    ("axk2", "n_group", None, "group_fill", -float("inf")),
 ]
 
 
@@ -149,6 +180,26 @@ def test_keys_are_honoured(name, key, value, field, expected):
     cfg, _ = _family(name)
     assert getattr(me.config_from_hf(cfg.to_dict()), field) != expected
     assert getattr(me.config_from_hf(cfg.to_dict() | {key: value}), field) == expected
+
+
+def test_axk2_zero_fill_is_computed(getkey):
+    """The layer with the other group's experts at -inf (the default) differs from
+    A.X-K2's block on these tokens: the 0 fill is what the layer matches."""
+    cfg, block = _family("axk2")
+    config = me.config_from_hf(cfg.to_dict())
+    assert config.group_fill == 0.0
+    wrong = dataclasses.replace(config, group_fill=-float("inf"))
+    layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, _ = _torch_value_and_grad(block, x)
+    assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2 * np.max(np.abs(y_hf))
+
+
+def test_group_fill_is_validated():
+    base = dict(d_model=8, d_ff=8, num_experts=4, top_k=2)
+    for bad in (float("nan"), float("inf"), True, "0"):
+        with pytest.raises(ValueError, match="`group_fill`"):
+            me.MoEConfig(**base, group_fill=bad)
 
 
 def test_mistral_large4_always_renormalises():
