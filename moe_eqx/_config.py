@@ -146,6 +146,9 @@ class MoEConfig(eqx.Module):
         never sent.
     - `output_bias`: a bias added once to every token's output, after the routed and
         shared experts (JetMoE), `layer.output_bias [d_model]`.
+    - `output_norm_eps`: an RMSNorm of the output over `d_model`, last, with this
+        epsilon and the weight `layer.output_norm [d_model]` (A.X-K1's
+        `post_mlp_layernorm`); `None` (default): none.
     - `router_logit_bias`: a trained bias added to the router's logits (GPT-OSS),
         `layer.router.logit_bias [E + num_identity_experts]`; unlike
         `use_router_bias`'s, it changes the weights too.
@@ -199,6 +202,9 @@ class MoEConfig(eqx.Module):
     router_logit_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     output_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     num_identity_experts: int = eqx.field(static=True, default=0, converter=_integer)
+    output_norm_eps: float | int | None = eqx.field(
+        static=True, default=None, converter=_real
+    )
     group_fill: float | int = eqx.field(static=True, default=-math.inf, converter=_real)
 
     def __check_init__(self):
@@ -227,6 +233,17 @@ class MoEConfig(eqx.Module):
                 f"`top_k` ({self.top_k}) must not exceed `num_experts` "
                 f"({self.num_experts})"
                 + (f" plus `num_identity_experts` ({identity})." if identity else ".")
+            )
+        eps = self.output_norm_eps
+        if eps is not None and not (
+            isinstance(eps, int | float)
+            and not isinstance(eps, bool)
+            and math.isfinite(eps)
+            and eps > 0
+        ):
+            raise ValueError(
+                f"`output_norm_eps` must be a positive finite number or None, got "
+                f"{eps!r}."
             )
         if not (
             isinstance(self.group_fill, int | float)

@@ -159,6 +159,9 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
     if config.router_logit_bias:  # GPT-OSS: `router.bias`, a trained logit bias
         logit_bias = get("router.bias", (columns,)).astype(np.float32)
     output_bias = get("bias", (h,)) if config.output_bias else None  # JetMoE
+    output_norm = None
+    if config.output_norm_eps is not None:  # A.X-K1
+        output_norm = get("post_mlp_layernorm.weight", (h,))
     if "gate.tid2eid" in keys:
         raise ValueError(
             f"{prefix}gate.tid2eid: this block routes by token id (DeepSeek-V4's hash "
@@ -213,6 +216,8 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
         new[lambda l: l.router.logit_bias] = jnp.asarray(logit_bias)
     if output_bias is not None:
         new[lambda l: l.output_bias] = arr(output_bias, layer.output_bias)
+    if output_norm is not None:
+        new[lambda l: l.output_norm] = arr(output_norm, layer.output_norm)
     if expert_biases is not None:
         b_gu, b_dn = expert_biases
         new[lambda l: l.experts.b_gate_up] = arr(b_gu, layer.experts.b_gate_up)
@@ -1009,6 +1014,12 @@ def _mistral_large4_text(r: _Reader) -> dict:
     return _mistral4(r, always_norm=True)
 
 
+def _axk1(r: _Reader) -> dict:
+    # A.X-K1: DeepSeek-V3's block, its output through an RMSNorm
+    # (`post_mlp_layernorm`, of `rms_norm_eps`).
+    return dict(_v3_block(r), output_norm_eps=float(r.get("rms_norm_eps")))
+
+
 def _axk2(r: _Reader) -> dict:
     # A.X-K2: DeepSeek-V3's block, with no group step when `n_group` is None (its
     # light checkpoints); with groups, its router fills the other groups' experts'
@@ -1071,6 +1082,7 @@ _FAMILIES = {
     "mistral4": _mistral4,
     "mistral_large4_text": _mistral_large4_text,
     "axk2": _axk2,
+    "axk1": _axk1,
 }
 
 
@@ -1233,6 +1245,9 @@ _SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
 # layer's prefix (`layers.{i}.gate.weight`, beside its attention and norms): the
 # block's are those under these names.
 _BLOCK_IN_LAYER = {"mistral_large4_text": ("gate.", "experts.", "shared_experts.")}
+# Families whose block's output norm sits beside it in the decoder layer, as their
+# checkpoints store it (`layers.{i}.post_mlp_layernorm.*`): read with the block.
+_NORM_BESIDE = {"axk1": "post_mlp_layernorm."}
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -1410,6 +1425,13 @@ def layers_from_hf(
             )
     # Each layer's tensors: file name -> the name under the block's prefix.
     names = {i: {n: n for n in files if n.startswith(prefixes[i])} for i in wanted}
+    if model_type in _NORM_BESIDE:
+        norm = _NORM_BESIDE[model_type]
+        for i in wanted:
+            beside = prefixes[i].rstrip(".").rpartition(".")[0] + "." + norm
+            for n in files:
+                if n.startswith(beside):
+                    names[i][n] = prefixes[i] + norm + n[len(beside) :]
     if model_type in _BLOCK_IN_LAYER:
         block = _BLOCK_IN_LAYER[model_type]
         for i in wanted:

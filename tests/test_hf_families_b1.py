@@ -74,6 +74,11 @@ _FAMILIES = {
         "mistral_large4", "MistralLarge4TextConfig", "MistralLarge4TextMoE",
         _V3 | dict(num_attention_heads=2, num_key_value_heads=2),
     ),
+    # Its block's output through an RMSNorm (`post_mlp_layernorm`).
+    "axk1": (
+        "axk1", "AXK1Config", "AXK1MoE",
+        _V3 | dict(rms_norm_eps=1e-3, num_attention_heads=2),
+    ),
     # Three of a kept group's four experts: one of them often scores below 0.
     "axk2": (
         "axk2", "AXK2Config", "AXK2MoE",
@@ -172,6 +177,7 @@ _HONOURED = [
     ("mistral4", "topk_group", 2, "top_groups", 2),
     ("mistral_large4_text", "n_shared_experts", 0, "shared_d_ff", 0),
     ("axk2", "n_group", None, "group_fill", -float("inf")),
+    ("axk1", "rms_norm_eps", 0.5, "output_norm_eps", 0.5),
 ]
 
 
@@ -275,6 +281,16 @@ def _wrapper(model_type, directory):
             text_config=text, vision_config=vision, audio_config=audio
         )
         model = transformers.Dots3NoteForConditionalGeneration(cfg)
+    elif model_type == "axk1":
+        # Saved as its checkpoints are: the block's norm beside it in the decoder
+        # layer (`model.layers.1.post_mlp_layernorm.weight`).
+        text = _FAMILIES["axk1"][3] | _TEXT | dict(
+            kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=8, head_dim=4,
+        )  # fmt: skip
+        cfg = transformers.AXK1Config(**text)
+        model = transformers.AXK1ForCausalLM(cfg)
+        return cfg, _saved(model, directory)
     elif model_type == "mistral_large4":
         # Saved as Mistral's checkpoints are: the block's tensors under the decoder
         # layer's prefix, beside its attention and norms (`layers.1.gate.weight`).
@@ -309,20 +325,55 @@ def _wrapper(model_type, directory):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["dots3_note", "deepseek_ocr2", "mistral_large4"]
+    "model_type", ["dots3_note", "deepseek_ocr2", "mistral_large4", "axk1"]
 )
 def test_wrapper_layers_match_the_text_models_block(getkey, tmp_path, model_type):
     """`config_from_hf` on the wrapper's config reads its `text_config`;
     `layers_from_hf` on its directory finds the text model's one MoE layer (not
     dots.3-note's vision MoE), equal to that layer's block."""
     cfg, model = _wrapper(model_type, tmp_path)
-    text = cfg.text_config.to_dict()
+    text = getattr(cfg, "text_config", cfg).to_dict()
     assert me.config_from_hf(cfg.to_dict()) == me.config_from_hf(text)
     layers = me.layers_from_hf(tmp_path)
     assert list(layers) == [1]
     assert layers[1].config == me.config_from_hf(text)
-    block = model.model.language_model.layers[1].mlp
+    decoder = getattr(model.model, "language_model", model.model)
+    block = decoder.layers[1].mlp
     x = jax.random.normal(getkey(), (32, H), jnp.float32)
     y_hf, _ = _torch_value_and_grad(block, x)
     y = np.asarray(layers[1](x)[0])
     np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+
+
+def test_axk1_output_norm_in_the_callers_shard_map(getkey):
+    """A.X-K1's output norm also on the path a caller's own `shard_map` runs
+    (`expert_parallel_shard`, the experts placed by `shard_model`): equal to the
+    block; without the norm it is not."""
+    import functools as ft
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    cfg, block = _family("axk1")
+    layer = me.layer_from_hf_state_dict(
+        me.config_from_hf(cfg.to_dict(), buffer_factor=None), _state_dict(block)
+    )
+    m = mesh(4)
+
+    @ft.partial(
+        jax.shard_map, mesh=m, in_specs=(me.shard_specs(layer), P("expert")),
+        out_specs=P("expert"), check_vma=False,
+    )  # fmt: skip
+    def run(layer, x):
+        return me.expert_parallel_shard(layer, x)[0]
+
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, _ = _torch_value_and_grad(block, x)
+    y = jax.jit(run)(
+        me.shard_model(layer, m), jax.device_put(x, NamedSharding(m, P("expert")))
+    )
+    scale = np.max(np.abs(y_hf))
+    np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * scale)
+    plain = layer.with_config(output_norm_eps=None)
+    plain = eqx.tree_at(lambda l: l.output_norm, plain, None)
+    plain = me.reference_moe(plain, x)
+    assert np.max(np.abs(np.asarray(plain) - y_hf)) > 1e-2 * scale
