@@ -57,7 +57,8 @@ _FAMILIES = {
     ),
     "dots3_note_text": (
         "dots3_note", "Dots3NoteTextConfig", "Dots3NoteTextMoE",
-        _V3 | dict(shared_experts_intermediate_size=20),
+        # Two shared experts of 6: the shared width of the others' (one of 12).
+        _V3 | dict(n_shared_experts=2, shared_experts_intermediate_size=6),
     ),
     "deepseek_ocr2_text": (
         "deepseek_ocr2", "DeepseekOcr2TextConfig", "DeepseekOcr2TextMoe",
@@ -68,7 +69,7 @@ _FAMILIES = {
     ),
     "mistral4": (
         "mistral4", "Mistral4Config", "Mistral4MoE",
-        _V3 | dict(norm_topk_prob=False, num_attention_heads=2, num_key_value_heads=2),
+        _V3 | dict(num_attention_heads=2, num_key_value_heads=2),
     ),
     "mistral_large4_text": (
         "mistral_large4", "MistralLarge4TextConfig", "MistralLarge4TextMoE",
@@ -171,9 +172,9 @@ _HONOURED = [
     ("kimi_linear", "num_expert_group", 4, "num_groups", 4),
     ("kimi_linear", "num_experts_per_token", 3, "top_k", 3),
     ("bailing_hybrid", "num_shared_experts", 0, "shared_d_ff", 0),
-    ("dots3_note_text", "shared_experts_intermediate_size", 8, "shared_d_ff", 8),
+    ("dots3_note_text", "shared_experts_intermediate_size", 8, "shared_d_ff", 16),
     ("deepseek_ocr2_text", "topk_method", "greedy", "num_groups", 1),
-    ("mistral4", "norm_topk_prob", True, "norm_topk", True),
+    ("mistral4", "norm_topk_prob", False, "norm_topk", False),
     ("mistral4", "topk_group", 2, "top_groups", 2),
     ("mistral_large4_text", "n_shared_experts", 0, "shared_d_ff", 0),
     ("axk2", "n_group", None, "group_fill", -float("inf")),
