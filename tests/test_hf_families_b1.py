@@ -1,9 +1,9 @@
-"""Hugging Face families transformers builds from DeepSeek-V3's block (GLM-4.7-Flash,
-GLM-5, Solar-Open, EXAONE-MoE, MiMo-V2-Flash, Kimi-Linear, Bailing-Hybrid,
-dots.3-note, DeepSeek-OCR-2, Mistral-4, Mistral-Large-4, A.X-K1, A.X-K2), each
-against its own block through `config_from_hf(config.to_dict())` and the importer,
-on one device and under EP4; the keys each family's block reads, honoured or
-refused by name; multimodal wrappers through `layers_from_hf`."""
+"""Hugging Face families transformers builds from DeepSeek-V3's block (`glm4_moe_lite`,
+`glm_moe_dsa`, `solar_open`, `exaone_moe`, `mimo_v2_flash`, `kimi_linear`,
+`bailing_hybrid`, `dots3_note`, `deepseek_ocr2`, `mistral4`, `mistral_large4`, `axk1`,
+`axk2`), each against its own block through `config_from_hf(config.to_dict())` and the
+importer, on one device and under EP4; the keys each family's block reads, honoured or
+refused by name; multimodal wrappers and saved models through `layers_from_hf`."""
 
 import dataclasses
 
@@ -245,8 +245,8 @@ def test_keys_it_cannot_map_are_refused(name, key, value, message):
 
 
 # ---------------------------------------------------------------------------------
-# Multimodal wrappers: the text model's MoE layers from the wrapper's `config.json`
-# and checkpoint.
+# Multimodal wrappers (and A.X-K1's saved model): the text model's MoE layers from the
+# `config.json` and checkpoint that `save_pretrained` writes.
 
 _TEXT = dict(
     hidden_size=H, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
@@ -330,8 +330,9 @@ def _wrapper(model_type, directory):
 )
 def test_wrapper_layers_match_the_text_models_block(getkey, tmp_path, model_type):
     """`config_from_hf` on the wrapper's config reads its `text_config`;
-    `layers_from_hf` on its directory finds the text model's one MoE layer (not
-    dots.3-note's vision MoE), equal to that layer's block."""
+    `layers_from_hf` on its directory (a wrapper's, or A.X-K1's saved model with its
+    norm beside the block) finds the text model's one MoE layer (not dots.3-note's
+    vision MoE), equal to that layer's block."""
     cfg, model = _wrapper(model_type, tmp_path)
     text = getattr(cfg, "text_config", cfg).to_dict()
     assert me.config_from_hf(cfg.to_dict()) == me.config_from_hf(text)
