@@ -105,6 +105,23 @@ def add_output_bias(
     return (y.astype(jnp.float32) + bias).astype(y.dtype)
 
 
+def norm_output(
+    y: Float[Array, "*batch d_model"],
+    weight: Float[Array, " d_model"] | None,
+    eps: float | int | None,
+) -> Float[Array, "*batch d_model"]:
+    """The RMSNorm of `y` over `d_model` (A.X-K1's `post_mlp_layernorm`,
+    `MoELayer.output_norm`), or `y` when there is none: normalised in float32, then
+    cast to `y`'s dtype and scaled by `weight` in that dtype, as transformers' RMSNorm
+    does."""
+    if weight is None:
+        return y
+    y32 = y.astype(jnp.float32)
+    variance = jnp.mean(jnp.square(y32), axis=-1, keepdims=True)
+    normed = (y32 * jax.lax.rsqrt(variance + jnp.float32(eps))).astype(y.dtype)
+    return weight.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,)) * normed
+
+
 def scatter_to_tokens(
     rows: Float[Array, "rows d_model"],
     token: Int[Array, " rows"],

@@ -87,6 +87,10 @@ class MoEConfig(eqx.Module):
     - `group_score`: a group's score in group-limited routing: `"top2"`, the sum of
         its best two selection scores (DeepSeek-V3), or `"max"`, its best one
         (DeepSeek-V2's `group_limited_greedy`).
+    - `group_fill`: the selection score of the experts outside a token's
+        `top_groups` groups: `-inf` (default: never chosen), or a finite value that
+        they compete with (A.X-K2's router fills them with 0, so one of them is
+        chosen over an expert of a kept group whose biased score is below 0).
     - `use_router_bias`: add a selection-only bias (aux-loss-free balancing).
     - `routed_scaling_factor`: multiplies the routed experts' output, after the
         weights are normalised (DeepSeek-V3 uses 2.5).
@@ -142,6 +146,9 @@ class MoEConfig(eqx.Module):
         never sent.
     - `output_bias`: a bias added once to every token's output, after the routed and
         shared experts (JetMoE), `layer.output_bias [d_model]`.
+    - `output_norm_eps`: an RMSNorm of the output over `d_model`, last, with this
+        epsilon and the weight `layer.output_norm [d_model]` (A.X-K1's
+        `post_mlp_layernorm`); `None` (default): none.
     - `router_logit_bias`: a trained bias added to the router's logits (GPT-OSS),
         `layer.router.logit_bias [E + num_identity_experts]`; unlike
         `use_router_bias`'s, it changes the weights too.
@@ -195,6 +202,10 @@ class MoEConfig(eqx.Module):
     router_logit_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     output_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     num_identity_experts: int = eqx.field(static=True, default=0, converter=_integer)
+    output_norm_eps: float | int | None = eqx.field(
+        static=True, default=None, converter=_real
+    )
+    group_fill: float | int = eqx.field(static=True, default=-math.inf, converter=_real)
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -222,6 +233,26 @@ class MoEConfig(eqx.Module):
                 f"`top_k` ({self.top_k}) must not exceed `num_experts` "
                 f"({self.num_experts})"
                 + (f" plus `num_identity_experts` ({identity})." if identity else ".")
+            )
+        eps = self.output_norm_eps
+        if eps is not None and not (
+            isinstance(eps, int | float)
+            and not isinstance(eps, bool)
+            and math.isfinite(eps)
+            and eps > 0
+        ):
+            raise ValueError(
+                f"`output_norm_eps` must be a positive finite number or None, got "
+                f"{eps!r}."
+            )
+        if not (
+            isinstance(self.group_fill, int | float)
+            and not isinstance(self.group_fill, bool)
+            and (math.isfinite(self.group_fill) or self.group_fill == -math.inf)
+        ):
+            raise ValueError(
+                f"`group_fill` must be a finite number or -inf, got "
+                f"{self.group_fill!r}."
             )
         if not (
             isinstance(self.shared_scale, int | float)

@@ -159,6 +159,9 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
     if config.router_logit_bias:  # GPT-OSS: `router.bias`, a trained logit bias
         logit_bias = get("router.bias", (columns,)).astype(np.float32)
     output_bias = get("bias", (h,)) if config.output_bias else None  # JetMoE
+    output_norm = None
+    if config.output_norm_eps is not None:  # A.X-K1
+        output_norm = get("post_mlp_layernorm.weight", (h,))
     if "gate.tid2eid" in keys:
         raise ValueError(
             f"{prefix}gate.tid2eid: this block routes by token id (DeepSeek-V4's hash "
@@ -213,6 +216,8 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
         new[lambda l: l.router.logit_bias] = jnp.asarray(logit_bias)
     if output_bias is not None:
         new[lambda l: l.output_bias] = arr(output_bias, layer.output_bias)
+    if output_norm is not None:
+        new[lambda l: l.output_norm] = arr(output_norm, layer.output_norm)
     if expert_biases is not None:
         b_gu, b_dn = expert_biases
         new[lambda l: l.experts.b_gate_up] = arr(b_gu, layer.experts.b_gate_up)
@@ -908,6 +913,121 @@ def _longcat_flash(r: _Reader) -> dict:
     )
 
 
+# ---------------------------------------------------------------------------------
+# Batch 1 of the families transformers builds from DeepSeek-V3's block.
+
+
+def _v3_block(
+    r: _Reader,
+    *,
+    experts: str = "n_routed_experts",
+    shared: str | None = "n_shared_experts",
+    shared_width: str = "moe_intermediate_size",
+    group: str = "n_group",
+    top_k: str = "num_experts_per_tok",
+    norm: str = "norm_topk_prob",
+) -> dict:
+    """DeepSeek-V3's block under a family's own key names: sigmoid scores with a
+    selection bias, groups (`group` of them, `topk_group` kept) scored by their best
+    two, renormalised when `norm`, then `routed_scaling_factor`; a shared SwiGLU of
+    `shared` times `shared_width` (`shared=None`: the block has none)."""
+    _swiglu(r)
+    n_group = int(r.get(group, default=1) or 1)
+    width = 0 if shared is None else int(r.get(shared_width))
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get(experts),
+        top_k=r.get(top_k),
+        score_func="sigmoid",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        use_router_bias=True,
+        norm_topk=bool(r.get(norm, default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=0 if shared is None else _shared_width(r, shared, width),
+    )
+
+
+def _v3_unbiased_shared(r: _Reader) -> dict:
+    # GLM-5 (`glm_moe_dsa`): DeepSeek-V3's block, whose shared experts have no biases
+    # whatever `mlp_bias` says (read so that no key goes unread).
+    r.get("mlp_bias", default=False)
+    return _v3_block(r)
+
+
+def _mimo_v2_flash(r: _Reader) -> dict:
+    # DeepSeek-V3's routing without shared experts: the block builds none, whatever
+    # `n_shared_experts` says (read so that no key goes unread).
+    r.get("n_shared_experts", default=0)
+    return _v3_block(r, shared=None)
+
+
+def _exaone_moe(r: _Reader) -> dict:
+    return _v3_block(r, experts="num_experts", shared="num_shared_experts")
+
+
+def _kimi_linear(r: _Reader) -> dict:
+    # Kimi-Linear and Bailing-Hybrid: DeepSeek-V3's block under the original
+    # checkpoints' names (transformers' `attribute_map`).
+    return _v3_block(
+        r,
+        experts="num_experts",
+        shared="num_shared_experts",
+        group="num_expert_group",
+        top_k="num_experts_per_token",
+        norm="moe_renormalize",
+    )
+
+
+def _dots3_note_text(r: _Reader) -> dict:
+    # dots.3-note's text block: DeepSeek-V3's, its shared experts
+    # `shared_experts_intermediate_size` wide each and without biases whatever
+    # `mlp_bias` says (that key sizes the vision tower's).
+    r.get("mlp_bias", default=False)
+    return _v3_block(r, shared_width="shared_experts_intermediate_size")
+
+
+def _mistral4(r: _Reader, *, always_norm: bool = False) -> dict:
+    """Mistral-4's block: softmax scores, groups scored by the sum of their best two,
+    no selection bias, `norm_topk_prob` (always, with `always_norm`), then
+    `routed_scaling_factor`; a shared SwiGLU of `n_shared_experts` times
+    `moe_intermediate_size`. Its router fills the other groups' experts with 0,
+    which every chosen group's positive softmax score beats: the layer's -inf."""
+    _swiglu(r)
+    f = int(r.get("moe_intermediate_size"))
+    n_group = int(r.get("n_group", default=1) or 1)
+    norm = r.get("norm_topk_prob", default=True)  # read; ignored with `always_norm`
+    return dict(
+        d_ff=f,
+        num_experts=r.get("n_routed_experts"),
+        score_func="softmax",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        norm_topk=always_norm or bool(norm),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=_shared_width(r, "n_shared_experts", f),
+    )
+
+
+def _mistral_large4_text(r: _Reader) -> dict:
+    # Mistral-4's block with the top-k always renormalised.
+    return _mistral4(r, always_norm=True)
+
+
+def _axk1(r: _Reader) -> dict:
+    # A.X-K1: DeepSeek-V3's block, its output through an RMSNorm
+    # (`post_mlp_layernorm`, of `rms_norm_eps`).
+    return dict(_v3_block(r), output_norm_eps=float(r.get("rms_norm_eps")))
+
+
+def _axk2(r: _Reader) -> dict:
+    # A.X-K2: DeepSeek-V3's block, with no group step when `n_group` is None (its
+    # light checkpoints); with groups, its router fills the other groups' experts'
+    # selection scores with 0 rather than -inf.
+    out = _v3_block(r)
+    return dict(out, group_fill=0.0) if out["num_groups"] > 1 else out
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -949,6 +1069,20 @@ _FAMILIES = {
     "gpt_oss": _gpt_oss,
     "jetmoe": _jetmoe,
     "longcat_flash": _longcat_flash,
+    # Batch 1 of the DeepSeek-V3-derived families.
+    "glm4_moe_lite": _v3_block,
+    "solar_open": _v3_block,
+    "glm_moe_dsa": _v3_unbiased_shared,
+    "mimo_v2_flash": _mimo_v2_flash,
+    "exaone_moe": _exaone_moe,
+    "kimi_linear": _kimi_linear,
+    "bailing_hybrid": _kimi_linear,
+    "dots3_note_text": _dots3_note_text,
+    "deepseek_ocr2_text": _deepseek_v2,
+    "mistral4": _mistral4,
+    "mistral_large4_text": _mistral_large4_text,
+    "axk2": _axk2,
+    "axk1": _axk1,
 }
 
 
@@ -1107,6 +1241,13 @@ _TRANSPOSED_BY_SHAPE = ("qwen3_vl_moe_text",)
 # Families whose shared expert sits beside the block in the decoder layer
 # (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
 _SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
+# Families whose checkpoints keep the MoE block's tensors directly under the decoder
+# layer's prefix (`layers.{i}.gate.weight`, beside its attention and norms): the
+# block's are those under these names.
+_BLOCK_IN_LAYER = {"mistral_large4_text": ("gate.", "experts.", "shared_experts.")}
+# Families whose block's output norm sits beside it in the decoder layer, as their
+# checkpoints store it (`layers.{i}.post_mlp_layernorm.*`): read with the block.
+_NORM_BESIDE = {"axk1": "post_mlp_layernorm."}
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -1284,6 +1425,19 @@ def layers_from_hf(
             )
     # Each layer's tensors: file name -> the name under the block's prefix.
     names = {i: {n: n for n in files if n.startswith(prefixes[i])} for i in wanted}
+    if model_type in _NORM_BESIDE:
+        norm = _NORM_BESIDE[model_type]
+        for i in wanted:
+            beside = prefixes[i].rstrip(".").rpartition(".")[0] + "." + norm
+            for n in files:
+                if n.startswith(beside):
+                    names[i][n] = prefixes[i] + norm + n[len(beside) :]
+    if model_type in _BLOCK_IN_LAYER:
+        block = _BLOCK_IN_LAYER[model_type]
+        for i in wanted:
+            names[i] = {
+                n: n for n in names[i] if n[len(prefixes[i]) :].startswith(block)
+            }
     if model_type in _SHARED_BESIDE:
         for i in wanted:
             beside = prefixes[i].rstrip(".").rpartition(".")[0] + ".shared_mlp."

@@ -11,7 +11,13 @@ import jax.random as jr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from ._combine import add_identity, add_output_bias, combine, weight_inputs
+from ._combine import (
+    add_identity,
+    add_output_bias,
+    combine,
+    norm_output,
+    weight_inputs,
+)
 from ._compat import concrete_mesh
 from ._config import MoEConfig
 from ._dispatch import sort_by_expert
@@ -72,6 +78,8 @@ class MoELayer(eqx.Module):
         refuses a layer whose stages hold another config).
     - `output_bias`: `[d_model]` added to every token's output with
         `config.output_bias` (JetMoE), else `None`.
+    - `output_norm`: `[d_model]`, the weight of the RMSNorm of the output with
+        `config.output_norm_eps` (A.X-K1), else `None`.
     """
 
     router: Router
@@ -82,6 +90,7 @@ class MoELayer(eqx.Module):
     # only static fields, so it is still all in the tree's structure.
     config: MoEConfig
     output_bias: Float[Array, " d_model"] | None = None
+    output_norm: Float[Array, " d_model"] | None = None
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         router_key, experts_key, shared_key = jr.split(key, 3)
@@ -96,6 +105,11 @@ class MoELayer(eqx.Module):
         self.expert_ids = jnp.arange(config.num_experts, dtype=jnp.int32)
         self.output_bias = (
             jnp.zeros((config.d_model,), dtype) if config.output_bias else None
+        )
+        self.output_norm = (
+            jnp.ones((config.d_model,), dtype)
+            if config.output_norm_eps is not None
+            else None
         )
 
     def __call__(
@@ -162,9 +176,8 @@ class MoELayer(eqx.Module):
                 x.reshape(-1, cfg.d_model),
                 None if experts is None else experts.reshape(-1, cfg.top_k),
             )
-            return add_output_bias(
-                y.reshape(*batch_shape, cfg.d_model), self.output_bias
-            ), stats
+            y = add_output_bias(y.reshape(*batch_shape, cfg.d_model), self.output_bias)
+            return norm_output(y, self.output_norm, cfg.output_norm_eps), stats
         # A concrete `x` on other devices (e.g. committed to one) joins the mesh, and
         # `y` goes where `x` is (`_home`).
         home = _home(x, ambient)
@@ -188,7 +201,8 @@ class MoELayer(eqx.Module):
         if home is not None and back is not None:
             if not back.is_equivalent_to(home, y.ndim):
                 y = jax.device_put(y, home)
-        return add_output_bias(y, self.output_bias), stats
+        y = add_output_bias(y, self.output_bias)
+        return norm_output(y, self.output_norm, cfg.output_norm_eps), stats
 
     def with_config(self, **changes) -> "MoELayer":
         """The layer with fields of its config replaced, in the layer and in each of
@@ -775,6 +789,9 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
         y = y + s * jnp.float32(cfg.shared_scale)
     if layer.output_bias is not None:
         y = y + layer.output_bias.astype(jnp.float32)[None, :]
+    if layer.output_norm is not None:
+        rms = jnp.sqrt(jnp.mean(y * y, axis=-1, keepdims=True) + cfg.output_norm_eps)
+        y = layer.output_norm.astype(jnp.float32)[None, :] * (y / rms)
     return y.astype(x.dtype).reshape(*batch_shape, x.shape[-1])
 
 

@@ -140,7 +140,8 @@ class Router(eqx.Module):
     Group-limited routing (`num_groups > 1`): a group's score is the sum of its best
     `min(2, experts per group)` selection scores (DeepSeek-V3), or with
     `group_score="max"` its best one (DeepSeek-V2); each token chooses its `top_k`
-    experts among the experts of its `top_groups` best groups.
+    experts among the experts of its `top_groups` best groups (the others' selection
+    scores replaced by `config.group_fill`, `-inf` unless set).
 
     **Fields:**
 
@@ -148,8 +149,8 @@ class Router(eqx.Module):
     - `bias`: `[E + I]` selection bias with `config.use_router_bias`, else `None`.
     - `config`: the [`moe_eqx.MoEConfig`][] whose routing settings (`top_k`,
         `score_func`, `norm_topk`, `norm_topk_min`, `num_groups`, `top_groups`,
-        `group_score`, `num_identity_experts`) it computes; they read as attributes too
-        (`router.top_k`).
+        `group_score`, `group_fill`, `num_identity_experts`) it computes; they read
+        as attributes too (`router.top_k`).
     - `logit_bias`: `[E + I]` with `config.router_logit_bias`, else `None`.
     """
 
@@ -328,7 +329,8 @@ class Router(eqx.Module):
         if self.bias is not None:
             select = select + jax.lax.stop_gradient(self.bias)[None, :]
         if self.num_groups > 1:
-            select = jnp.where(self._group_mask(select), select, -jnp.inf)
+            fill = jnp.float32(self.config.group_fill)
+            select = jnp.where(self._group_mask(select), select, fill)
         _, experts = jax.lax.top_k(select, self.top_k)
         return experts.astype(jnp.int32)
 

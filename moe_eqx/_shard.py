@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._combine import add_identity, add_output_bias
+from ._combine import add_identity, add_output_bias, norm_output
 from ._compat import abstract_mesh_platform
 from ._config import MoEConfig
 from ._dispatch import send_counts
@@ -663,4 +663,5 @@ def expert_parallel_shard(
         x,
         experts,
     )
-    return add_output_bias(y, layer.output_bias), stats
+    y = add_output_bias(y, layer.output_bias)
+    return norm_output(y, layer.output_norm, cfg.output_norm_eps), stats
