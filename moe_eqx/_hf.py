@@ -403,13 +403,17 @@ def _shared_expert(config: MoEConfig, keys, get, h):
 
 
 class _Reader:
-    """Reads a config mapping's keys, refusing values it cannot map."""
+    """Reads a config mapping's keys, refusing values it cannot map; remembers which
+    keys it read, so that `check_read` can refuse a computation-changing key that its
+    family's reader never looked at."""
 
     def __init__(self, hf: Mapping[str, Any]):
         self.hf = hf
         self.model_type = hf.get("model_type")
+        self.read: set[str] = set()
 
     def get(self, *names: str, default: Any = dataclasses.MISSING):
+        self.read.update(names)
         for name in names:
             if name in self.hf and self.hf[name] is not None:
                 return self.hf[name]
@@ -423,6 +427,7 @@ class _Reader:
 
     def require(self, name: str, allowed, *, default: Any = None, why: str = ""):
         """`name` must be absent (or None) or one of `allowed`."""
+        self.read.add(name)
         value = self.hf.get(name, default)
         if value is None:
             value = default
@@ -432,6 +437,107 @@ class _Reader:
                 f"(supported: {', '.join(map(repr, allowed))}){why}."
             )
         return value
+
+    def check_read(self) -> None:
+        """Refuses a key of `_COMPUTATION_KEYS` that is present with a value other
+        than its neutral ones and that the family's reader did not read (nor lists in
+        `_IGNORED_KEYS` as unused by its block)."""
+        ignored = _IGNORED_KEYS.get(self.model_type, ())
+        for name, neutral in _COMPUTATION_KEYS.items():
+            value = self.hf.get(name)
+            if name in self.read or name in ignored or value is None:
+                continue
+            if isinstance(value, list | dict) or value not in neutral:
+                raise ValueError(
+                    f"{self.model_type} config: {name}={value!r} changes the MoE "
+                    f"computation and is not read for this family (the layer would "
+                    f"ignore it; neutral: None"
+                    + "".join(f", {v!r}" for v in neutral)
+                    + ")."
+                )
+
+
+# Config keys that change an MoE block's computation (routing, scores, weights'
+# normalisation and scale, experts' activation and biases, shared and identity
+# experts, noise), each with the values (besides None) under which a block computes
+# what the layer's defaults do. A family's reader reads (`get`/`require`) each key its
+# block uses; any other key here with another value is refused (`_Reader.check_read`).
+# Which layers are MoE (`first_k_dense_replace`, `moe_layer_freq`, `mlp_only_layers`,
+# ...) is not a block's computation: `layers_from_hf` finds the blocks by their
+# weights.
+_COMPUTATION_KEYS: dict[str, tuple] = {
+    # experts' activation
+    "hidden_act": ("silu", "swish"),
+    "mlp_hidden_act": ("silu", "swish"),
+    "activation_function": ("silu", "swish"),
+    "expert_hidden_act": ("silu", "swish"),
+    "swiglu_limit": (),
+    "swiglu_alpha": (),
+    # biases on the projections or the router
+    "mlp_bias": (False,),
+    "use_bias": (False,),
+    "expert_bias": (False,),
+    "router_bias": (False,),
+    "use_routing_bias": (False,),
+    "use_expert_bias": (False,),
+    "moe_router_bias": (False,),
+    # scores, selection and the routed weights
+    "scoring_func": ("softmax",),
+    "score_func": ("softmax",),
+    "expert_selection_fn": ("softmax",),
+    "topk_method": ("greedy",),
+    "norm_topk_prob": (),
+    "normalize_expert_weights": (),
+    "n_group": (1,),
+    "topk_group": (1,),
+    "routed_scaling_factor": (1, 1.0),
+    "route_scale": (1, 1.0),
+    "router_scaling_factor": (1, 1.0),
+    "moe_routed_scaling_factor": (1, 1.0),
+    "moe_norm_min": (0, 0.0),
+    "router_temperature": (1, 1.0),
+    "router_logit_softcapping": (0, 0.0),
+    "moe_router_logit_softcapping": (0, 0.0),
+    "moe_apply_router_weight_on_input": (False,),
+    # noise on the router's logits or inputs
+    "router_jitter_noise": (0, 0.0),
+    "input_jitter_noise": (0, 0.0),
+    "jitter_noise": (0, 0.0),
+    "moe_jitter_eps": (0, 0.0),
+    # shared, identity and latent experts
+    "n_shared_experts": (0,),
+    "num_shared_experts": (0,),
+    "moe_num_shared_experts": (0,),
+    "shared_expert_intermediate_size": (0,),
+    "shared_intermediate_size": (0,),
+    "moe_shared_expert_intermediate_size": (0,),
+    "shared_expert_combination_strategy": ("sum",),
+    "zero_expert_num": (0,),
+    "moe_latent_size": (),
+}
+# Keys of `_COMPUTATION_KEYS` that a family's config carries but its block does not
+# use (so they are not read).
+_IGNORED_KEYS: dict[str, tuple[str, ...]] = {
+    # Its router never renormalises; groups only with `topk_method=
+    # "group_limited_greedy"`, where its reader reads them.
+    "deepseek_v2": ("norm_topk_prob", "n_group", "topk_group"),
+    # Its shared experts have no biases whatever `mlp_bias` says.
+    "deepseek_v32": ("mlp_bias",),
+    # Its router always renormalises and adds no noise; its block builds one shared
+    # expert whatever `n_shared_experts` says.
+    "deepseek_v4": ("norm_topk_prob", "n_shared_experts", "router_jitter_noise"),
+    # Used only with sigmoid selection, where its reader reads it.
+    "cohere2_moe": ("norm_topk_prob",),
+    # Its shared expert's width is `moe_shared_expert_intermediate_size`;
+    # `use_bias` is its Mamba mixers'.
+    "nemotron_h": ("n_shared_experts", "use_bias"),
+    "llama4_text": ("router_jitter_noise",),  # its router adds no noise
+    # Their routers always renormalise (hub configs may still carry the key).
+    "qwen3_vl_moe_text": ("norm_topk_prob",),
+    "qwen3_5_moe_text": ("norm_topk_prob",),
+    "gpt_oss": ("hidden_act",),  # its experts' activation is their own
+    "qwen3_moe": ("shared_expert_intermediate_size",),  # it has no shared expert
+}
 
 
 def _swiglu(r: _Reader) -> None:
@@ -737,7 +843,11 @@ def _sarvam(r: _Reader) -> dict:
     ):
         if hf.get(new) is None and hf.get(old) is not None:
             hf[new] = hf[old]
-    return _deepseek_v3(_Reader(hf))
+        r.get(old, default=None)  # read as `new`
+    inner = _Reader(hf)
+    out = _deepseek_v3(inner)
+    r.read |= inner.read
+    return out
 
 
 def _v3_routing(r: _Reader) -> dict:
@@ -989,7 +1099,9 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     does not compute (an activation it lacks, DeepSeek's `topk_method` other
     than `"noaux_tc"` or `scoring_func` other than `"sigmoid"`, a nonzero
     `router_jitter_noise`, ERNIE's `use_bias`) is a `ValueError` naming the key and
-    value. A multimodal config's `text_config` is
+    value, and so is a key that changes an MoE block's computation (from a table of
+    such keys and their neutral values) which the family's reader does not read. A
+    multimodal config's `text_config` is
     read when the top level is not itself an MoE model (Qwen3-Omni-MoE's: its
     `thinker_config`'s). A `quantization_config` is
     read too: FP8 with block scales (`quant_method="fp8"`) and MXFP4 (`"mxfp4"`)
@@ -1039,6 +1151,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
         fields["top_k"] = r.get("num_experts_per_tok")
     if "d_model" not in fields:
         fields["d_model"] = r.get("hidden_size")
+    r.check_read()
     fields.update(d_model=int(fields["d_model"]), top_k=int(fields["top_k"]))
     return MoEConfig(**fields, **overrides)
 
