@@ -1018,6 +1018,54 @@ def _longcat_flash(r: _Reader) -> dict:
     )
 
 
+# Batch 2 families.
+
+
+def _ungated_shared(r: _Reader) -> int:
+    """A shared expert of `shared_expert_intermediate_size`, summed without a gate
+    (Flint's, Laguna's, Lara-Mini's)."""
+    return int(r.get("shared_expert_intermediate_size", default=0) or 0)
+
+
+def _flint(r: _Reader) -> dict:
+    # Qwen3-MoE's block with sigmoid scores of the logits (no selection bias), the
+    # chosen renormalised under `norm_topk_prob`, plus an ungated shared expert.
+    out = _softmax_family(r, "moe_intermediate_size", _norm_topk_prob(r))
+    return dict(out, score_func="sigmoid", shared_d_ff=_ungated_shared(r))
+
+
+def _lara_mini(r: _Reader) -> dict:
+    # Flint's block (ungated shared expert) with Qwen3-Next's softmax router.
+    out = _softmax_family(r, "moe_intermediate_size", _norm_topk_prob(r))
+    return dict(out, shared_d_ff=_ungated_shared(r))
+
+
+def _laguna(r: _Reader) -> dict:
+    # Sigmoid scores with a selection bias, always renormalised, the routed sum times
+    # `moe_routed_scaling_factor`, plus an ungated shared expert.
+    r.require(
+        "moe_router_logit_softcapping",
+        (0, 0.0),
+        default=0.0,
+        why=" (tanh soft-capping of the router's logits, which the layer does not "
+        "compute)",
+    )
+    r.require(
+        "moe_apply_router_weight_on_input",
+        (False,),
+        default=False,
+        why=" (transformers does not implement it)",
+    )
+    out = _softmax_family(r, "moe_intermediate_size", True)
+    return dict(
+        out,
+        score_func="sigmoid",
+        use_router_bias=True,
+        routed_scaling_factor=float(r.get("moe_routed_scaling_factor", default=1.0)),
+        shared_d_ff=_ungated_shared(r),
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -1059,6 +1107,13 @@ _FAMILIES = {
     "gpt_oss": _gpt_oss,
     "jetmoe": _jetmoe,
     "longcat_flash": _longcat_flash,
+    # Batch 2.
+    "flex_olmo": _olmoe,  # OLMoE's block
+    "qwen4_exp_text": _qwen2_moe,  # Qwen3-Next's block: a gated shared expert
+    "flint": _flint,
+    "laguna": _laguna,
+    "lara_mini": _lara_mini,
+    "mellum": _qwen3_moe,  # Qwen3-MoE's block
 }
 
 

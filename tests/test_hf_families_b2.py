@@ -3,7 +3,11 @@ check that `config_from_hf` never ignores a key that changes the MoE computation
 
 import re
 
+import jax
+import jax.numpy as jnp
 import pytest
+from test_hf_config import H
+from test_hf_families import _assert_matches_block, _drawn, _module
 
 import moe_eqx as me
 from moe_eqx import _hf
@@ -112,3 +116,106 @@ def test_an_unread_key_is_refused_by_name(monkeypatch):
         me.config_from_hf(hf)
     # And a neutral value of the same key is accepted.
     me.config_from_hf(hf | {"shared_expert_intermediate_size": 0})
+
+
+# ---------------------------------------------------------------------------------
+# 2. Families, each against its block (one device and EP4) through
+# `config_from_hf(config.to_dict())` and the importer.
+
+_SMALL = dict(
+    hidden_size=H, num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2
+)
+
+
+def _flex_olmo():
+    cfg = transformers.FlexOlmoConfig(
+        **_SMALL, intermediate_size=12, num_experts=8, norm_topk_prob=False
+    )
+    return cfg, _module("flex_olmo").FlexOlmoSparseMoeBlock(cfg)
+
+
+def _flint():
+    cfg = transformers.FlintConfig(
+        **_SMALL, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+        num_experts=8, norm_topk_prob=True,
+    )  # fmt: skip
+    return cfg, _module("flint").FlintSparseMoeBlock(cfg)
+
+
+def _laguna():
+    cfg = transformers.LagunaConfig(
+        **_SMALL, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+        num_experts=8, moe_routed_scaling_factor=1.5,
+    )  # fmt: skip
+    return cfg, _module("laguna").LagunaSparseMoeBlock(cfg)
+
+
+def _lara_mini():
+    cfg = transformers.LaraMiniConfig(
+        **_SMALL, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+        num_experts=8, norm_topk_prob=False,
+    )  # fmt: skip
+    return cfg, _module("lara_mini").LaraMiniSparseMoeBlock(cfg)
+
+
+def _mellum():
+    cfg = transformers.MellumConfig(
+        **_SMALL, moe_intermediate_size=12, num_experts=8, norm_topk_prob=True
+    )
+    return cfg, _module("mellum").MellumSparseMoeBlock(cfg)
+
+
+_BLOCKS = {
+    "flex_olmo": _flex_olmo,
+    "flint": _flint,
+    "laguna": _laguna,
+    "lara_mini": _lara_mini,
+    "mellum": _mellum,
+}
+
+
+@pytest.fixture(scope="module")
+def x():
+    return jax.random.normal(jax.random.key(7), (32, H), jnp.float32)
+
+
+@pytest.mark.parametrize("name", sorted(_BLOCKS))
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_family_matches_its_block(x, name, num_shards):
+    cfg, block = _BLOCKS[name]()
+    _assert_matches_block(_drawn(block), cfg.to_dict(), x, num_shards)
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value", "field", "expected"),
+    [
+        ("flex_olmo", "norm_topk_prob", True, "norm_topk", True),
+        ("flint", "norm_topk_prob", False, "norm_topk", False),
+        ("flint", "shared_expert_intermediate_size", 0, "shared_d_ff", 0),
+        ("laguna", "moe_routed_scaling_factor", 2.5, "routed_scaling_factor", 2.5),
+        ("lara_mini", "norm_topk_prob", True, "norm_topk", True),
+        ("mellum", "norm_topk_prob", False, "norm_topk", False),
+        ("mellum", "hidden_act", "gelu", "activation", "geglu"),
+    ],
+)
+def test_family_keys_are_honoured(name, key, value, field, expected):
+    cfg, _ = _BLOCKS[name]()
+    config = me.config_from_hf(cfg.to_dict() | {key: value})
+    assert getattr(config, field) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value"),
+    [
+        ("laguna", "moe_router_logit_softcapping", 30.0),
+        ("laguna", "moe_apply_router_weight_on_input", True),
+        ("flint", "mlp_bias", True),
+        ("mellum", "shared_expert_intermediate_size", 20),
+    ],
+)
+def test_family_keys_it_cannot_honour_are_refused(name, key, value):
+    """Laguna's soft-capped router logits are not the layer's; a key these blocks do
+    not read (Mellum's Qwen3-MoE block has no shared expert) is refused by name."""
+    cfg, _ = _BLOCKS[name]()
+    with pytest.raises(ValueError, match=re.escape(f"{name} config: {key}={value!r}")):
+        me.config_from_hf(cfg.to_dict() | {key: value})
