@@ -1114,6 +1114,7 @@ _FAMILIES = {
     "laguna": _laguna,
     "lara_mini": _lara_mini,
     "mellum": _qwen3_moe,  # Qwen3-MoE's block
+    "granitemoe_swa": _granitemoe_shared,  # GraniteMoE-Shared's block and shared_mlp
 }
 
 
@@ -1130,6 +1131,16 @@ _REFUSED = {
     "ernie4_5_vl_moe_text": "its experts are split by modality (text tokens through "
     "the text experts, image tokens through the vision experts), which one layer's "
     "routing does not compute",
+    # Batch 2.
+    "zaya": "its router is an MLP (a down-projection plus the previous layer's router "
+    "state, an RMSNorm and two GELU layers) over the experts and a skip expert, not "
+    "a linear score of the token",
+    "doge": "its product-key router reshapes the batch's router logits so that one "
+    "token's two key scores come from different tokens: a token's experts depend on "
+    "the other tokens, not on its own score alone",
+    "vitpose_backbone": "a vision backbone (ViTPose, not a text decoder) whose experts "
+    "are linear heads computing part of the MLP's output features, chosen by the "
+    "dataset index given with each image, not by a router",
 }
 
 
@@ -1274,7 +1285,7 @@ _TRANSPOSED_EXPERTS = ("aria_text", "llama4_text")
 _TRANSPOSED_BY_SHAPE = ("qwen3_vl_moe_text",)
 # Families whose shared expert sits beside the block in the decoder layer
 # (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
-_SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
+_SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:

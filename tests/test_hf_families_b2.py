@@ -5,8 +5,9 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from test_hf_config import H
+from test_hf_config import H, _torch_value_and_grad
 from test_hf_families import _assert_matches_block, _drawn, _module
 
 import moe_eqx as me
@@ -165,7 +166,33 @@ def _mellum():
     return cfg, _module("mellum").MellumSparseMoeBlock(cfg)
 
 
+def _granitemoe_swa():
+    from test_hf_config import _with_shared_mlp
+
+    cfg = transformers.GraniteMoeSWAConfig(
+        **_SMALL, intermediate_size=24, num_local_experts=8, shared_intermediate_size=20
+    )
+    module = _module("granitemoe_swa")
+    block = _with_shared_mlp(module.GraniteMoeSWAMoE, module.GraniteMoeSWAMLP)
+    return cfg, block(cfg)
+
+
+_QWEN4_TEXT = dict(
+    _SMALL, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+    num_experts=8, norm_topk_prob=False, num_hidden_layers=2, head_dim=8,
+    vocab_size=64, hc_count=2, hc_lowrank=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
+)  # fmt: skip
+
+
+def _qwen4_exp_text():
+    cfg = transformers.CONFIG_MAPPING["qwen4_exp_text"](**_QWEN4_TEXT)
+    return cfg, _module("qwen4_exp").Qwen4ExpTextSparseMoeBlock(cfg)
+
+
 _BLOCKS = {
+    "granitemoe_swa": _granitemoe_swa,
+    "qwen4_exp_text": _qwen4_exp_text,
     "flex_olmo": _flex_olmo,
     "flint": _flint,
     "laguna": _laguna,
@@ -219,3 +246,39 @@ def test_family_keys_it_cannot_honour_are_refused(name, key, value):
     cfg, _ = _BLOCKS[name]()
     with pytest.raises(ValueError, match=re.escape(f"{name} config: {key}={value!r}")):
         me.config_from_hf(cfg.to_dict() | {key: value})
+
+
+def test_qwen4_exp_wrapper_loads_its_text_moe_layers(x, tmp_path):
+    """Qwen4-Exp (a multimodal wrapper): `config_from_hf` reads its `text_config`,
+    `layers_from_hf` finds the text model's MoE layers under
+    `model.language_model.` in a `save_pretrained` checkpoint, each equal to its
+    block."""
+    from transformers import AutoModelForImageTextToText
+
+    vision = dict(depth=1, hidden_size=H, intermediate_size=24, num_heads=2)
+    cfg = transformers.CONFIG_MAPPING["qwen4_exp"](
+        text_config=_QWEN4_TEXT, vision_config=vision | dict(out_hidden_size=H)
+    )
+    assert me.config_from_hf(cfg.to_dict()) == me.config_from_hf(cfg.text_config)
+    model = _drawn(AutoModelForImageTextToText.from_config(cfg))
+    model.save_pretrained(tmp_path)
+    layers = me.layers_from_hf(tmp_path)
+    assert list(layers) == [0, 1]
+    block = model.model.language_model.layers[1].mlp
+    y_hf, _ = _torch_value_and_grad(block, x)
+    y = np.asarray(layers[1](x)[0])
+    np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "message"),
+    [
+        ("zaya", "its router is an MLP"),
+        ("doge", "one token's two key scores come from different tokens"),
+        ("vitpose_backbone", "not a text decoder.*chosen by the dataset index"),
+    ],
+)
+def test_refused_families_name_their_reason(model_type, message):
+    hf = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    with pytest.raises(ValueError, match=f"model_type='{model_type}'.*{message}"):
+        me.config_from_hf(hf)
