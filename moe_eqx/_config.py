@@ -145,6 +145,9 @@ class MoEConfig(eqx.Module):
     - `router_logit_bias`: a trained bias added to the router's logits (GPT-OSS),
         `layer.router.logit_bias [E + num_identity_experts]`; unlike
         `use_router_bias`'s, it changes the weights too.
+    - `bias_on_logits`: the selection bias (`use_router_bias`) is added to the
+        router's logits instead of its scores, `experts = top_k(logits + bias)`
+        (Kolibri-1); the weights are still the chosen experts' scores.
     """
 
     d_model: int = eqx.field(static=True, converter=_integer)
@@ -195,6 +198,7 @@ class MoEConfig(eqx.Module):
     router_logit_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     output_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     num_identity_experts: int = eqx.field(static=True, default=0, converter=_integer)
+    bias_on_logits: bool = eqx.field(static=True, default=False, converter=_boolean)
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -211,10 +215,20 @@ class MoEConfig(eqx.Module):
             "expert_bias",
             "router_logit_bias",
             "output_bias",
+            "bias_on_logits",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+        if self.bias_on_logits and not self.use_router_bias:
+            raise ValueError(
+                "`bias_on_logits=True` needs `use_router_bias=True` (without a bias, "
+                "the top-k of the logits is the top-k of the scores)."
+            )
+        if self.bias_on_logits and self.num_groups > 1:
+            raise ValueError(
+                "`bias_on_logits=True` with group-limited routing is not supported."
+            )
         identity = self.num_identity_experts
         identity = identity if isinstance(identity, int) and identity > 0 else 0
         if self.top_k > self.num_experts + identity:

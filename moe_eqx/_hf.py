@@ -1066,6 +1066,19 @@ def _laguna(r: _Reader) -> dict:
     )
 
 
+def _kolibri1(r: _Reader) -> dict:
+    # Top-k of the logits plus a selection bias; the weights are the chosen logits'
+    # sigmoids, renormalised under `norm_topk_prob`; an ungated shared expert summed.
+    out = _softmax_family(r, "moe_intermediate_size", _norm_topk_prob(r))
+    return dict(
+        out,
+        score_func="sigmoid",
+        use_router_bias=True,
+        bias_on_logits=True,
+        shared_d_ff=_ungated_shared(r),
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -1115,6 +1128,7 @@ _FAMILIES = {
     "lara_mini": _lara_mini,
     "mellum": _qwen3_moe,  # Qwen3-MoE's block
     "granitemoe_swa": _granitemoe_shared,  # GraniteMoE-Shared's block and shared_mlp
+    "kolibri1": _kolibri1,
 }
 
 

@@ -66,8 +66,9 @@ class Router(eqx.Module):
     then those of the `I = config.num_identity_experts` identity experts (0 unless
     set). The optional `logit_bias`
     (`config.router_logit_bias`, GPT-OSS) is a trained parameter of the logits. The
-    optional `bias` only changes which experts are selected (aux-loss-free balancing),
-    never the weights; it receives no gradient, and [`moe_eqx.update_router_bias`][]
+    optional `bias` only changes which experts are selected (aux-loss-free balancing):
+    the top-k of `scores + bias`, or of `logits + bias` with `config.bias_on_logits`
+    (Kolibri-1), never the weights; it receives no gradient, and [`moe_eqx.update_router_bias`][]
     is the rule to update it.
 
     Group-limited routing (`num_groups > 1`): a group's score is the sum of its best
@@ -196,7 +197,11 @@ class Router(eqx.Module):
         """
         with jax.named_scope("moe_eqx.router"):
             logits, scores, probs = self._scores(x)
-            select = jax.lax.stop_gradient(scores)
+            # Scores are monotone in the logits: selecting on either is the same
+            # but for the bias (Kolibri-1 adds it to the logits).
+            select = jax.lax.stop_gradient(
+                logits if self.config.bias_on_logits else scores
+            )
             if self.bias is not None:
                 select = select + jax.lax.stop_gradient(self.bias)[None, :]
             if self.num_groups > 1:

@@ -1,13 +1,14 @@
 """Hugging Face families, batch 2, each against `transformers`' own block, and the
 check that `config_from_hf` never ignores a key that changes the MoE computation."""
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_hf_config import H, _torch_value_and_grad
+from test_hf_config import H, _state_dict, _torch_value_and_grad
 from test_hf_families import _assert_matches_block, _drawn, _module
 
 import moe_eqx as me
@@ -190,7 +191,16 @@ def _qwen4_exp_text():
     return cfg, _module("qwen4_exp").Qwen4ExpTextSparseMoeBlock(cfg)
 
 
+def _kolibri1():
+    cfg = transformers.Kolibri1Config(
+        **_SMALL, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+        num_experts=8, norm_topk_prob=True,
+    )  # fmt: skip
+    return cfg, _module("kolibri1").Kolibri1SparseMoeBlock(cfg)
+
+
 _BLOCKS = {
+    "kolibri1": _kolibri1,
     "granitemoe_swa": _granitemoe_swa,
     "qwen4_exp_text": _qwen4_exp_text,
     "flex_olmo": _flex_olmo,
@@ -282,3 +292,25 @@ def test_refused_families_name_their_reason(model_type, message):
     hf = transformers.CONFIG_MAPPING[model_type]().to_dict()
     with pytest.raises(ValueError, match=f"model_type='{model_type}'.*{message}"):
         me.config_from_hf(hf)
+
+
+def test_kolibri1_selects_on_the_biased_logits(x):
+    """Kolibri-1 adds its selection bias to the logits, not to their sigmoids: the
+    same layer with the bias on the scores (`bias_on_logits=False`) picks other
+    experts for some tokens and differs from the block."""
+    cfg, block = _kolibri1()
+    block = _drawn(block)
+    config = me.config_from_hf(cfg.to_dict())
+    assert config.bias_on_logits and config.use_router_bias
+    wrong = dataclasses.replace(config, bias_on_logits=False)
+    layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
+    y_hf, _ = _torch_value_and_grad(block, x)
+    assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2 * np.abs(y_hf).max()
+
+
+def test_bias_on_logits_is_validated():
+    base = dict(d_model=8, d_ff=8, num_experts=4, top_k=2, bias_on_logits=True)
+    with pytest.raises(ValueError, match="`bias_on_logits=True` needs"):
+        me.MoEConfig(**base)
+    with pytest.raises(ValueError, match="with group-limited routing"):
+        me.MoEConfig(**base, use_router_bias=True, num_groups=2)
