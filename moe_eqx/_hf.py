@@ -52,6 +52,7 @@ def layer_from_hf_state_dict(
     prefix: str = "",
     dtype=None,
     transposed_experts: bool = False,
+    interleaved_gate_up: bool = True,
 ) -> MoELayer:
     """Builds a [`moe_eqx.MoELayer`][] from the state dict of a Hugging Face MoE block.
 
@@ -103,6 +104,9 @@ def layer_from_hf_state_dict(
         torch tensor's `.numpy()`).
     - `prefix`: prepended to every key above.
     - `transposed_experts`: the fused experts are stored `[in, out]` (Aria).
+    - `interleaved_gate_up`: with `config.expert_bias` (GPT-OSS's layout), the
+        columns of `experts.gate_up_proj` and its bias alternate gate and up (GPT-OSS);
+        `False`: the gate's columns first, then the up's (OpenAI-Privacy-Filter).
     - `dtype`: the parameters' dtype (default: the state dict's floating dtype; the
         router weight and bias are float32, as the layer keeps them).
 
@@ -111,10 +115,26 @@ def layer_from_hf_state_dict(
     The layer. Raises `ValueError` naming the key when one is missing, has the wrong
     shape, or is left unused under `prefix` (so that nothing is silently ignored).
     """
-    return _import(config, state_dict, prefix, dtype, transposed_experts)
+    return _import(
+        config,
+        state_dict,
+        prefix,
+        dtype,
+        transposed_experts,
+        interleaved=interleaved_gate_up,
+    )
 
 
-def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None):
+def _import(
+    config,
+    state_dict,
+    prefix,
+    dtype,
+    transposed_experts,
+    experts=None,
+    *,
+    interleaved=True,
+):
     """`layer_from_hf_state_dict`; with `experts=(start, stop)` the state dict holds
     only those experts (per-expert keys numbered as in the model, fused tensors
     sliced to their rows), and so do the result's expert arrays (a building block for
@@ -166,7 +186,9 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
         )
     expert_biases = None
     if config.expert_bias:
-        w_gate_up, w_down, expert_biases = _gpt_oss_experts(get, count, h, f)
+        w_gate_up, w_down, expert_biases = _gpt_oss_experts(
+            get, count, h, f, interleaved
+        )
     elif (
         config.num_identity_experts
         and experts is None
@@ -235,12 +257,15 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
     return layer
 
 
-def _gpt_oss_experts(get, e, h, f):
+def _gpt_oss_experts(get, e, h, f, interleaved=True):
     """GPT-OSS's: `experts.gate_up_proj [E, H, 2F]` with gate and up columns
-    interleaved (even, odd) and its bias `[E, 2F]` likewise; `down_proj [E, F, H]`
-    and its bias `[E, H]`. Returns the weights (halves: gate, then up) and biases."""
+    interleaved (even, odd) and its bias `[E, 2F]` likewise (or, not `interleaved`,
+    already in halves); `down_proj [E, F, H]` and its bias `[E, H]`. Returns the
+    weights (halves: gate, then up) and biases."""
 
     def halves(a):
+        if not interleaved:
+            return a
         return np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)
 
     w_gate_up = get("experts.gate_up_proj", (e, h, 2 * f), lazy=True)
@@ -1079,6 +1104,13 @@ def _kolibri1(r: _Reader) -> dict:
     )
 
 
+def _openai_privacy_filter(r: _Reader) -> dict:
+    # GPT-OSS's routing and experts: its router divides the chosen weights by k and
+    # its block multiplies the output by k, which cancel. Its experts' gate and up
+    # columns are stored in halves (`layers_from_hf` reads them so).
+    return _gpt_oss(r)
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -1129,6 +1161,8 @@ _FAMILIES = {
     "mellum": _qwen3_moe,  # Qwen3-MoE's block
     "granitemoe_swa": _granitemoe_shared,  # GraniteMoE-Shared's block and shared_mlp
     "kolibri1": _kolibri1,
+    # A token classifier (a bidirectional encoder) with GPT-OSS's routing and experts.
+    "openai_privacy_filter": _openai_privacy_filter,
 }
 
 
@@ -1300,6 +1334,9 @@ _TRANSPOSED_BY_SHAPE = ("qwen3_vl_moe_text",)
 # Families whose shared expert sits beside the block in the decoder layer
 # (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
 _SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid", "granitemoe_swa")
+# Families with GPT-OSS's experts whose gate and up columns are stored in halves, not
+# interleaved.
+_CONCATENATED_GATE_UP = ("openai_privacy_filter",)
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -1460,6 +1497,7 @@ def layers_from_hf(
     if quant is not None and dtype is None:
         dtype = checkpoint_dtype(hf)
     transposed = model_type in _TRANSPOSED_EXPERTS
+    interleaved = model_type not in _CONCATENATED_GATE_UP
     files = _tensor_files(directory)
     # A wrapper holding several MoE models (Qwen3-Omni-MoE's thinker and talker): the
     # text model's weights only.
@@ -1551,12 +1589,21 @@ def layers_from_hf(
                 prefix=prefixes[i],
                 dtype=dtype,
                 transposed_experts=layout[i],
+                interleaved_gate_up=interleaved,
             )
             for i in wanted
         }
     return {
         i: _placed_layer(
-            configs[i], mesh, blocks, names[i], tensors, prefixes[i], dtype, layout[i]
+            configs[i],
+            mesh,
+            blocks,
+            names[i],
+            tensors,
+            prefixes[i],
+            dtype,
+            layout[i],
+            interleaved,
         )
         for i in wanted
     }
@@ -1587,7 +1634,9 @@ def _per_layer_configs(hf, text, overrides):
     return config_of
 
 
-def _placed_layer(config, mesh, blocks, names, tensors, prefix, dtype, transposed):
+def _placed_layer(
+    config, mesh, blocks, names, tensors, prefix, dtype, transposed, interleaved=True
+):
     """One layer on `mesh` from this process's experts: each of its expert blocks
     imported alone (`_import(..., experts=block)`), assembled into global arrays."""
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -1612,7 +1661,9 @@ def _placed_layer(config, mesh, blocks, names, tensors, prefix, dtype, transpose
                 )
                 value = part[a * unit - start : b * unit - start]
             state[as_name] = value
-        by_block[block] = _import(config, state, prefix, dtype, transposed, block)
+        by_block[block] = _import(
+            config, state, prefix, dtype, transposed, block, interleaved=interleaved
+        )
     first = next(iter(by_block.values()))
     devices = list(blocks)
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mesh
 from test_hf_config import H, _state_dict, _torch_value_and_grad
 from test_hf_families import _assert_matches_block, _drawn, _module
 
@@ -314,3 +315,44 @@ def test_bias_on_logits_is_validated():
         me.MoEConfig(**base)
     with pytest.raises(ValueError, match="with group-limited routing"):
         me.MoEConfig(**base, use_router_bias=True, num_groups=2)
+
+
+def _privacy_filter_config():
+    return transformers.CONFIG_MAPPING["openai_privacy_filter"](
+        **_SMALL, intermediate_size=12, num_local_experts=8, head_dim=8,
+        num_hidden_layers=1, vocab_size=64, pad_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_openai_privacy_filter_matches_its_block(x, num_shards):
+    """OpenAI-Privacy-Filter (a token classifier, not a text decoder): GPT-OSS's
+    routing (its `1/k` on the weights and `k` on the output cancel) and experts,
+    gate and up columns stored in halves (`interleaved_gate_up=False`)."""
+    cfg = _privacy_filter_config()
+    module = _module("openai_privacy_filter")
+    block = _drawn(module.OpenAIPrivacyFilterMLP(cfg))
+    _assert_matches_block(
+        block, cfg.to_dict(), x, num_shards, interleaved_gate_up=False
+    )
+    if num_shards == 1:  # read as GPT-OSS's interleaved columns, it differs
+        config = me.config_from_hf(cfg.to_dict())
+        layer = me.layer_from_hf_state_dict(config, _state_dict(block))
+        y_hf, _ = _torch_value_and_grad(block, x)
+        diff = np.max(np.abs(np.asarray(layer(x)[0]) - y_hf))
+        assert diff > 1e-2 * np.abs(y_hf).max()
+
+
+def test_openai_privacy_filter_model_directory(x, tmp_path):
+    """`layers_from_hf` reads its checkpoint's halves, on one device and with a mesh
+    (each process reading its experts' rows)."""
+    model = transformers.AutoModelForTokenClassification.from_config(
+        _privacy_filter_config()
+    )
+    _drawn(model).save_pretrained(tmp_path)
+    block = model.model.layers[0].mlp
+    y_hf, _ = _torch_value_and_grad(block, x)
+    for m in (None, mesh(4)):
+        layer = me.layers_from_hf(tmp_path, mesh=m)[0]
+        y = np.asarray(layer(x, mesh=m)[0])
+        np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
