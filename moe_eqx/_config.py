@@ -148,6 +148,9 @@ class MoEConfig(eqx.Module):
     - `bias_on_logits`: the selection bias (`use_router_bias`) is added to the
         router's logits instead of its scores, `experts = top_k(logits + bias)`
         (Kolibri-1); the weights are still the chosen experts' scores.
+    - `router_softcap`: tanh soft-capping of the router's logits,
+        `logits = c * tanh(logits / c)` with `c = router_softcap`, before the scores
+        and the selection (Laguna's `moe_router_logit_softcapping`); 0 = none.
     """
 
     d_model: int = eqx.field(static=True, converter=_integer)
@@ -199,6 +202,7 @@ class MoEConfig(eqx.Module):
     output_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     num_identity_experts: int = eqx.field(static=True, default=0, converter=_integer)
     bias_on_logits: bool = eqx.field(static=True, default=False, converter=_boolean)
+    router_softcap: float | int = eqx.field(static=True, default=0.0, converter=_real)
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -344,6 +348,16 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`norm_topk_min` must be a finite number >= 0, got "
                 f"{self.norm_topk_min!r}."
+            )
+        if not (
+            isinstance(self.router_softcap, int | float)
+            and not isinstance(self.router_softcap, bool)
+            and math.isfinite(self.router_softcap)
+            and self.router_softcap >= 0
+        ):
+            raise ValueError(
+                f"`router_softcap` must be a finite number >= 0, got "
+                f"{self.router_softcap!r}."
             )
         if self.norm_topk_min > 0 and not self.norm_topk:
             raise ValueError(

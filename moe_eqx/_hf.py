@@ -1066,15 +1066,9 @@ def _lara_mini(r: _Reader) -> dict:
 
 
 def _laguna(r: _Reader) -> dict:
-    # Sigmoid scores with a selection bias, always renormalised, the routed sum times
-    # `moe_routed_scaling_factor`, plus an ungated shared expert.
-    r.require(
-        "moe_router_logit_softcapping",
-        (0, 0.0),
-        default=0.0,
-        why=" (tanh soft-capping of the router's logits, which the layer does not "
-        "compute)",
-    )
+    # Sigmoid scores of the (optionally tanh soft-capped) logits with a selection
+    # bias, always renormalised, the routed sum times `moe_routed_scaling_factor`,
+    # plus an ungated shared expert.
     r.require(
         "moe_apply_router_weight_on_input",
         (False,),
@@ -1088,6 +1082,7 @@ def _laguna(r: _Reader) -> dict:
         use_router_bias=True,
         routed_scaling_factor=float(r.get("moe_routed_scaling_factor", default=1.0)),
         shared_d_ff=_ungated_shared(r),
+        router_softcap=float(r.get("moe_router_logit_softcapping", default=0.0)),
     )
 
 

@@ -61,7 +61,8 @@ class Router(eqx.Module):
     """Linear router with softmax, sigmoid or `sqrt(softplus)` scores and
     (group-limited) top-k selection.
 
-    `logits = x @ weight (+ logit_bias)` in float32, with `weight [d_model, E + I]`
+    `logits = x @ weight (+ logit_bias)` in float32 (soft-capped, `c * tanh(logits /
+    c)`, with `c = config.router_softcap > 0`), with `weight [d_model, E + I]`
     and the optional `bias` and `logit_bias` `[E + I]`: the routed experts' columns,
     then those of the `I = config.num_identity_experts` identity experts (0 unless
     set). The optional `logit_bias`
@@ -163,6 +164,9 @@ class Router(eqx.Module):
         )
         if self.logit_bias is not None:
             logits = logits + self.logit_bias.astype(jnp.float32)[None, :]
+        cap = self.config.router_softcap
+        if cap > 0:  # Laguna's soft-capping
+            logits = jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
         if self.score_func == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
             return logits, scores, scores

@@ -145,12 +145,17 @@ def _flint():
     return cfg, _module("flint").FlintSparseMoeBlock(cfg)
 
 
-def _laguna():
+def _laguna(softcap=0.0):
     cfg = transformers.LagunaConfig(
         **_SMALL, moe_intermediate_size=12, shared_expert_intermediate_size=20,
         num_experts=8, moe_routed_scaling_factor=1.5,
+        moe_router_logit_softcapping=softcap,
     )  # fmt: skip
     return cfg, _module("laguna").LagunaSparseMoeBlock(cfg)
+
+
+def _laguna_softcap():
+    return _laguna(softcap=1.0)
 
 
 def _lara_mini():
@@ -207,6 +212,7 @@ _BLOCKS = {
     "flex_olmo": _flex_olmo,
     "flint": _flint,
     "laguna": _laguna,
+    "laguna_softcap": _laguna_softcap,
     "lara_mini": _lara_mini,
     "mellum": _mellum,
 }
@@ -231,6 +237,7 @@ def test_family_matches_its_block(x, name, num_shards):
         ("flint", "norm_topk_prob", False, "norm_topk", False),
         ("flint", "shared_expert_intermediate_size", 0, "shared_d_ff", 0),
         ("laguna", "moe_routed_scaling_factor", 2.5, "routed_scaling_factor", 2.5),
+        ("laguna", "moe_router_logit_softcapping", 30.0, "router_softcap", 30.0),
         ("lara_mini", "norm_topk_prob", True, "norm_topk", True),
         ("mellum", "norm_topk_prob", False, "norm_topk", False),
         ("mellum", "hidden_act", "gelu", "activation", "geglu"),
@@ -245,15 +252,15 @@ def test_family_keys_are_honoured(name, key, value, field, expected):
 @pytest.mark.parametrize(
     ("name", "key", "value"),
     [
-        ("laguna", "moe_router_logit_softcapping", 30.0),
         ("laguna", "moe_apply_router_weight_on_input", True),
         ("flint", "mlp_bias", True),
         ("mellum", "shared_expert_intermediate_size", 20),
     ],
 )
 def test_family_keys_it_cannot_honour_are_refused(name, key, value):
-    """Laguna's soft-capped router logits are not the layer's; a key these blocks do
-    not read (Mellum's Qwen3-MoE block has no shared expert) is refused by name."""
+    """Laguna's router weights on the experts' inputs (which transformers does not
+    implement) and a key these blocks do not read (Mellum's Qwen3-MoE block has no
+    shared expert) are refused by name."""
     cfg, _ = _BLOCKS[name]()
     with pytest.raises(ValueError, match=re.escape(f"{name} config: {key}={value!r}")):
         me.config_from_hf(cfg.to_dict() | {key: value})
@@ -356,3 +363,22 @@ def test_openai_privacy_filter_model_directory(x, tmp_path):
         layer = me.layers_from_hf(tmp_path, mesh=m)[0]
         y = np.asarray(layer(x, mesh=m)[0])
         np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+
+
+def test_laguna_softcap_changes_the_routing(x):
+    """Laguna's soft-capped logits (`moe_router_logit_softcapping=1`): the layer
+    without the cap differs from the block (the cap is active)."""
+    cfg, block = _laguna_softcap()
+    block = _drawn(block)
+    config = me.config_from_hf(cfg.to_dict())
+    wrong = dataclasses.replace(config, router_softcap=0.0)
+    layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
+    y_hf, _ = _torch_value_and_grad(block, x)
+    assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2 * np.abs(y_hf).max()
+
+
+def test_router_softcap_is_validated():
+    base = dict(d_model=8, d_ff=8, num_experts=4, top_k=2)
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(ValueError, match="`router_softcap` must be"):
+            me.MoEConfig(**base, router_softcap=bad)
