@@ -15,6 +15,7 @@ from test_hf_families import _assert_matches_block, _drawn, _module
 import moe_eqx as me
 from moe_eqx import _hf
 
+torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # ---------------------------------------------------------------------------------
@@ -382,3 +383,21 @@ def test_router_softcap_is_validated():
     for bad in (-1.0, float("inf")):
         with pytest.raises(ValueError, match="`router_softcap` must be"):
             me.MoEConfig(**base, router_softcap=bad)
+
+
+def test_granitemoe_swa_model_directory(x, tmp_path):
+    """GraniteMoE-SWA's shared expert sits beside the block (`layers.{i}.shared_mlp`):
+    `layers_from_hf` reads it with the block, equal to the decoder layer's sum."""
+    cfg = transformers.GraniteMoeSWAConfig(
+        **_SMALL, intermediate_size=24, num_local_experts=8,
+        shared_intermediate_size=20, num_hidden_layers=1, vocab_size=64,
+    )  # fmt: skip
+    model = _drawn(transformers.GraniteMoeSWAForCausalLM(cfg))
+    model.save_pretrained(tmp_path)
+    layer = me.layers_from_hf(tmp_path)[0]
+    decoder = model.model.layers[0]
+    xt = torch.tensor(np.asarray(x))[None]
+    with torch.no_grad():
+        y_hf = (decoder.block_sparse_moe(xt) + decoder.shared_mlp(xt))[0].numpy()
+    y = np.asarray(layer(x)[0])
+    np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
