@@ -152,6 +152,12 @@ class MoEConfig(eqx.Module):
     - `router_logit_bias`: a trained bias added to the router's logits (GPT-OSS),
         `layer.router.logit_bias [E + num_identity_experts]`; unlike
         `use_router_bias`'s, it changes the weights too.
+    - `bias_on_logits`: the selection bias (`use_router_bias`) is added to the
+        router's logits instead of its scores, `experts = top_k(logits + bias)`
+        (Kolibri-1); the weights are still the chosen experts' scores.
+    - `router_softcap`: tanh soft-capping of the router's logits,
+        `logits = c * tanh(logits / c)` with `c = router_softcap`, before the scores
+        and the selection (Laguna's `moe_router_logit_softcapping`); 0 = none.
     """
 
     d_model: int = eqx.field(static=True, converter=_integer)
@@ -206,6 +212,8 @@ class MoEConfig(eqx.Module):
         static=True, default=None, converter=_real
     )
     group_fill: float | int = eqx.field(static=True, default=-math.inf, converter=_real)
+    bias_on_logits: bool = eqx.field(static=True, default=False, converter=_boolean)
+    router_softcap: float | int = eqx.field(static=True, default=0.0, converter=_real)
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -222,10 +230,20 @@ class MoEConfig(eqx.Module):
             "expert_bias",
             "router_logit_bias",
             "output_bias",
+            "bias_on_logits",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+        if self.bias_on_logits and not self.use_router_bias:
+            raise ValueError(
+                "`bias_on_logits=True` needs `use_router_bias=True` (without a bias, "
+                "the top-k of the logits is the top-k of the scores)."
+            )
+        if self.bias_on_logits and self.num_groups > 1:
+            raise ValueError(
+                "`bias_on_logits=True` with group-limited routing is not supported."
+            )
         identity = self.num_identity_experts
         identity = identity if isinstance(identity, int) and identity > 0 else 0
         if self.top_k > self.num_experts + identity:
@@ -361,6 +379,16 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`norm_topk_min` must be a finite number >= 0, got "
                 f"{self.norm_topk_min!r}."
+            )
+        if not (
+            isinstance(self.router_softcap, int | float)
+            and not isinstance(self.router_softcap, bool)
+            and math.isfinite(self.router_softcap)
+            and self.router_softcap >= 0
+        ):
+            raise ValueError(
+                f"`router_softcap` must be a finite number >= 0, got "
+                f"{self.router_softcap!r}."
             )
         if self.norm_topk_min > 0 and not self.norm_topk:
             raise ValueError(

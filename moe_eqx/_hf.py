@@ -52,6 +52,7 @@ def layer_from_hf_state_dict(
     prefix: str = "",
     dtype=None,
     transposed_experts: bool = False,
+    interleaved_gate_up: bool = True,
 ) -> MoELayer:
     """Builds a [`moe_eqx.MoELayer`][] from the state dict of a Hugging Face MoE block.
 
@@ -103,6 +104,9 @@ def layer_from_hf_state_dict(
         torch tensor's `.numpy()`).
     - `prefix`: prepended to every key above.
     - `transposed_experts`: the fused experts are stored `[in, out]` (Aria).
+    - `interleaved_gate_up`: with `config.expert_bias` (GPT-OSS's layout), the
+        columns of `experts.gate_up_proj` and its bias alternate gate and up (GPT-OSS);
+        `False`: the gate's columns first, then the up's (OpenAI-Privacy-Filter).
     - `dtype`: the parameters' dtype (default: the state dict's floating dtype; the
         router weight and bias are float32, as the layer keeps them).
 
@@ -111,10 +115,26 @@ def layer_from_hf_state_dict(
     The layer. Raises `ValueError` naming the key when one is missing, has the wrong
     shape, or is left unused under `prefix` (so that nothing is silently ignored).
     """
-    return _import(config, state_dict, prefix, dtype, transposed_experts)
+    return _import(
+        config,
+        state_dict,
+        prefix,
+        dtype,
+        transposed_experts,
+        interleaved=interleaved_gate_up,
+    )
 
 
-def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None):
+def _import(
+    config,
+    state_dict,
+    prefix,
+    dtype,
+    transposed_experts,
+    experts=None,
+    *,
+    interleaved=True,
+):
     """`layer_from_hf_state_dict`; with `experts=(start, stop)` the state dict holds
     only those experts (per-expert keys numbered as in the model, fused tensors
     sliced to their rows), and so do the result's expert arrays (a building block for
@@ -169,7 +189,9 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
         )
     expert_biases = None
     if config.expert_bias:
-        w_gate_up, w_down, expert_biases = _gpt_oss_experts(get, count, h, f)
+        w_gate_up, w_down, expert_biases = _gpt_oss_experts(
+            get, count, h, f, interleaved
+        )
     elif (
         config.num_identity_experts
         and experts is None
@@ -240,12 +262,15 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
     return layer
 
 
-def _gpt_oss_experts(get, e, h, f):
+def _gpt_oss_experts(get, e, h, f, interleaved=True):
     """GPT-OSS's: `experts.gate_up_proj [E, H, 2F]` with gate and up columns
-    interleaved (even, odd) and its bias `[E, 2F]` likewise; `down_proj [E, F, H]`
-    and its bias `[E, H]`. Returns the weights (halves: gate, then up) and biases."""
+    interleaved (even, odd) and its bias `[E, 2F]` likewise (or, not `interleaved`,
+    already in halves); `down_proj [E, F, H]` and its bias `[E, H]`. Returns the
+    weights (halves: gate, then up) and biases."""
 
     def halves(a):
+        if not interleaved:
+            return a
         return np.concatenate([a[..., 0::2], a[..., 1::2]], axis=-1)
 
     w_gate_up = get("experts.gate_up_proj", (e, h, 2 * f), lazy=True)
@@ -408,13 +433,17 @@ def _shared_expert(config: MoEConfig, keys, get, h):
 
 
 class _Reader:
-    """Reads a config mapping's keys, refusing values it cannot map."""
+    """Reads a config mapping's keys, refusing values it cannot map; remembers which
+    keys it read, so that `check_read` can refuse a computation-changing key that its
+    family's reader never looked at."""
 
     def __init__(self, hf: Mapping[str, Any]):
         self.hf = hf
         self.model_type = hf.get("model_type")
+        self.read: set[str] = set()
 
     def get(self, *names: str, default: Any = dataclasses.MISSING):
+        self.read.update(names)
         for name in names:
             if name in self.hf and self.hf[name] is not None:
                 return self.hf[name]
@@ -428,6 +457,7 @@ class _Reader:
 
     def require(self, name: str, allowed, *, default: Any = None, why: str = ""):
         """`name` must be absent (or None) or one of `allowed`."""
+        self.read.add(name)
         value = self.hf.get(name, default)
         if value is None:
             value = default
@@ -437,6 +467,107 @@ class _Reader:
                 f"(supported: {', '.join(map(repr, allowed))}){why}."
             )
         return value
+
+    def check_read(self) -> None:
+        """Refuses a key of `_COMPUTATION_KEYS` that is present with a value other
+        than its neutral ones and that the family's reader did not read (nor lists in
+        `_IGNORED_KEYS` as unused by its block)."""
+        ignored = _IGNORED_KEYS.get(self.model_type, ())
+        for name, neutral in _COMPUTATION_KEYS.items():
+            value = self.hf.get(name)
+            if name in self.read or name in ignored or value is None:
+                continue
+            if isinstance(value, list | dict) or value not in neutral:
+                raise ValueError(
+                    f"{self.model_type} config: {name}={value!r} changes the MoE "
+                    f"computation and is not read for this family (the layer would "
+                    f"ignore it; neutral: None"
+                    + "".join(f", {v!r}" for v in neutral)
+                    + ")."
+                )
+
+
+# Config keys that change an MoE block's computation (routing, scores, weights'
+# normalisation and scale, experts' activation and biases, shared and identity
+# experts, noise), each with the values (besides None) under which a block computes
+# what the layer's defaults do. A family's reader reads (`get`/`require`) each key its
+# block uses; any other key here with another value is refused (`_Reader.check_read`).
+# Which layers are MoE (`first_k_dense_replace`, `moe_layer_freq`, `mlp_only_layers`,
+# ...) is not a block's computation: `layers_from_hf` finds the blocks by their
+# weights.
+_COMPUTATION_KEYS: dict[str, tuple] = {
+    # experts' activation
+    "hidden_act": ("silu", "swish"),
+    "mlp_hidden_act": ("silu", "swish"),
+    "activation_function": ("silu", "swish"),
+    "expert_hidden_act": ("silu", "swish"),
+    "swiglu_limit": (),
+    "swiglu_alpha": (),
+    # biases on the projections or the router
+    "mlp_bias": (False,),
+    "use_bias": (False,),
+    "expert_bias": (False,),
+    "router_bias": (False,),
+    "use_routing_bias": (False,),
+    "use_expert_bias": (False,),
+    "moe_router_bias": (False,),
+    # scores, selection and the routed weights
+    "scoring_func": ("softmax",),
+    "score_func": ("softmax",),
+    "expert_selection_fn": ("softmax",),
+    "topk_method": ("greedy",),
+    "norm_topk_prob": (),
+    "normalize_expert_weights": (),
+    "n_group": (1,),
+    "topk_group": (1,),
+    "routed_scaling_factor": (1, 1.0),
+    "route_scale": (1, 1.0),
+    "router_scaling_factor": (1, 1.0),
+    "moe_routed_scaling_factor": (1, 1.0),
+    "moe_norm_min": (0, 0.0),
+    "router_temperature": (1, 1.0),
+    "router_logit_softcapping": (0, 0.0),
+    "moe_router_logit_softcapping": (0, 0.0),
+    "moe_apply_router_weight_on_input": (False,),
+    # noise on the router's logits or inputs
+    "router_jitter_noise": (0, 0.0),
+    "input_jitter_noise": (0, 0.0),
+    "jitter_noise": (0, 0.0),
+    "moe_jitter_eps": (0, 0.0),
+    # shared, identity and latent experts
+    "n_shared_experts": (0,),
+    "num_shared_experts": (0,),
+    "moe_num_shared_experts": (0,),
+    "shared_expert_intermediate_size": (0,),
+    "shared_intermediate_size": (0,),
+    "moe_shared_expert_intermediate_size": (0,),
+    "shared_expert_combination_strategy": ("sum",),
+    "zero_expert_num": (0,),
+    "moe_latent_size": (),
+}
+# Keys of `_COMPUTATION_KEYS` that a family's config carries but its block does not
+# use (so they are not read).
+_IGNORED_KEYS: dict[str, tuple[str, ...]] = {
+    # Its router never renormalises; groups only with `topk_method=
+    # "group_limited_greedy"`, where its reader reads them.
+    "deepseek_v2": ("norm_topk_prob", "n_group", "topk_group"),
+    # Its shared experts have no biases whatever `mlp_bias` says.
+    "deepseek_v32": ("mlp_bias",),
+    # Its router always renormalises and adds no noise; its block builds one shared
+    # expert whatever `n_shared_experts` says.
+    "deepseek_v4": ("norm_topk_prob", "n_shared_experts", "router_jitter_noise"),
+    # Used only with sigmoid selection, where its reader reads it.
+    "cohere2_moe": ("norm_topk_prob",),
+    # Its shared expert's width is `moe_shared_expert_intermediate_size`;
+    # `use_bias` is its Mamba mixers'.
+    "nemotron_h": ("n_shared_experts", "use_bias"),
+    "llama4_text": ("router_jitter_noise",),  # its router adds no noise
+    # Their routers always renormalise (hub configs may still carry the key).
+    "qwen3_vl_moe_text": ("norm_topk_prob",),
+    "qwen3_5_moe_text": ("norm_topk_prob",),
+    "gpt_oss": ("hidden_act",),  # its experts' activation is their own
+    "qwen3_moe": ("shared_expert_intermediate_size",),  # it has no shared expert
+}
 
 
 def _swiglu(r: _Reader) -> None:
@@ -742,7 +873,11 @@ def _sarvam(r: _Reader) -> dict:
     ):
         if hf.get(new) is None and hf.get(old) is not None:
             hf[new] = hf[old]
-    return _deepseek_v3(_Reader(hf))
+        r.get(old, default=None)  # read as `new`
+    inner = _Reader(hf)
+    out = _deepseek_v3(inner)
+    r.read |= inner.read
+    return out
 
 
 def _v3_routing(r: _Reader) -> dict:
@@ -1026,6 +1161,67 @@ def _axk2(r: _Reader) -> dict:
     # selection scores with 0 rather than -inf.
     out = _v3_block(r)
     return dict(out, group_fill=0.0) if out["num_groups"] > 1 else out
+# Batch 2 families.
+
+
+def _ungated_shared(r: _Reader) -> int:
+    """A shared expert of `shared_expert_intermediate_size`, summed without a gate
+    (Flint's, Laguna's, Lara-Mini's)."""
+    return int(r.get("shared_expert_intermediate_size", default=0) or 0)
+
+
+def _flint(r: _Reader) -> dict:
+    # Qwen3-MoE's block with sigmoid scores of the logits (no selection bias), the
+    # chosen renormalised under `norm_topk_prob`, plus an ungated shared expert.
+    out = _softmax_family(r, "moe_intermediate_size", _norm_topk_prob(r))
+    return dict(out, score_func="sigmoid", shared_d_ff=_ungated_shared(r))
+
+
+def _lara_mini(r: _Reader) -> dict:
+    # Flint's block (ungated shared expert) with Qwen3-Next's softmax router.
+    out = _softmax_family(r, "moe_intermediate_size", _norm_topk_prob(r))
+    return dict(out, shared_d_ff=_ungated_shared(r))
+
+
+def _laguna(r: _Reader) -> dict:
+    # Sigmoid scores of the (optionally tanh soft-capped) logits with a selection
+    # bias, always renormalised, the routed sum times `moe_routed_scaling_factor`,
+    # plus an ungated shared expert.
+    r.require(
+        "moe_apply_router_weight_on_input",
+        (False,),
+        default=False,
+        why=" (transformers does not implement it)",
+    )
+    out = _softmax_family(r, "moe_intermediate_size", True)
+    return dict(
+        out,
+        score_func="sigmoid",
+        use_router_bias=True,
+        routed_scaling_factor=float(r.get("moe_routed_scaling_factor", default=1.0)),
+        shared_d_ff=_ungated_shared(r),
+        router_softcap=float(r.get("moe_router_logit_softcapping", default=0.0)),
+    )
+
+
+def _kolibri1(r: _Reader) -> dict:
+    # Top-k of the logits plus a selection bias; the weights are the chosen logits'
+    # sigmoids, renormalised under `norm_topk_prob`; an ungated shared expert summed.
+    out = _softmax_family(r, "moe_intermediate_size", _norm_topk_prob(r))
+    return dict(
+        out,
+        score_func="sigmoid",
+        use_router_bias=True,
+        bias_on_logits=True,
+        shared_d_ff=_ungated_shared(r),
+    )
+
+
+def _openai_privacy_filter(r: _Reader) -> dict:
+    # GPT-OSS's routing and experts: its router divides the chosen weights by k and
+    # its block multiplies the output by k, which cancel. Its experts' gate and up
+    # columns are stored in halves (`layers_from_hf` reads them so).
+    return _gpt_oss(r)
 
 
 _FAMILIES = {
@@ -1083,6 +1279,17 @@ _FAMILIES = {
     "mistral_large4_text": _mistral_large4_text,
     "axk2": _axk2,
     "axk1": _axk1,
+    # Batch 2.
+    "flex_olmo": _olmoe,  # OLMoE's block
+    "qwen4_exp_text": _qwen2_moe,  # Qwen3-Next's block: a gated shared expert
+    "flint": _flint,
+    "laguna": _laguna,
+    "lara_mini": _lara_mini,
+    "mellum": _qwen3_moe,  # Qwen3-MoE's block
+    "granitemoe_swa": _granitemoe_shared,  # GraniteMoE-Shared's block and shared_mlp
+    "kolibri1": _kolibri1,
+    # A token classifier (a bidirectional encoder) with GPT-OSS's routing and experts.
+    "openai_privacy_filter": _openai_privacy_filter,
 }
 
 
@@ -1099,6 +1306,16 @@ _REFUSED = {
     "ernie4_5_vl_moe_text": "its experts are split by modality (text tokens through "
     "the text experts, image tokens through the vision experts), which one layer's "
     "routing does not compute",
+    # Batch 2.
+    "zaya": "its router is an MLP (a down-projection plus the previous layer's router "
+    "state, an RMSNorm and two GELU layers) over the experts and a skip expert, not "
+    "a linear score of the token",
+    "doge": "its product-key router reshapes the batch's router logits so that one "
+    "token's two key scores come from different tokens: a token's experts depend on "
+    "the other tokens, not on its own score alone",
+    "vitpose_backbone": "a vision backbone (ViTPose, not a text decoder) whose experts "
+    "are linear heads computing part of the MLP's output features, chosen by the "
+    "dataset index given with each image, not by a router",
 }
 
 
@@ -1123,7 +1340,9 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     does not compute (an activation it lacks, DeepSeek's `topk_method` other
     than `"noaux_tc"` or `scoring_func` other than `"sigmoid"`, a nonzero
     `router_jitter_noise`, ERNIE's `use_bias`) is a `ValueError` naming the key and
-    value. A multimodal config's `text_config` is
+    value, and so is a key that changes an MoE block's computation (from a table of
+    such keys and their neutral values) which the family's reader does not read. A
+    multimodal config's `text_config` is
     read when the top level is not itself an MoE model (Qwen3-Omni-MoE's: its
     `thinker_config`'s). A `quantization_config` is
     read too: FP8 with block scales (`quant_method="fp8"`) and MXFP4 (`"mxfp4"`)
@@ -1173,6 +1392,7 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
         fields["top_k"] = r.get("num_experts_per_tok")
     if "d_model" not in fields:
         fields["d_model"] = r.get("hidden_size")
+    r.check_read()
     fields.update(d_model=int(fields["d_model"]), top_k=int(fields["top_k"]))
     return MoEConfig(**fields, **overrides)
 
@@ -1240,7 +1460,6 @@ _TRANSPOSED_EXPERTS = ("aria_text", "llama4_text")
 _TRANSPOSED_BY_SHAPE = ("qwen3_vl_moe_text",)
 # Families whose shared expert sits beside the block in the decoder layer
 # (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
-_SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
 # Families whose checkpoints keep the MoE block's tensors directly under the decoder
 # layer's prefix (`layers.{i}.gate.weight`, beside its attention and norms): the
 # block's are those under these names.
@@ -1248,6 +1467,10 @@ _BLOCK_IN_LAYER = {"mistral_large4_text": ("gate.", "experts.", "shared_experts.
 # Families whose block's output norm sits beside it in the decoder layer, as their
 # checkpoints store it (`layers.{i}.post_mlp_layernorm.*`): read with the block.
 _NORM_BESIDE = {"axk1": "post_mlp_layernorm."}
+_SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid", "granitemoe_swa")
+# Families with GPT-OSS's experts whose gate and up columns are stored in halves, not
+# interleaved.
+_CONCATENATED_GATE_UP = ("openai_privacy_filter",)
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -1408,6 +1631,7 @@ def layers_from_hf(
     if quant is not None and dtype is None:
         dtype = checkpoint_dtype(hf)
     transposed = model_type in _TRANSPOSED_EXPERTS
+    interleaved = model_type not in _CONCATENATED_GATE_UP
     files = _tensor_files(directory)
     # A wrapper holding several MoE models (Qwen3-Omni-MoE's thinker and talker): the
     # text model's weights only.
@@ -1512,12 +1736,21 @@ def layers_from_hf(
                 prefix=prefixes[i],
                 dtype=dtype,
                 transposed_experts=layout[i],
+                interleaved_gate_up=interleaved,
             )
             for i in wanted
         }
     return {
         i: _placed_layer(
-            configs[i], mesh, blocks, names[i], tensors, prefixes[i], dtype, layout[i]
+            configs[i],
+            mesh,
+            blocks,
+            names[i],
+            tensors,
+            prefixes[i],
+            dtype,
+            layout[i],
+            interleaved,
         )
         for i in wanted
     }
@@ -1548,7 +1781,9 @@ def _per_layer_configs(hf, text, overrides):
     return config_of
 
 
-def _placed_layer(config, mesh, blocks, names, tensors, prefix, dtype, transposed):
+def _placed_layer(
+    config, mesh, blocks, names, tensors, prefix, dtype, transposed, interleaved=True
+):
     """One layer on `mesh` from this process's experts: each of its expert blocks
     imported alone (`_import(..., experts=block)`), assembled into global arrays."""
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -1573,7 +1808,9 @@ def _placed_layer(config, mesh, blocks, names, tensors, prefix, dtype, transpose
                 )
                 value = part[a * unit - start : b * unit - start]
             state[as_name] = value
-        by_block[block] = _import(config, state, prefix, dtype, transposed, block)
+        by_block[block] = _import(
+            config, state, prefix, dtype, transposed, block, interleaved=interleaved
+        )
     first = next(iter(by_block.values()))
     devices = list(blocks)
 

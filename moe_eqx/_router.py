@@ -128,13 +128,15 @@ class Router(eqx.Module):
     """Linear router with softmax, sigmoid or `sqrt(softplus)` scores and
     (group-limited) top-k selection.
 
-    `logits = x @ weight (+ logit_bias)` in float32, with `weight [d_model, E + I]`
+    `logits = x @ weight (+ logit_bias)` in float32 (soft-capped, `c * tanh(logits /
+    c)`, with `c = config.router_softcap > 0`), with `weight [d_model, E + I]`
     and the optional `bias` and `logit_bias` `[E + I]`: the routed experts' columns,
     then those of the `I = config.num_identity_experts` identity experts (0 unless
     set). The optional `logit_bias`
     (`config.router_logit_bias`, GPT-OSS) is a trained parameter of the logits. The
-    optional `bias` only changes which experts are selected (aux-loss-free balancing),
-    never the weights; it receives no gradient, and [`moe_eqx.update_router_bias`][]
+    optional `bias` only changes which experts are selected (aux-loss-free balancing):
+    the top-k of `scores + bias`, or of `logits + bias` with `config.bias_on_logits`
+    (Kolibri-1), never the weights; it receives no gradient, and [`moe_eqx.update_router_bias`][]
     is the rule to update it.
 
     Group-limited routing (`num_groups > 1`): a group's score is the sum of its best
@@ -230,6 +232,9 @@ class Router(eqx.Module):
         )
         if self.logit_bias is not None:
             logits = logits + self.logit_bias.astype(jnp.float32)[None, :]
+        cap = self.config.router_softcap
+        if cap > 0:  # Laguna's soft-capping
+            logits = jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
         if self.score_func == "softmax":
             scores = jax.nn.softmax(logits, axis=-1)
             return logits, scores, scores
@@ -276,7 +281,7 @@ class Router(eqx.Module):
             logits, scores, probs = self._scores(x)
             bad_ids = jnp.array(0, jnp.int32)
             if experts is None:
-                experts = self._select(scores)
+                experts = self._select(logits, scores)
             else:
                 check_expert_ids(experts, x.shape[:-1], self.config)
                 experts = experts.astype(jnp.int32)
@@ -322,10 +327,18 @@ class Router(eqx.Module):
                 bad_ids=bad_ids,
             )
 
-    def _select(self, scores: Float[Array, "tokens experts"]) -> Int[Array, "tokens k"]:
+    def _select(
+        self,
+        logits: Float[Array, "tokens experts"],
+        scores: Float[Array, "tokens experts"],
+    ) -> Int[Array, "tokens k"]:
         """The top-k experts by score (plus the selection bias), within the best
         groups with group-limited routing."""
-        select = jax.lax.stop_gradient(scores)
+        # Scores are monotone in the logits: selecting on either is the same but for
+        # the bias (Kolibri-1 adds it to the logits).
+        select = jax.lax.stop_gradient(
+            logits if self.config.bias_on_logits else scores
+        )
         if self.bias is not None:
             select = select + jax.lax.stop_gradient(self.bias)[None, :]
         if self.num_groups > 1:
