@@ -1161,6 +1161,8 @@ def _axk2(r: _Reader) -> dict:
     # selection scores with 0 rather than -inf.
     out = _v3_block(r)
     return dict(out, group_fill=0.0) if out["num_groups"] > 1 else out
+
+
 # Batch 2 families.
 
 

@@ -336,9 +336,7 @@ class Router(eqx.Module):
         groups with group-limited routing."""
         # Scores are monotone in the logits: selecting on either is the same but for
         # the bias (Kolibri-1 adds it to the logits).
-        select = jax.lax.stop_gradient(
-            logits if self.config.bias_on_logits else scores
-        )
+        select = jax.lax.stop_gradient(logits if self.config.bias_on_logits else scores)
         if self.bias is not None:
             select = select + jax.lax.stop_gradient(self.bias)[None, :]
         if self.num_groups > 1:
