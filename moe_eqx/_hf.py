@@ -41,7 +41,11 @@ _BIAS_KEYS = (
     "router.e_score_correction_bias",
 )
 # Per-expert projection names: (gate, up, down) in each family's convention.
-_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_EXPERT_NAMES = (
+    ("gate_proj", "up_proj", "down_proj"),
+    ("w1", "w3", "w2"),
+    ("linear_gate", "up_proj", "down_proj"),  # HY-V4's checkpoints' shared expert
+)
 _SHARED_PREFIXES = ("shared_experts.", "shared_expert.", "shared_mlp.")
 
 
@@ -85,9 +89,11 @@ def layer_from_hf_state_dict(
       `F_s = n_shared_experts * moe_intermediate_size`) or
       `shared_expert.{gate,up,down}_proj.weight` (Qwen2-MoE) or
       `shared_mlp.{gate,up,down}_proj.weight` (HunYuan-V1-MoE) (or `w1/w3/w2`,
-      DeepSeek-V4's checkpoints; `up_proj`/`down_proj` alone when ungated), or
+      DeepSeek-V4's checkpoints; `linear_gate` for `gate_proj`, HY-V4's;
+      `up_proj`/`down_proj` alone when ungated), or
       `shared_mlp.input_linear.weight [2F_s, H]` and `output_linear.weight`
-      (GraniteMoE-Shared), with Qwen2-MoE's gate
+      (GraniteMoE-Shared), or `shared_experts.gate_up_proj.weight [2F_s, H]`
+      (gate rows first) and `down_proj.weight` (MiniMax-M3), with Qwen2-MoE's gate
       `shared_expert_gate.weight [1, H]` when `config.shared_gate`.
 
     The routing semantics come from `config`: Mixtral is `score_func="softmax"`,
@@ -371,6 +377,9 @@ def _shared_expert(config: MoEConfig, keys, get, h):
         base = next((p for p in _SHARED_PREFIXES if f"{p}up_proj.weight" in keys), "")
         up = get(f"{base}up_proj.weight", (fs, h)).T
         return up, get(f"{base}down_proj.weight", (h, fs)).T, gate
+    if "shared_experts.gate_up_proj.weight" in keys:  # MiniMax-M3: [2S, H] halves
+        gate_up = get("shared_experts.gate_up_proj.weight", (2 * fs, h)).T
+        return gate_up, get("shared_experts.down_proj.weight", (h, fs)).T, gate
     if "shared_mlp.input_linear.weight" in keys:  # GraniteMoE-Shared: [2S, H] halves
         gate_up = get("shared_mlp.input_linear.weight", (2 * fs, h)).T
         return gate_up, get("shared_mlp.output_linear.weight", (h, fs)).T, gate
@@ -908,6 +917,61 @@ def _longcat_flash(r: _Reader) -> dict:
     )
 
 
+# Batch 3: families derived from DeepSeek-V3/V4, MiniMax-M2 and Gemma, and the
+# multimodal wrappers of their text models.
+
+
+def _beam(r: _Reader) -> dict:
+    # DeepSeek-V3's routing over gated experts of `hidden_act`; no shared expert.
+    act = r.require("hidden_act", tuple(_GATED_ACTIVATIONS), default="silu")
+    n_group = int(r.get("n_group", default=1) or 1)
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("num_experts"),
+        score_func="sigmoid",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        use_router_bias=True,
+        norm_topk=bool(r.get("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        activation=_GATED_ACTIVATIONS[act],
+    )
+
+
+def _glm5_next_text(r: _Reader) -> dict:
+    # DeepSeek-V3's routing; SwiGLU clamped at `swiglu_limit` in the routed and the
+    # shared experts (its block always clamps: the key is required).
+    _swiglu(r)
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        _v3_routing(r),
+        shared_d_ff=_shared_width(r, "n_shared_experts", f),
+        activation_limit=r.get("swiglu_limit"),
+    )
+
+
+def _minimax_m3_vl_text(r: _Reader) -> dict:
+    # MiniMax-M2's routing (sigmoid, a selection bias, renormalised), then
+    # `routed_scaling_factor`; GPT-OSS's clamped `gate * sigmoid(alpha gate) * (up +
+    # 1)` (gate and up not interleaved, no biases) in the routed experts and the
+    # shared expert of `shared_intermediate_size`. Its experts and router read neither
+    # `hidden_act` nor `router_jitter_noise`.
+    for unused in ("hidden_act", "router_jitter_noise"):
+        r.get(unused, default=None)
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=int(r.get("shared_intermediate_size")),
+        activation="swiglu_oai",
+        activation_limit=float(r.get("swiglu_limit")),
+        activation_alpha=float(r.get("swiglu_alpha")),
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -949,6 +1013,13 @@ _FAMILIES = {
     "gpt_oss": _gpt_oss,
     "jetmoe": _jetmoe,
     "longcat_flash": _longcat_flash,
+    # Batch 3 (DeepSeek-V4 / MiniMax-M3 / Gemma-4 derived, wrappers).
+    "beam": _beam,
+    "glm5_next_text": _glm5_next_text,  # a `glm5_next` config's `text_config`
+    "hy_v4_vl_text": _hy_v4,  # HY-V4's block (`hy_v4_vl`'s `text_config`)
+    # DeepSeek-V2's block (`unlimited_ocr`'s `text_config`).
+    "unlimited_ocr_text": _deepseek_v2,
+    "minimax_m3_vl_text": _minimax_m3_vl_text,
 }
 
 

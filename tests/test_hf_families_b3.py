@@ -1,0 +1,175 @@
+"""Hugging Face families of batch 3 (DeepSeek-V3/V4, MiniMax-M2 and Gemma derived
+blocks, and the multimodal wrappers of their text models), each against
+`transformers`' own block through `config_from_hf(config.to_dict())` and the importer
+alone: outputs and input gradients on one device and EP4; a setting that changes the
+block's computation honoured or refused by name; refused families say why."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_hf_config import H, _torch_value_and_grad
+from test_hf_families import _assert_matches_block, _drawn, _module, _saved
+
+import moe_eqx as me
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+CONFIG = transformers.CONFIG_MAPPING
+
+# DeepSeek-V3-style routing keys: two groups of four, one chosen, so that the group
+# limit changes the choice.
+_V3 = dict(
+    hidden_size=H, moe_intermediate_size=12, num_experts_per_tok=2, n_group=2,
+    topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+    num_attention_heads=2, num_key_value_heads=2,
+)  # fmt: skip
+
+
+def _beam(**kw):
+    cfg = CONFIG["beam"](**(_V3 | dict(num_experts=8) | kw))
+    return cfg, _module("beam").BeamMoE(cfg)
+
+
+def _glm5_next(**kw):
+    # A clamp that bites: pre-activations are about N(0, 1.2^2) here.
+    cfg = CONFIG["glm5_next_text"](
+        **(_V3 | dict(n_routed_experts=8, n_shared_experts=1, swiglu_limit=0.8) | kw)
+    )
+    return cfg, _module("glm5_next").Glm5NextTextMoE(cfg)
+
+
+def _hy_v4_vl(**kw):
+    cfg = CONFIG["hy_v4_vl_text"](
+        **(_V3 | dict(n_routed_experts=8, n_shared_experts=1, swiglu_limit=0.8) | kw)
+    )
+    return cfg, _module("hy_v4_vl").HYV4VLMoE(cfg)
+
+
+def _unlimited_ocr(**kw):
+    cfg = CONFIG["unlimited_ocr_text"](
+        **(
+            _V3
+            | dict(
+                n_routed_experts=8, n_shared_experts=2, norm_topk_prob=None,
+                topk_method="group_limited_greedy",
+            )
+            | kw
+        )
+    )  # fmt: skip
+    return cfg, _module("unlimited_ocr").UnlimitedOcrTextMoe(cfg)
+
+
+def _minimax_m3_vl(**kw):
+    # A clamp that bites (see `_glm5_next`).
+    cfg = CONFIG["minimax_m3_vl_text"](
+        **(
+            _V3
+            | dict(
+                num_local_experts=8, intermediate_size=12, shared_intermediate_size=20,
+                swiglu_limit=0.8, swiglu_alpha=1.5, routed_scaling_factor=2.0,
+            )
+            | kw
+        )
+    )  # fmt: skip
+    return cfg, _module("minimax_m3_vl").MiniMaxM3VLSparseMoeBlock(cfg)
+
+
+# name -> tiny `(config, block)` builder.
+FAMILIES = {
+    "beam": _beam,
+    "glm5_next_text": _glm5_next,
+    "hy_v4_vl_text": _hy_v4_vl,
+    "unlimited_ocr_text": _unlimited_ocr,
+    "minimax_m3_vl_text": _minimax_m3_vl,
+}
+
+
+def _block(name, **kw):
+    cfg, block = FAMILIES[name](**kw)
+    return cfg, _drawn(block)
+
+
+@pytest.fixture(scope="module")
+def x():
+    return jax.random.normal(jax.random.key(3), (32, H), jnp.float32)
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_matches_its_block(name, num_shards, x):
+    cfg, block = _block(name)
+    _assert_matches_block(block, cfg.to_dict(), x, num_shards)
+
+
+# ---------------------------------------------------------------------------------
+# Multimodal wrappers: the text model's config under `text_config`, its weights under
+# `model.language_model.`.
+
+_TEXT = dict(
+    hidden_size=H, intermediate_size=24, moe_intermediate_size=12,
+    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=8, vocab_size=64, pad_token_id=0, bos_token_id=0,
+    eos_token_id=0, mlp_layer_types=["dense", "sparse"],
+)  # fmt: skip
+_VISION = dict(
+    depth=1, hidden_size=H, intermediate_size=24, num_heads=2, out_hidden_size=H,
+    num_hidden_layers=1, num_attention_heads=2, projection_intermediate_size=24,
+)  # fmt: skip
+_WRAPPERS = {
+    "glm5_next": dict(n_routed_experts=8, n_shared_experts=1, swiglu_limit=0.8),
+    "hy_v4_vl": dict(
+        n_routed_experts=8, n_shared_experts=1, swiglu_limit=0.8, q_lora_rank=8,
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]
+        ),
+    ),
+    "minimax_m3_vl": dict(
+        num_local_experts=8, shared_intermediate_size=20, dense_intermediate_size=24,
+        rotary_dim=4,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(_WRAPPERS))
+def test_wrapper_reads_its_text_models_moe_layers(tmp_path, model_type, x):
+    """`config_from_hf` of the wrapper's config is its text model's; `layers_from_hf`
+    on a `save_pretrained` directory finds the one MoE layer (layer 0 is dense),
+    equal to that layer's block."""
+    cfg = CONFIG[model_type](
+        text_config=_TEXT | _WRAPPERS[model_type], vision_config=_VISION
+    )
+    config = me.config_from_hf(cfg.to_dict())
+    assert config == me.config_from_hf(cfg.text_config.to_dict())
+    model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    _saved(model, tmp_path)
+    layers = me.layers_from_hf(tmp_path)
+    assert list(layers) == [1] and layers[1].config == config
+    y_hf, _ = _torch_value_and_grad(model.model.language_model.layers[1].mlp, x)
+    y = np.asarray(layers[1](x)[0])
+    np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+
+
+# ---------------------------------------------------------------------------------
+# Keys that change the block's computation: refused by name where the layer does not
+# compute them (the values above are honoured: each test of a family uses its
+# scaling factor, group limit and clamp with values that change the output).
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("beam", dict(hidden_act="relu"), "hidden_act='relu' is not supported"),
+        ("glm5_next_text", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("glm5_next_text", dict(swiglu_limit=None), "missing key 'swiglu_limit'"),
+        ("hy_v4_vl_text", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        ("unlimited_ocr_text", dict(mlp_bias=True), "mlp_bias=True"),
+        ("unlimited_ocr_text", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
+        ("minimax_m3_vl_text", dict(swiglu_limit=None), "missing key 'swiglu_limit'"),
+    ],
+)
+def test_settings_it_does_not_compute_are_refused_by_name(name, change, message):
+    hf = FAMILIES[name]()[0].to_dict() | change
+    with pytest.raises(ValueError, match=message):
+        me.config_from_hf(hf)
