@@ -46,6 +46,13 @@ def _real(value):
     return value
 
 
+def _pair(value):
+    # A list from a config file becomes a hashable tuple of reals.
+    if isinstance(value, list | tuple):
+        return tuple(_real(v) for v in value)
+    return value
+
+
 def _axis_names(value):
     # One name or a sequence of names; anything else reaches `__check_init__`.
     if isinstance(value, str):
@@ -124,7 +131,8 @@ class MoEConfig(eqx.Module):
         replicated over the data axes.
     - `activation`: the experts' (and shared expert's) activation, a name of
         [`moe_eqx.Activation`][]: gated `"swiglu"` (default), `"geglu"`,
-        `"geglu_tanh"`, `"swiglu_oai"` (GPT-OSS), or ungated `"relu"`, `"relu2"`,
+        `"geglu_tanh"`, `"swiglu_oai"` (GPT-OSS), `"swiglu_softcap"` (Inkling-2),
+        or ungated `"relu"`, `"relu2"`,
         `"gelu"`, `"gelu_tanh"`, `"silu"` (whose `w_gate_up` is `[E, d_model, d_ff]`,
         the up projection alone).
     - `activation_limit`: clamp of `"swiglu"` (`swiglu_limit`) and `"swiglu_oai"`:
@@ -132,6 +140,8 @@ class MoEConfig(eqx.Module):
     - `limit_shared`: `activation_limit` also clamps the shared expert (DeepSeek-V4);
         `False` clamps the routed experts only (HY-V4).
     - `activation_alpha`: the sigmoid's slope in `"swiglu_oai"` (GPT-OSS: 1.702).
+    - `activation_softcap`: `(gate cap, up cap)` of `"swiglu_softcap"` (Inkling-2:
+        `c * tanh(v / c)` on the gate's linear factor and on `up`); `None` otherwise.
     - `weight_on_input`: the routing weight scales the expert's input instead of its
         output: `sum_e expert_e(w_e x)` (Llama-4).
     - `expert_bias`: per-expert biases on both projections,
@@ -191,6 +201,9 @@ class MoEConfig(eqx.Module):
     )
     weight_on_input: bool = eqx.field(static=True, default=False, converter=_boolean)
     limit_shared: bool = eqx.field(static=True, default=True, converter=_boolean)
+    activation_softcap: tuple[float, ...] | None = eqx.field(
+        static=True, default=None, converter=_pair
+    )
     expert_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     router_logit_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     output_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
@@ -396,14 +409,24 @@ class MoEConfig(eqx.Module):
     def expert_activation(self) -> Activation:
         """The [`moe_eqx.Activation`][] of `activation`, `activation_limit` and
         `activation_alpha`."""
-        return Activation(self.activation, self.activation_limit, self.activation_alpha)
+        return Activation(
+            self.activation,
+            self.activation_limit,
+            self.activation_alpha,
+            softcap=self.activation_softcap,
+        )
 
     @property
     def shared_activation(self) -> Activation:
         """The shared expert's [`moe_eqx.Activation`][]: the routed experts', without
         the clamp when `limit_shared` is False."""
         limit = self.activation_limit if self.limit_shared else None
-        return Activation(self.activation, limit, self.activation_alpha)
+        return Activation(
+            self.activation,
+            limit,
+            self.activation_alpha,
+            softcap=self.activation_softcap,
+        )
 
     @property
     def experts_per_group(self) -> int:

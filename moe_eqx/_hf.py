@@ -295,6 +295,11 @@ def _routed_experts(keys, get, e, h, f, transposed: bool, first: int = 0):
             [np.swapaxes(w.reshape(e, f, h), 1, 2) for w in (w1, v1)], axis=2
         )
         return gate_up, w2.reshape(e, f, h)
+    if "experts.w13_weight" in keys:  # Inkling-2's checkpoints: gate, up rows alternate
+        w13 = get("experts.w13_weight", (e, 2 * f, h))
+        gate_up = np.concatenate([w13[:, 0::2], w13[:, 1::2]], axis=1)
+        down = get("experts.w2_weight", (e, h, f))
+        return np.swapaxes(gate_up, 1, 2), np.swapaxes(down, 1, 2)
     if "experts.gate_up_proj" in keys and transposed:
         return get("experts.gate_up_proj", (e, h, 2 * f)), get(
             "experts.down_proj", (e, f, h)
@@ -972,6 +977,27 @@ def _minimax_m3_vl_text(r: _Reader) -> dict:
     )
 
 
+def _inkling2_text(r: _Reader) -> dict:
+    # Sigmoid scores with a selection bias, renormalised (its 1e-20 is below float32's
+    # resolution of the sum), times `route_scale`; experts with the softcapped SwiGLU
+    # `cap(gate) * sigmoid(gate) * cap(up)`; no shared expert.
+    r.get("hidden_act", default=None)  # read by its vision tower only
+    r.require("scoring_func", ("sigmoid",), default="sigmoid")
+    return dict(
+        d_ff=r.get("moe_intermediate_size", "intermediate_size"),
+        num_experts=r.get("n_routed_experts", "num_local_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("route_scale", "routed_scaling_factor")),
+        activation="swiglu_softcap",
+        activation_softcap=(
+            float(r.get("mlp_gate_softcap")),
+            float(r.get("mlp_up_softcap")),
+        ),
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -1020,6 +1046,9 @@ _FAMILIES = {
     # DeepSeek-V2's block (`unlimited_ocr`'s `text_config`).
     "unlimited_ocr_text": _deepseek_v2,
     "minimax_m3_vl_text": _minimax_m3_vl_text,
+    "inkling2_text": _inkling2_text,  # an `inkling2` config's `text_config`
+    # Inkling-2's block; its looped layers run the same block again.
+    "inkling2_loop_text": _inkling2_text,
 }
 
 
@@ -1232,6 +1261,8 @@ _FUSED_EXPERT_TENSORS = {
     "experts.gate_up_proj_bias": None,
     "experts.down_proj_bias": None,
     "experts.up_proj": None,
+    "experts.w13_weight": None,
+    "experts.w2_weight": None,
     "input_linear.weight": None,
     "output_linear.weight": None,
     "experts.mlp.w1": "d_ff",

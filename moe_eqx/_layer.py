@@ -752,4 +752,8 @@ def _reference_activation(cfg: MoEConfig, h: Array, shared: bool = False) -> Arr
         return gate * jax.nn.sigmoid(gate) * up
     if name == "swiglu_oai":
         return gate * jax.nn.sigmoid(cfg.activation_alpha * gate) * (up + 1)
+    if name == "swiglu_softcap":
+        c_gate, c_up = cfg.activation_softcap
+        linear = c_gate * jnp.tanh(gate / c_gate)
+        return linear * jax.nn.sigmoid(gate) * (c_up * jnp.tanh(up / c_up))
     return jax.nn.gelu(gate, approximate=name == "geglu_tanh") * up

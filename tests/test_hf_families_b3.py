@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mesh
 from test_hf_config import H, _torch_value_and_grad
 from test_hf_families import _assert_matches_block, _drawn, _module, _saved
 
@@ -75,6 +76,24 @@ def _minimax_m3_vl(**kw):
     return cfg, _module("minimax_m3_vl").MiniMaxM3VLSparseMoeBlock(cfg)
 
 
+def _inkling2(loop=False, **kw):
+    # Softcaps that bite: pre-activations are about N(0, 1.2^2) here.
+    name = "inkling2_loop" if loop else "inkling2"
+    cfg = CONFIG[f"{name}_text"](
+        **(
+            _V3
+            | dict(
+                n_routed_experts=8, route_scale=1.7, mlp_gate_softcap=0.9,
+                mlp_up_softcap=1.1,
+            )
+            | kw
+        )
+    )  # fmt: skip
+    module = _module(name)
+    block = "Inkling2LoopSparseMoeBlock" if loop else "Inkling2SparseMoeBlock"
+    return cfg, getattr(module, block)(cfg)
+
+
 # name -> tiny `(config, block)` builder.
 FAMILIES = {
     "beam": _beam,
@@ -82,6 +101,8 @@ FAMILIES = {
     "hy_v4_vl_text": _hy_v4_vl,
     "unlimited_ocr_text": _unlimited_ocr,
     "minimax_m3_vl_text": _minimax_m3_vl,
+    "inkling2_text": _inkling2,
+    "inkling2_loop_text": lambda **kw: _inkling2(loop=True, **kw),
 }
 
 
@@ -110,24 +131,59 @@ _TEXT = dict(
     hidden_size=H, intermediate_size=24, moe_intermediate_size=12,
     num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
     num_key_value_heads=2, head_dim=8, vocab_size=64, pad_token_id=0, bos_token_id=0,
-    eos_token_id=0, mlp_layer_types=["dense", "sparse"],
+    eos_token_id=0,
 )  # fmt: skip
 _VISION = dict(
     depth=1, hidden_size=H, intermediate_size=24, num_heads=2, out_hidden_size=H,
     num_hidden_layers=1, num_attention_heads=2, projection_intermediate_size=24,
 )  # fmt: skip
+_DENSE_FIRST = dict(mlp_layer_types=["dense", "sparse"])
+_INKLING2 = dict(
+    n_routed_experts=8, unpadded_vocab_size=64, mlp_gate_softcap=0.9,
+    mlp_up_softcap=1.1, n_layers_per_attn_res_block=1, d_rel=4, swa_head_dim=8,
+    swa_num_attention_heads=2, swa_num_key_value_heads=2,
+    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], num_hidden_layers=3,
+)  # fmt: skip
+_INKLING2_VISION = dict(
+    hidden_size=H, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+    projection_hidden_dim=24, text_hidden_size=H, posemb_grid_size=4,
+)  # fmt: skip
+# model type -> (text config keys, vision config keys, its MoE layers).
 _WRAPPERS = {
-    "glm5_next": dict(n_routed_experts=8, n_shared_experts=1, swiglu_limit=0.8),
-    "hy_v4_vl": dict(
-        n_routed_experts=8, n_shared_experts=1, swiglu_limit=0.8, q_lora_rank=8,
-        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-        rope_parameters=dict(
-            rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]
-        ),
+    "glm5_next": (
+        _DENSE_FIRST | dict(n_routed_experts=8, n_shared_experts=1, swiglu_limit=0.8),
+        _VISION,
+        [1],
     ),
-    "minimax_m3_vl": dict(
-        num_local_experts=8, shared_intermediate_size=20, dense_intermediate_size=24,
-        rotary_dim=4,
+    "hy_v4_vl": (
+        _DENSE_FIRST
+        | dict(
+            n_routed_experts=8, n_shared_experts=1, swiglu_limit=0.8, q_lora_rank=8,
+            kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1]
+            ),
+        ),
+        _VISION,
+        [1],
+    ),
+    "minimax_m3_vl": (
+        _DENSE_FIRST
+        | dict(
+            num_local_experts=8, shared_intermediate_size=20,
+            dense_intermediate_size=24, rotary_dim=4,
+        ),
+        _VISION,
+        [1],
+    ),
+    # Its checkpoints' experts: `experts.w13_weight` (gate and up rows alternating)
+    # and `w2_weight`, the selection bias at `gate.bias`, under `model.llm.`.
+    "inkling2": (_INKLING2, _INKLING2_VISION, [0, 1, 2]),
+    "inkling2_loop": (
+        _INKLING2
+        | dict(loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2),
+        _INKLING2_VISION,
+        [0, 1, 2],
     ),
 }  # fmt: skip
 
@@ -135,20 +191,23 @@ _WRAPPERS = {
 @pytest.mark.parametrize("model_type", sorted(_WRAPPERS))
 def test_wrapper_reads_its_text_models_moe_layers(tmp_path, model_type, x):
     """`config_from_hf` of the wrapper's config is its text model's; `layers_from_hf`
-    on a `save_pretrained` directory finds the one MoE layer (layer 0 is dense),
-    equal to that layer's block."""
-    cfg = CONFIG[model_type](
-        text_config=_TEXT | _WRAPPERS[model_type], vision_config=_VISION
-    )
+    on a `save_pretrained` directory (the checkpoints' own layout) finds the MoE
+    layers (dense ones skipped), equal to their blocks."""
+    text, vision, moe_layers = _WRAPPERS[model_type]
+    cfg = CONFIG[model_type](text_config=_TEXT | text, vision_config=vision)
     config = me.config_from_hf(cfg.to_dict())
     assert config == me.config_from_hf(cfg.text_config.to_dict())
     model = transformers.AutoModelForImageTextToText.from_config(cfg)
     _saved(model, tmp_path)
     layers = me.layers_from_hf(tmp_path)
-    assert list(layers) == [1] and layers[1].config == config
+    assert list(layers) == moe_layers and layers[1].config == config
     y_hf, _ = _torch_value_and_grad(model.model.language_model.layers[1].mlp, x)
     y = np.asarray(layers[1](x)[0])
     np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+    if model_type == "inkling2":  # its fused tensors read by rows, for EP4's experts
+        m = mesh(4)
+        y = np.asarray(me.layers_from_hf(tmp_path, 1, mesh=m)[1](x, mesh=m)[0])
+        np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
 
 
 # ---------------------------------------------------------------------------------
@@ -167,9 +226,31 @@ def test_wrapper_reads_its_text_models_moe_layers(tmp_path, model_type, x):
         ("unlimited_ocr_text", dict(mlp_bias=True), "mlp_bias=True"),
         ("unlimited_ocr_text", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
         ("minimax_m3_vl_text", dict(swiglu_limit=None), "missing key 'swiglu_limit'"),
+        ("inkling2_text", dict(scoring_func="relu"), "scoring_func='relu'"),
+        ("inkling2_loop_text", dict(mlp_up_softcap=None), "'mlp_up_softcap'"),
     ],
 )
 def test_settings_it_does_not_compute_are_refused_by_name(name, change, message):
     hf = FAMILIES[name]()[0].to_dict() | change
     with pytest.raises(ValueError, match=message):
         me.config_from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(activation="swiglu_softcap"), "needed by 'swiglu_softcap'"),
+        (dict(activation_softcap=(1.0, 2.0)), "and by no other activation"),
+        (
+            dict(activation="swiglu_softcap", activation_softcap=(1.0, -2.0)),
+            "pair of positive finite numbers",
+        ),
+        (
+            dict(activation="swiglu_softcap", activation_softcap=(1.0,)),
+            "pair of positive finite numbers",
+        ),
+    ],
+)
+def test_activation_softcap_is_validated(fields, message):
+    with pytest.raises(ValueError, match=message):
+        me.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, **fields)
