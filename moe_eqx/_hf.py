@@ -39,6 +39,7 @@ _BIAS_KEYS = (
     "gate.moe_statics.e_score_correction_bias",
     "gate.bias",  # DeepSeek-V4's checkpoints (its module calls it as the above)
     "router.e_score_correction_bias",
+    "router_bias",  # Step-3.7's checkpoints
 )
 # Per-expert projection names: (gate, up, down) in each family's convention.
 _EXPERT_NAMES = (
@@ -295,6 +296,12 @@ def _routed_experts(keys, get, e, h, f, transposed: bool, first: int = 0):
             [np.swapaxes(w.reshape(e, f, h), 1, 2) for w in (w1, v1)], axis=2
         )
         return gate_up, w2.reshape(e, f, h)
+    if "gate_proj.weight" in keys:  # Step-3.7's checkpoints: stacked `[E, F, H]` each
+        gate_up = np.concatenate(
+            [get(f"{n}_proj.weight", (e, f, h)) for n in ("gate", "up")], axis=1
+        )
+        down = get("down_proj.weight", (e, h, f))
+        return np.swapaxes(gate_up, 1, 2), np.swapaxes(down, 1, 2)
     if "experts.w13_weight" in keys:  # Inkling-2's checkpoints: gate, up rows alternate
         w13 = get("experts.w13_weight", (e, 2 * f, h))
         gate_up = np.concatenate([w13[:, 0::2], w13[:, 1::2]], axis=1)
@@ -998,6 +1005,35 @@ def _inkling2_text(r: _Reader) -> dict:
     )
 
 
+def _step3p5(r: _Reader) -> dict:
+    # Step-3.7's text model (a `step3p7` config's `text_config`): MiniMax-M2's routing
+    # (sigmoid, a selection bias, renormalised), then `moe_router_scaling_factor`; a
+    # shared gated expert of `share_expert_dim`. Its per-layer clamps come after the
+    # activation (`min(act(gate), limit)`), which the layer does not compute: a layer
+    # with one is refused (`layers_from_hf` reads each layer's entry).
+    act = r.require("hidden_act", tuple(_GATED_ACTIVATIONS), default="silu")
+    r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
+    for key in ("swiglu_limits", "swiglu_limits_shared"):
+        value = r.get(key, default=None)
+        if any(value if isinstance(value, list) else [value]):
+            raise ValueError(
+                f"{r.model_type} config: {key}={value!r} is not supported: its block "
+                "clamps after the activation, `min(act(gate), limit)`, which the "
+                "layer does not compute (`layers_from_hf` reads the layers whose "
+                "entry is 0 or None; pass them as `layers`)."
+            )
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("n_routed_experts", "num_local_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("moe_router_scaling_factor", default=1.0)),
+        shared_d_ff=int(r.get("share_expert_dim")),
+        activation=_GATED_ACTIVATIONS[act],
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -1049,6 +1085,7 @@ _FAMILIES = {
     "inkling2_text": _inkling2_text,  # an `inkling2` config's `text_config`
     # Inkling-2's block; its looped layers run the same block again.
     "inkling2_loop_text": _inkling2_text,
+    "step3p5": _step3p5,  # a `step3p7` config's `text_config`
 }
 
 
@@ -1065,6 +1102,11 @@ _REFUSED = {
     "ernie4_5_vl_moe_text": "its experts are split by modality (text tokens through "
     "the text experts, image tokens through the vision experts), which one layer's "
     "routing does not compute",
+    # Batch 3.
+    "muse_spark_text": "each expert's output goes through its own RMSNorm "
+    "(`post_expert_norm`) before it is weighted, and the experts read a projected, "
+    "normalised input (`pre_expert_proj`, `pre_expert_norm`, `moe_hidden_size` wide) "
+    "that the router does not: experts that are not an FFN the layer has",
 }
 
 
@@ -1197,7 +1239,10 @@ def _read_config_json(path) -> dict:
 
 # Per-layer settings a family's config may give as a list indexed by layer (each
 # layer's block reads its own entry).
-_PER_LAYER_KEYS = {"hunyuan_v1_moe": ("moe_topk",)}
+_PER_LAYER_KEYS = {
+    "hunyuan_v1_moe": ("moe_topk",),
+    "step3p5": ("swiglu_limits", "swiglu_limits_shared"),
+}
 # Families whose fused experts are stored `[in, out]`.
 _TRANSPOSED_EXPERTS = ("aria_text", "llama4_text")
 # Families whose published checkpoints store the fused experts `[in, out]` and whose
@@ -1207,6 +1252,9 @@ _TRANSPOSED_BY_SHAPE = ("qwen3_vl_moe_text",)
 # Families whose shared expert sits beside the block in the decoder layer
 # (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
 _SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
+# The same, with another name beside the block: model type -> (its name there, the
+# name it is read as under the block's prefix).
+_SHARED_BESIDE_AS = {"step3p5": ("share_expert.", "shared_experts.")}
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -1237,7 +1285,11 @@ def _moe_prefixes(names) -> dict[int, str]:
             if not name.endswith("." + router):
                 continue
             prefix = name[: -len(router)]
-            experts = (prefix + "experts.", prefix + "input_linear.")
+            experts = (
+                prefix + "experts.",
+                prefix + "input_linear.",
+                prefix + "gate_proj.weight",  # Step-3.7's stacked experts
+            )
             if not any(n.startswith(experts) for n in names):
                 continue
             numbers = re.findall(r"\.(\d+)\.", "." + prefix)
@@ -1262,6 +1314,9 @@ _FUSED_EXPERT_TENSORS = {
     "experts.down_proj_bias": None,
     "experts.up_proj": None,
     "experts.w13_weight": None,
+    "gate_proj.weight": None,
+    "up_proj.weight": None,
+    "down_proj.weight": None,
     "experts.w2_weight": None,
     "input_linear.weight": None,
     "output_linear.weight": None,
@@ -1392,6 +1447,13 @@ def layers_from_hf(
             for n in files:
                 if n.startswith(beside):
                     names[i][n] = prefixes[i] + "shared_mlp." + n[len(beside) :]
+    if model_type in _SHARED_BESIDE_AS:
+        there, here = _SHARED_BESIDE_AS[model_type]
+        for i in wanted:
+            beside = prefixes[i].rstrip(".").rpartition(".")[0] + "." + there
+            for n in files:
+                if n.startswith(beside):
+                    names[i][n] = prefixes[i] + here + n[len(beside) :]
     # Quantized tensors are read later, one expert at a time, and dequantized.
     stored: dict[str, Stored] = {}
     if quant is not None:

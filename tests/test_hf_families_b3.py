@@ -94,6 +94,21 @@ def _inkling2(loop=False, **kw):
     return cfg, getattr(module, block)(cfg)
 
 
+def _step3p5(**kw):
+    cfg = CONFIG["step3p5"](
+        **(
+            _V3
+            | dict(
+                n_routed_experts=8, share_expert_dim=20, moe_router_scaling_factor=1.5,
+                num_hidden_layers=1, mlp_layer_types=["sparse"],
+                layer_types=["full_attention"],
+            )
+            | kw
+        )
+    )  # fmt: skip
+    return cfg, _module("step3p7").Step3p7SparseMoeBlock(cfg, 0)
+
+
 # name -> tiny `(config, block)` builder.
 FAMILIES = {
     "beam": _beam,
@@ -103,6 +118,7 @@ FAMILIES = {
     "minimax_m3_vl_text": _minimax_m3_vl,
     "inkling2_text": _inkling2,
     "inkling2_loop_text": lambda **kw: _inkling2(loop=True, **kw),
+    "step3p5": _step3p5,
 }
 
 
@@ -136,6 +152,10 @@ _TEXT = dict(
 _VISION = dict(
     depth=1, hidden_size=H, intermediate_size=24, num_heads=2, out_hidden_size=H,
     num_hidden_layers=1, num_attention_heads=2, projection_intermediate_size=24,
+)  # fmt: skip
+_STEP3P7_VISION = dict(
+    hidden_size=H, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+    image_size=28, patch_size=14,
 )  # fmt: skip
 _DENSE_FIRST = dict(mlp_layer_types=["dense", "sparse"])
 _INKLING2 = dict(
@@ -227,6 +247,9 @@ def test_wrapper_reads_its_text_models_moe_layers(tmp_path, model_type, x):
         ("unlimited_ocr_text", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
         ("minimax_m3_vl_text", dict(swiglu_limit=None), "missing key 'swiglu_limit'"),
         ("inkling2_text", dict(scoring_func="relu"), "scoring_func='relu'"),
+        ("step3p5", dict(mlp_bias=True), "mlp_bias=True"),
+        ("step3p5", dict(swiglu_limits=[7.0]), "swiglu_limits=\\[7.0\\] is not"),
+        ("step3p5", dict(swiglu_limits_shared=16), "clamps after the activation"),
         ("inkling2_loop_text", dict(mlp_up_softcap=None), "'mlp_up_softcap'"),
     ],
 )
@@ -254,3 +277,34 @@ def test_settings_it_does_not_compute_are_refused_by_name(name, change, message)
 def test_activation_softcap_is_validated(fields, message):
     with pytest.raises(ValueError, match=message):
         me.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, **fields)
+
+
+def test_step3p7_layers_with_a_clamp_are_refused_the_others_read(tmp_path, x):
+    """Step-3.7 clamps some layers after the activation (`swiglu_limits`, per layer):
+    `layers_from_hf` refuses those by name and reads the others, equal to their
+    blocks."""
+    text = _TEXT | dict(
+        n_routed_experts=8, share_expert_dim=20, moe_router_scaling_factor=1.5,
+        mlp_layer_types=["sparse", "sparse"], swiglu_limits=[0.0, 0.5],
+        layer_types=["full_attention", "full_attention"],
+    )  # fmt: skip
+    cfg = CONFIG["step3p7"](text_config=text, vision_config=_STEP3P7_VISION)
+    with pytest.raises(ValueError, match="swiglu_limits=\\[0.0, 0.5\\] is not"):
+        me.config_from_hf(cfg.to_dict())
+    model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    _saved(model, tmp_path)
+    with pytest.raises(ValueError, match="swiglu_limits=0.5 is not supported"):
+        me.layers_from_hf(tmp_path)
+    # Its checkpoints' layout: `layers.{i}.moe.{gate,up,down}_proj.weight` stacked,
+    # `moe.gate.weight`, `moe.router_bias`, the shared expert beside the block at
+    # `layers.{i}.share_expert.*`; read on one device and with EP4's rows.
+    y_hf, _ = _torch_value_and_grad(model.model.language_model.layers[0].mlp, x)
+    for m in (None, mesh(4)):
+        layer = me.layers_from_hf(tmp_path, 0, mesh=m)[0]
+        y = np.asarray(layer(x, mesh=m)[0])
+        np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+
+
+def test_muse_spark_is_refused_with_its_reason():
+    with pytest.raises(ValueError, match="muse_spark_text.*post_expert_norm"):
+        me.config_from_hf(CONFIG["muse_spark"]().to_dict())
