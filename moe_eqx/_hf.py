@@ -31,6 +31,7 @@ _ROUTER_KEYS = (
     "router.gate.weight",
     "router.layer.weight",
     "router.classifier.weight",
+    "router.proj.weight",  # Gemma-4's (folded, see `_gemma4_folded`)
 )
 _BIAS_KEYS = (
     "gate.e_score_correction_bias",
@@ -40,6 +41,14 @@ _BIAS_KEYS = (
     "gate.bias",  # DeepSeek-V4's checkpoints (its module calls it as the above)
     "router.e_score_correction_bias",
     "router_bias",  # Step-3.7's checkpoints
+)
+# Gemma-4's MoE block lives in its decoder layer: its router's scales and the experts'
+# input norm's weight, folded into the router and expert weights on import.
+_GEMMA4_KEYS = (
+    "router.proj.weight",
+    "router.scale",
+    "router.per_expert_scale",
+    "pre_feedforward_layernorm_2.weight",
 )
 # Per-expert projection names: (gate, up, down) in each family's convention.
 _EXPERT_NAMES = (
@@ -126,6 +135,7 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
     only those experts (per-expert keys numbered as in the model, fused tensors
     sliced to their rows), and so do the result's expert arrays (a building block for
     `layers_from_hf` with a mesh, not a layer to call)."""
+    state_dict = _gemma4_folded(state_dict, prefix, experts)
     keys = {k[len(prefix) :]: k for k in state_dict if k.startswith(prefix)}
     used: set[str] = set()
 
@@ -240,6 +250,38 @@ def _import(config, state_dict, prefix, dtype, transposed_experts, experts=None)
     if left:  # a field this importer does not know about
         raise RuntimeError(f"parameters left unset by the import: {left}.")
     return layer
+
+
+def _gemma4_folded(state_dict, prefix, experts=None):
+    """`state_dict` with Gemma-4's decoder-layer MoE tensors (`_GEMMA4_KEYS` under
+    `prefix`) replaced by a plain router `gate.weight` and experts whose weights
+    carry the scales: its router scores `rms(x) * scale / sqrt(H)` and its experts
+    read `rms(x) * w` (`w` the norm's weight), then `per_expert_scale[e]` multiplies
+    expert `e`'s weight; so on `z = rms(x)` the router is `proj * scale / sqrt(H)`,
+    the experts' first projection is scaled by `w` along its input and the second by
+    `per_expert_scale`. With `experts=(start, stop)` the expert tensors hold those
+    experts' rows."""
+    if prefix + _GEMMA4_KEYS[0] not in state_dict:
+        return state_dict
+    missing = [prefix + k for k in _GEMMA4_KEYS if prefix + k not in state_dict]
+    if missing:
+        raise ValueError(f"missing keys {missing} of Gemma-4's MoE block.")
+    proj, scale, per_expert, norm = (
+        np.asarray(state_dict[prefix + k], np.float32) for k in _GEMMA4_KEYS
+    )
+    if experts is not None:
+        per_expert = per_expert[experts[0] : experts[1]]
+    out = {k: v for k, v in state_dict.items() if k[len(prefix) :] not in _GEMMA4_KEYS}
+    out[prefix + "gate.weight"] = proj * (scale / np.sqrt(np.float32(len(scale))))
+    for name, factor in (
+        ("experts.gate_up_proj", norm[None, None, :]),
+        ("experts.down_proj", per_expert[:, None, None]),
+    ):
+        if prefix + name in state_dict:  # else the import names it missing
+            value = np.asarray(state_dict[prefix + name])
+            folded = value.astype(np.float32) * factor
+            out[prefix + name] = folded.astype(value.dtype)
+    return out
 
 
 def _gpt_oss_experts(get, e, h, f):
@@ -1034,6 +1076,28 @@ def _step3p5(r: _Reader) -> dict:
     )
 
 
+def _gemma4_text(r: _Reader) -> dict:
+    # Gemma-4's MoE block (its decoder layer's `router` and `experts`, beside a dense
+    # MLP): softmax top-k, renormalised, then times `per_expert_scale` of the chosen
+    # expert; gated experts of `hidden_activation`. The layer's input is the
+    # residual's RMS norm without a weight (`rms_norm_eps`): the router's and the
+    # experts' own scales are folded into their weights on import.
+    if r.model_type == "gemma4_text":
+        r.require("enable_moe_block", (True,), why=" (a model without MoE blocks)")
+    act = r.require(
+        "hidden_activation", tuple(_GATED_ACTIVATIONS), default="gelu_pytorch_tanh"
+    )
+    r.get("rms_norm_eps")  # of the caller's norm, the layer's input
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("num_experts"),
+        top_k=r.get("top_k_experts"),
+        score_func="softmax",
+        norm_topk=True,
+        activation=_GATED_ACTIVATIONS[act],
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -1086,6 +1150,8 @@ _FAMILIES = {
     # Inkling-2's block; its looped layers run the same block again.
     "inkling2_loop_text": _inkling2_text,
     "step3p5": _step3p5,  # a `step3p7` config's `text_config`
+    "gemma4_text": _gemma4_text,  # also a `gemma4` config's `text_config`
+    "diffusion_gemma_text": _gemma4_text,  # a `diffusion_gemma` config's
 }
 
 
@@ -1124,7 +1190,11 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     `llama4_text` (weights on the experts' inputs; `transposed_experts=True`),
     `gpt_oss` (biases, clamped activation), `jetmoe` (an output bias),
     `longcat_flash` (identity experts), and the text models of `qwen3_vl_moe`,
-    `qwen3_5_moe`, `glm4v_moe` and `qwen3_omni_moe` (its thinker's); the documentation's table of models
+    `qwen3_5_moe`, `glm4v_moe` and `qwen3_omni_moe` (its thinker's); `beam`,
+    `step3p5` (`step3p7`'s text model), `gemma4_text` and `diffusion_gemma_text`
+    (the layer's input is the residual's RMS norm without a weight), and the text
+    models of `glm5_next`, `hy_v4_vl`, `unlimited_ocr`, `minimax_m3_vl`, `inkling2`
+    and `inkling2_loop`; the documentation's table of models
     (`docs/models.md`) lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
@@ -1255,6 +1325,16 @@ _SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid")
 # The same, with another name beside the block: model type -> (its name there, the
 # name it is read as under the block's prefix).
 _SHARED_BESIDE_AS = {"step3p5": ("share_expert.", "shared_experts.")}
+# Families whose MoE block is part of the decoder layer, not a module of its own: the
+# names under the layer's prefix that are the block's.
+_BLOCK_IN_LAYER = {
+    "gemma4_text": ("router.", "experts.", "pre_feedforward_layernorm_2.weight"),
+    "diffusion_gemma_text": (
+        "router.",
+        "experts.",
+        "pre_feedforward_layernorm_2.weight",
+    ),
+}
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -1441,6 +1521,12 @@ def layers_from_hf(
             )
     # Each layer's tensors: file name -> the name under the block's prefix.
     names = {i: {n: n for n in files if n.startswith(prefixes[i])} for i in wanted}
+    if model_type in _BLOCK_IN_LAYER:
+        block = _BLOCK_IN_LAYER[model_type]
+        for i in wanted:
+            names[i] = {
+                n: n for n in names[i] if n[len(prefixes[i]) :].startswith(block)
+            }
     if model_type in _SHARED_BESIDE:
         for i in wanted:
             beside = prefixes[i].rstrip(".").rpartition(".")[0] + ".shared_mlp."

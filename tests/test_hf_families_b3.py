@@ -308,3 +308,109 @@ def test_step3p7_layers_with_a_clamp_are_refused_the_others_read(tmp_path, x):
 def test_muse_spark_is_refused_with_its_reason():
     with pytest.raises(ValueError, match="muse_spark_text.*post_expert_norm"):
         me.config_from_hf(CONFIG["muse_spark"]().to_dict())
+
+
+# ---------------------------------------------------------------------------------
+# Gemma-4 (and DiffusionGemma): the MoE block is part of the decoder layer, whose
+# router reads the residual `x` through an RMS norm times its `scale / sqrt(H)` and
+# whose experts read another RMS norm of `x` times that norm's weight. The layer
+# takes `rms(x)` (no weight) and carries the scales in its weights.
+
+_GEMMA = dict(
+    hidden_size=H, moe_intermediate_size=12, num_experts=8, top_k_experts=2,
+    intermediate_size=24, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    num_hidden_layers=1, vocab_size=64, rms_norm_eps=1e-6,
+)  # fmt: skip
+
+
+def _gemma_block(model_type):
+    """The decoder layer's MoE half (`router`, `experts`,
+    `pre_feedforward_layernorm_2`), run as its `forward` runs them."""
+    if model_type == "gemma4_text":
+        cfg = CONFIG["gemma4_text"](**_GEMMA, enable_moe_block=True)
+        module, name = _module("gemma4"), "Gemma4"
+    else:
+        cfg = CONFIG["diffusion_gemma_text"](**_GEMMA)
+        module, name = _module("diffusion_gemma"), "DiffusionGemma"
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = getattr(module, f"{name}TextRouter")(cfg)
+            self.experts = getattr(module, f"{name}TextExperts")(cfg)
+            norm = getattr(module, f"{name}RMSNorm")
+            self.pre_feedforward_layernorm_2 = norm(H, eps=cfg.rms_norm_eps)
+
+        def forward(self, x):
+            flat = x.reshape(-1, x.shape[-1])
+            _, weights, index = self.router(flat)
+            return self.experts(self.pre_feedforward_layernorm_2(flat), index, weights)
+
+    return cfg, _drawn(Block())
+
+
+def _rms(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+@pytest.mark.parametrize("model_type", ["gemma4_text", "diffusion_gemma_text"])
+def test_gemma_moe_matches_its_decoder_layers_block(model_type, num_shards, x):
+    """The layer on `rms(x)` against the block on `x`: outputs and the gradient in
+    `x`, and the oracle."""
+    cfg, block = _gemma_block(model_type)
+    config = me.config_from_hf(cfg.to_dict(), buffer_factor=None)
+    state = {k: v.detach().numpy() for k, v in block.state_dict().items()}
+    layer = me.layer_from_hf_state_dict(config, state)
+    y_hf, g_hf = _torch_value_and_grad(block, x)
+    m = None if num_shards == 1 else mesh(num_shards)
+
+    def loss(x):
+        y, _ = layer(_rms(x), mesh=m)
+        return jnp.sum(y**2), y
+
+    (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    scale, gscale = np.abs(y_hf).max(), np.abs(g_hf).max()
+    np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(g), g_hf, rtol=1e-5, atol=1e-5 * gscale)
+    y_ref = me.reference_moe(layer, _rms(x))
+    np.testing.assert_allclose(np.asarray(y_ref), y_hf, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("model_type", ["gemma4", "diffusion_gemma"])
+def test_gemma_wrappers_read_their_decoder_layers_blocks(tmp_path, model_type, x):
+    """`config_from_hf` of the wrapper's config is its text model's; `layers_from_hf`
+    on a `save_pretrained` directory reads each decoder layer's MoE tensors only (its
+    attention, dense MLP and norms stay unread), equal to that layer's block."""
+    text = _GEMMA | dict(num_hidden_layers=2)
+    if model_type == "gemma4":
+        text |= dict(enable_moe_block=True, hidden_size_per_layer_input=0)
+        cfg = CONFIG["gemma4"](text_config=text, vision_config=None, audio_config=None)
+    else:  # its checkpoint holds the decoder's layers (the encoder's are tied)
+        vision = dict(
+            hidden_size=H, intermediate_size=24, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+        )  # fmt: skip
+        cfg = CONFIG["diffusion_gemma"](text_config=text, vision_config=vision)
+    config = me.config_from_hf(cfg.to_dict())
+    assert config == me.config_from_hf(cfg.text_config.to_dict())
+    model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    _saved(model, tmp_path)
+    layers = me.layers_from_hf(tmp_path)
+    assert list(layers) == [0, 1]
+    stack = (
+        model.model.language_model if model_type == "gemma4" else model.model.decoder
+    )
+    decoder_layer = stack.layers[1]
+    with torch.no_grad():
+        xt = torch.tensor(np.asarray(x))
+        _, weights, index = decoder_layer.router(xt)
+        inputs = decoder_layer.pre_feedforward_layernorm_2(xt)
+        y_hf = decoder_layer.experts(inputs, index, weights).numpy()
+    y = np.asarray(layers[1](_rms(x))[0])
+    np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+
+
+def test_gemma4_without_moe_blocks_is_refused():
+    with pytest.raises(ValueError, match="enable_moe_block=False is not supported"):
+        me.config_from_hf(CONFIG["gemma4_text"](**_GEMMA).to_dict())
