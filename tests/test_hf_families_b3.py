@@ -196,6 +196,21 @@ _WRAPPERS = {
         _VISION,
         [1],
     ),
+    "unlimited_ocr": (
+        _DENSE_FIRST | dict(n_routed_experts=8, n_shared_experts=1),
+        dict(
+            sam_config=dict(
+                hidden_size=H, output_channels=H, num_hidden_layers=1,
+                num_attention_heads=2, image_size=64, patch_size=16, window_size=2,
+                global_attn_indexes=[0], mlp_dim=24, downsample_channels=[H, H],
+            ),
+            encoder_config=dict(
+                hidden_size=H, intermediate_size=24, num_hidden_layers=1,
+                num_attention_heads=2, image_size=28, patch_size=14,
+            ),
+        ),
+        [1],
+    ),
     # Its checkpoints' experts: `experts.w13_weight` (gate and up rows alternating)
     # and `w2_weight`, the selection bias at `gate.bias`, under `model.llm.`.
     "inkling2": (_INKLING2, _INKLING2_VISION, [0, 1, 2]),
@@ -411,6 +426,18 @@ def test_gemma_wrappers_read_their_decoder_layers_blocks(tmp_path, model_type, x
     np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
 
 
-def test_gemma4_without_moe_blocks_is_refused():
-    with pytest.raises(ValueError, match="enable_moe_block=False is not supported"):
-        me.config_from_hf(CONFIG["gemma4_text"](**_GEMMA).to_dict())
+@pytest.mark.parametrize(
+    ("model_type", "change", "message"),
+    [
+        ("gemma4_text", dict(), "enable_moe_block=False is not supported"),
+        (
+            "diffusion_gemma_text",
+            dict(hidden_activation="relu"),
+            "hidden_activation='relu' is not supported",
+        ),
+    ],
+)
+def test_gemma_settings_it_does_not_compute_are_refused(model_type, change, message):
+    hf = CONFIG[model_type](**_GEMMA).to_dict() | change
+    with pytest.raises(ValueError, match=message):
+        me.config_from_hf(hf)
