@@ -137,6 +137,12 @@ class MoEConfig(eqx.Module):
         the up projection alone).
     - `activation_limit`: clamp of `"swiglu"` (`swiglu_limit`) and `"swiglu_oai"`:
         `gate <= limit`, `-limit <= up <= limit`; `None` = no clamp.
+    - `activation_limit_after`: `"swiglu"`'s clamp of the gate applies to `silu(gate)`
+        instead of `gate` (Step-3.7: `min(silu(gate), limit)`); `up` is clamped as
+        before.
+    - `shared_activation_limit`: the shared expert's own clamp (Step-3.7, whose
+        shared expert has another limit than its routed experts); `None`: the shared
+        expert follows `limit_shared`.
     - `limit_shared`: `activation_limit` also clamps the shared expert (DeepSeek-V4);
         `False` clamps the routed experts only (HY-V4).
     - `activation_alpha`: the sigmoid's slope in `"swiglu_oai"` (GPT-OSS: 1.702).
@@ -201,6 +207,12 @@ class MoEConfig(eqx.Module):
     )
     weight_on_input: bool = eqx.field(static=True, default=False, converter=_boolean)
     limit_shared: bool = eqx.field(static=True, default=True, converter=_boolean)
+    activation_limit_after: bool = eqx.field(
+        static=True, default=False, converter=_boolean
+    )
+    shared_activation_limit: float | int | None = eqx.field(
+        static=True, default=None, converter=_real
+    )
     activation_softcap: tuple[float, ...] | None = eqx.field(
         static=True, default=None, converter=_pair
     )
@@ -221,6 +233,7 @@ class MoEConfig(eqx.Module):
             "shared_gate",
             "weight_on_input",
             "limit_shared",
+            "activation_limit_after",
             "expert_bias",
             "router_logit_bias",
             "output_bias",
@@ -256,9 +269,9 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`activation` must be one of {ACTIVATIONS}, got {self.activation!r}."
             )
-        for name in ("activation_limit", "activation_alpha"):
+        for name in ("activation_limit", "activation_alpha", "shared_activation_limit"):
             value = getattr(self, name)
-            if value is None and name == "activation_limit":
+            if value is None and name != "activation_alpha":
                 continue
             if not (
                 isinstance(value, int | float)
@@ -414,18 +427,23 @@ class MoEConfig(eqx.Module):
             self.activation_limit,
             self.activation_alpha,
             softcap=self.activation_softcap,
+            limit_after=self.activation_limit_after,
         )
 
     @property
     def shared_activation(self) -> Activation:
         """The shared expert's [`moe_eqx.Activation`][]: the routed experts', without
-        the clamp when `limit_shared` is False."""
+        the clamp when `limit_shared` is False, with `shared_activation_limit` when
+        set."""
         limit = self.activation_limit if self.limit_shared else None
+        if self.shared_activation_limit is not None:
+            limit = self.shared_activation_limit
         return Activation(
             self.activation,
             limit,
             self.activation_alpha,
             softcap=self.activation_softcap,
+            limit_after=self.activation_limit_after,
         )
 
     @property

@@ -1051,19 +1051,17 @@ def _step3p5(r: _Reader) -> dict:
     # Step-3.7's text model (a `step3p7` config's `text_config`): MiniMax-M2's routing
     # (sigmoid, a selection bias, renormalised), then `moe_router_scaling_factor`; a
     # shared gated expert of `share_expert_dim`. Its per-layer clamps come after the
-    # activation (`min(act(gate), limit)`), which the layer does not compute: a layer
-    # with one is refused (`layers_from_hf` reads each layer's entry).
+    # activation, `min(silu(gate), limit)`, with the shared expert's own limit.
     act = r.require("hidden_act", tuple(_GATED_ACTIVATIONS), default="silu")
     r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
-    for key in ("swiglu_limits", "swiglu_limits_shared"):
-        value = r.get(key, default=None)
-        if any(value if isinstance(value, list) else [value]):
-            raise ValueError(
-                f"{r.model_type} config: {key}={value!r} is not supported: its block "
-                "clamps after the activation, `min(act(gate), limit)`, which the "
-                "layer does not compute (`layers_from_hf` reads the layers whose "
-                "entry is 0 or None; pass them as `layers`)."
-            )
+    routed, shared = (
+        _step3p5_limit(r, key) for key in ("swiglu_limits", "swiglu_limits_shared")
+    )
+    if (routed or shared) and _GATED_ACTIVATIONS[act] != "swiglu":
+        raise ValueError(
+            f"{r.model_type} config: hidden_act={act!r} with swiglu_limits is not "
+            "supported (the layer clamps SwiGLU only)."
+        )
     return dict(
         d_ff=r.get("moe_intermediate_size"),
         num_experts=r.get("n_routed_experts", "num_local_experts"),
@@ -1073,7 +1071,26 @@ def _step3p5(r: _Reader) -> dict:
         routed_scaling_factor=float(r.get("moe_router_scaling_factor", default=1.0)),
         shared_d_ff=int(r.get("share_expert_dim")),
         activation=_GATED_ACTIVATIONS[act],
+        activation_limit=routed,
+        activation_limit_after=_GATED_ACTIVATIONS[act] == "swiglu",
+        limit_shared=False,
+        shared_activation_limit=shared,
     )
+
+
+def _step3p5_limit(r: _Reader, key: str) -> float | None:
+    """Step-3.7's clamp at per-layer `key` (0 or None: no clamp): one layer's entry,
+    or the model's list when every layer has the same."""
+    value = r.get(key, default=None)
+    if isinstance(value, list):
+        if len(set(value)) > 1:
+            raise ValueError(
+                f"{r.model_type} config: {key}={value!r} differs between layers; "
+                "`layers_from_hf` reads each layer's own, or pass the layer's own "
+                f"config (with {key} set to its value)."
+            )
+        value = value[0] if value else None
+    return float(value) if value else None
 
 
 def _gemma4_text(r: _Reader) -> dict:

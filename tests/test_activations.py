@@ -26,6 +26,13 @@ ACTIVATIONS = [
     dict(activation="swiglu", activation_limit=0.5),
     dict(activation="swiglu_oai", activation_limit=0.7),
     dict(activation="swiglu_softcap", activation_softcap=(0.9, 1.1)),
+    dict(
+        activation="swiglu",
+        activation_limit=0.5,
+        activation_limit_after=True,
+        limit_shared=False,
+        shared_activation_limit=0.3,
+    ),
     dict(activation="geglu"),
     dict(activation="geglu_tanh"),
     dict(activation="relu"),

@@ -101,7 +101,8 @@ def _step3p5(**kw):
             | dict(
                 n_routed_experts=8, share_expert_dim=20, moe_router_scaling_factor=1.5,
                 num_hidden_layers=1, mlp_layer_types=["sparse"],
-                layer_types=["full_attention"],
+                layer_types=["full_attention"], swiglu_limits=[0.5],
+                swiglu_limits_shared=[0.7],
             )
             | kw
         )
@@ -263,8 +264,8 @@ def test_wrapper_reads_its_text_models_moe_layers(tmp_path, model_type, x):
         ("minimax_m3_vl_text", dict(swiglu_limit=None), "missing key 'swiglu_limit'"),
         ("inkling2_text", dict(scoring_func="relu"), "scoring_func='relu'"),
         ("step3p5", dict(mlp_bias=True), "mlp_bias=True"),
-        ("step3p5", dict(swiglu_limits=[7.0]), "swiglu_limits=\\[7.0\\] is not"),
-        ("step3p5", dict(swiglu_limits_shared=16), "clamps after the activation"),
+        ("step3p5", dict(swiglu_limits=[0.5, 7.0]), "differs between layers"),
+        ("step3p5", dict(hidden_act="gelu"), "hidden_act='gelu' with swiglu_limits"),
         ("inkling2_loop_text", dict(mlp_up_softcap=None), "'mlp_up_softcap'"),
     ],
 )
@@ -287,37 +288,46 @@ def test_settings_it_does_not_compute_are_refused_by_name(name, change, message)
             dict(activation="swiglu_softcap", activation_softcap=(1.0,)),
             "pair of positive finite numbers",
         ),
+        (dict(activation="geglu", activation_limit_after=True), "'swiglu' only"),
+        (dict(shared_activation_limit=-1.0), "`shared_activation_limit` must be"),
     ],
 )
-def test_activation_softcap_is_validated(fields, message):
+def test_new_activation_settings_are_validated(fields, message):
     with pytest.raises(ValueError, match=message):
         me.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, **fields)
 
 
-def test_step3p7_layers_with_a_clamp_are_refused_the_others_read(tmp_path, x):
-    """Step-3.7 clamps some layers after the activation (`swiglu_limits`, per layer):
-    `layers_from_hf` refuses those by name and reads the others, equal to their
-    blocks."""
+def test_step3p7_per_layer_clamps(tmp_path, x):
+    """Step-3.7 clamps some layers after the activation (`swiglu_limits` and its
+    shared expert's `swiglu_limits_shared`, per layer): `config_from_hf` of the
+    model refuses (no one value), `layers_from_hf` gives each layer its own, each
+    equal to its block."""
     text = _TEXT | dict(
         n_routed_experts=8, share_expert_dim=20, moe_router_scaling_factor=1.5,
         mlp_layer_types=["sparse", "sparse"], swiglu_limits=[0.0, 0.5],
-        layer_types=["full_attention", "full_attention"],
+        swiglu_limits_shared=[0.6, None], layer_types=["full_attention"] * 2,
     )  # fmt: skip
     cfg = CONFIG["step3p7"](text_config=text, vision_config=_STEP3P7_VISION)
-    with pytest.raises(ValueError, match="swiglu_limits=\\[0.0, 0.5\\] is not"):
+    with pytest.raises(ValueError, match="swiglu_limits=\\[0.0, 0.5\\] differs"):
         me.config_from_hf(cfg.to_dict())
     model = transformers.AutoModelForImageTextToText.from_config(cfg)
     _saved(model, tmp_path)
-    with pytest.raises(ValueError, match="swiglu_limits=0.5 is not supported"):
-        me.layers_from_hf(tmp_path)
+    layers = me.layers_from_hf(tmp_path)
+    limits = [
+        (c.activation_limit, c.shared_activation_limit)
+        for c in (layers[i].config for i in (0, 1))
+    ]
+    assert limits == [(None, 0.6), (0.5, None)]
     # Its checkpoints' layout: `layers.{i}.moe.{gate,up,down}_proj.weight` stacked,
     # `moe.gate.weight`, `moe.router_bias`, the shared expert beside the block at
     # `layers.{i}.share_expert.*`; read on one device and with EP4's rows.
-    y_hf, _ = _torch_value_and_grad(model.model.language_model.layers[0].mlp, x)
-    for m in (None, mesh(4)):
-        layer = me.layers_from_hf(tmp_path, 0, mesh=m)[0]
-        y = np.asarray(layer(x, mesh=m)[0])
-        np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+    for i in (0, 1):
+        y_hf, _ = _torch_value_and_grad(model.model.language_model.layers[i].mlp, x)
+        tolerance = dict(rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+        np.testing.assert_allclose(np.asarray(layers[i](x)[0]), y_hf, **tolerance)
+    m = mesh(4)
+    y = np.asarray(me.layers_from_hf(tmp_path, 1, mesh=m)[1](x, mesh=m)[0])
+    np.testing.assert_allclose(y, y_hf, **tolerance)
 
 
 def test_muse_spark_is_refused_with_its_reason():

@@ -30,7 +30,8 @@ class Activation:
     ungated ones take `h` whole (`W1` is `[d_model, d_ff]`).
 
     - `"swiglu"`: `silu(gate) * up`; with `limit`, `gate` is clamped to at most
-        `limit` and `up` to `[-limit, limit]` first.
+        `limit` and `up` to `[-limit, limit]` first; with `limit_after` too, `silu(gate)`
+        is clamped to at most `limit` instead of `gate` (Step-3.7).
     - `"geglu"`, `"geglu_tanh"`: `gelu(gate) * up` (exact, or the tanh approximation).
     - `"swiglu_oai"`: `gate * sigmoid(alpha * gate) * (up + 1)` after the clamps above
         (`limit` required).
@@ -51,6 +52,7 @@ class Activation:
     alpha: float = 1.702
     bias: bool = False
     softcap: tuple[float, ...] | None = None
+    limit_after: bool = False
 
     def __post_init__(self):
         if self.name not in ACTIVATIONS:
@@ -84,6 +86,11 @@ class Activation:
             raise ValueError(
                 f"An activation `limit` applies to 'swiglu' and 'swiglu_oai' and must "
                 f"be positive; got limit={self.limit!r} for {self.name!r}."
+            )
+        if self.limit_after and self.name != "swiglu":
+            raise ValueError(
+                "`activation_limit_after` (a clamp after the activation) applies to "
+                f"'swiglu' only; got {self.name!r}."
             )
         if self.name == "swiglu_oai" and self.limit is None:
             raise ValueError("The 'swiglu_oai' activation needs a `limit`.")
@@ -119,10 +126,14 @@ class Activation:
             return jax.nn.gelu(h, approximate=self.name == "gelu_tanh")
         gate, up = jnp.split(h, 2, axis=-1)
         if self.limit is not None:
-            gate = jnp.minimum(gate, self.limit)
+            if not self.limit_after:
+                gate = jnp.minimum(gate, self.limit)
             up = jnp.clip(up, -self.limit, self.limit)
         if self.name == "swiglu":
-            return jax.nn.silu(gate) * up
+            activated = jax.nn.silu(gate)
+            if self.limit_after and self.limit is not None:
+                activated = jnp.minimum(activated, self.limit)
+            return activated * up
         if self.name == "swiglu_oai":
             return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
         if self.name == "swiglu_softcap":
