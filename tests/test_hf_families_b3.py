@@ -434,6 +434,10 @@ def test_gemma_wrappers_read_their_decoder_layers_blocks(tmp_path, model_type, x
         y_hf = decoder_layer.experts(inputs, index, weights).numpy()
     y = np.asarray(layers[1](_rms(x))[0])
     np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
+    if model_type == "gemma4":  # each expert block folded with its own scales
+        m = mesh(4)
+        y = np.asarray(me.layers_from_hf(tmp_path, 1, mesh=m)[1](_rms(x), mesh=m)[0])
+        np.testing.assert_allclose(y, y_hf, rtol=1e-5, atol=1e-5 * np.abs(y_hf).max())
 
 
 @pytest.mark.parametrize(
