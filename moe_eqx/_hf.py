@@ -79,7 +79,11 @@ def layer_from_hf_state_dict(
       HunYuan-V1-MoE's router is at `gate.wg.weight`, AFMoE's at
       `router.gate.weight`, DBRX's at `router.layer.weight`. With identity experts
       (`config.num_identity_experts = I`, LongCat-Flash's `router.classifier.weight`)
-      the router and its bias are `E + I` wide.
+      the router and its bias are `E + I` wide. Gemma-4's block, in its decoder
+      layer: `router.proj.weight [E, H]`, `router.scale [H]`,
+      `router.per_expert_scale [E]` and `pre_feedforward_layernorm_2.weight [H]`,
+      folded into the router and the experts (the layer's input is then the
+      residual's RMS norm without a weight). Step-3.7's bias is `router_bias`.
     - routed experts, one of:
         - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`,
           `experts.{i}.up_proj.weight [F, H]`, `experts.{i}.down_proj.weight [H, F]`
@@ -87,6 +91,10 @@ def layer_from_hf_state_dict(
           gate, w3 up, w2 down);
         - DBRX's `experts.mlp.w1` (gate), `experts.mlp.v1` (up) and
           `experts.mlp.w2` (down, `[F, H]` per expert), each `[E * F, H]`;
+        - stacked (Step-3.7's checkpoints): `gate_proj.weight`, `up_proj.weight`
+          `[E, F, H]` and `down_proj.weight [E, H, F]`; Inkling-2's
+          `experts.w13_weight [E, 2F, H]` (gate and up rows alternating) and
+          `experts.w2_weight [E, H, F]`;
         - fused: `experts.gate_up_proj [E, 2F, H]` (gate rows first) and
           `experts.down_proj [E, H, F]`, or with `transposed_experts` (Aria,
           Llama-4) `[E, H, 2F]` and `[E, F, H]`; GraniteMoE's checkpoints'
