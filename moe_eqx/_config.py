@@ -46,6 +46,13 @@ def _real(value):
     return value
 
 
+def _pair(value):
+    # A list from a config file becomes a hashable tuple of reals.
+    if isinstance(value, list | tuple):
+        return tuple(_real(v) for v in value)
+    return value
+
+
 def _axis_names(value):
     # One name or a sequence of names; anything else reaches `__check_init__`.
     if isinstance(value, str):
@@ -128,14 +135,23 @@ class MoEConfig(eqx.Module):
         replicated over the data axes.
     - `activation`: the experts' (and shared expert's) activation, a name of
         [`moe_eqx.Activation`][]: gated `"swiglu"` (default), `"geglu"`,
-        `"geglu_tanh"`, `"swiglu_oai"` (GPT-OSS), or ungated `"relu"`, `"relu2"`,
+        `"geglu_tanh"`, `"swiglu_oai"` (GPT-OSS), `"swiglu_softcap"` (Inkling-2),
+        or ungated `"relu"`, `"relu2"`,
         `"gelu"`, `"gelu_tanh"`, `"silu"` (whose `w_gate_up` is `[E, d_model, d_ff]`,
         the up projection alone).
     - `activation_limit`: clamp of `"swiglu"` (`swiglu_limit`) and `"swiglu_oai"`:
         `gate <= limit`, `-limit <= up <= limit`; `None` = no clamp.
+    - `activation_limit_after`: `"swiglu"`'s clamp of the gate applies to `silu(gate)`
+        instead of `gate` (Step-3.7: `min(silu(gate), limit)`); `up` is clamped as
+        before.
+    - `shared_activation_limit`: the shared expert's own clamp (Step-3.7, whose
+        shared expert has another limit than its routed experts); `None`: the shared
+        expert follows `limit_shared`.
     - `limit_shared`: `activation_limit` also clamps the shared expert (DeepSeek-V4);
         `False` clamps the routed experts only (HY-V4).
     - `activation_alpha`: the sigmoid's slope in `"swiglu_oai"` (GPT-OSS: 1.702).
+    - `activation_softcap`: `(gate cap, up cap)` of `"swiglu_softcap"` (Inkling-2:
+        `c * tanh(v / c)` on the gate's linear factor and on `up`); `None` otherwise.
     - `weight_on_input`: the routing weight scales the expert's input instead of its
         output: `sum_e expert_e(w_e x)` (Llama-4).
     - `expert_bias`: per-expert biases on both projections,
@@ -204,6 +220,15 @@ class MoEConfig(eqx.Module):
     )
     weight_on_input: bool = eqx.field(static=True, default=False, converter=_boolean)
     limit_shared: bool = eqx.field(static=True, default=True, converter=_boolean)
+    activation_limit_after: bool = eqx.field(
+        static=True, default=False, converter=_boolean
+    )
+    shared_activation_limit: float | int | None = eqx.field(
+        static=True, default=None, converter=_real
+    )
+    activation_softcap: tuple[float, ...] | None = eqx.field(
+        static=True, default=None, converter=_pair
+    )
     expert_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     router_logit_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
     output_bias: bool = eqx.field(static=True, default=False, converter=_boolean)
@@ -227,6 +252,7 @@ class MoEConfig(eqx.Module):
             "shared_gate",
             "weight_on_input",
             "limit_shared",
+            "activation_limit_after",
             "expert_bias",
             "router_logit_bias",
             "output_bias",
@@ -292,9 +318,9 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`activation` must be one of {ACTIVATIONS}, got {self.activation!r}."
             )
-        for name in ("activation_limit", "activation_alpha"):
+        for name in ("activation_limit", "activation_alpha", "shared_activation_limit"):
             value = getattr(self, name)
-            if value is None and name == "activation_limit":
+            if value is None and name != "activation_alpha":
                 continue
             if not (
                 isinstance(value, int | float)
@@ -455,14 +481,29 @@ class MoEConfig(eqx.Module):
     def expert_activation(self) -> Activation:
         """The [`moe_eqx.Activation`][] of `activation`, `activation_limit` and
         `activation_alpha`."""
-        return Activation(self.activation, self.activation_limit, self.activation_alpha)
+        return Activation(
+            self.activation,
+            self.activation_limit,
+            self.activation_alpha,
+            softcap=self.activation_softcap,
+            limit_after=self.activation_limit_after,
+        )
 
     @property
     def shared_activation(self) -> Activation:
         """The shared expert's [`moe_eqx.Activation`][]: the routed experts', without
-        the clamp when `limit_shared` is False."""
+        the clamp when `limit_shared` is False, with `shared_activation_limit` when
+        set."""
         limit = self.activation_limit if self.limit_shared else None
-        return Activation(self.activation, limit, self.activation_alpha)
+        if self.shared_activation_limit is not None:
+            limit = self.shared_activation_limit
+        return Activation(
+            self.activation,
+            limit,
+            self.activation_alpha,
+            softcap=self.activation_softcap,
+            limit_after=self.activation_limit_after,
+        )
 
     @property
     def experts_per_group(self) -> int:

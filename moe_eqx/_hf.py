@@ -31,6 +31,7 @@ _ROUTER_KEYS = (
     "router.gate.weight",
     "router.layer.weight",
     "router.classifier.weight",
+    "router.proj.weight",  # Gemma-4's (folded, see `_gemma4_folded`)
 )
 _BIAS_KEYS = (
     "gate.e_score_correction_bias",
@@ -39,9 +40,22 @@ _BIAS_KEYS = (
     "gate.moe_statics.e_score_correction_bias",
     "gate.bias",  # DeepSeek-V4's checkpoints (its module calls it as the above)
     "router.e_score_correction_bias",
+    "router_bias",  # Step-3.7's checkpoints
+)
+# Gemma-4's MoE block lives in its decoder layer: its router's scales and the experts'
+# input norm's weight, folded into the router and expert weights on import.
+_GEMMA4_KEYS = (
+    "router.proj.weight",
+    "router.scale",
+    "router.per_expert_scale",
+    "pre_feedforward_layernorm_2.weight",
 )
 # Per-expert projection names: (gate, up, down) in each family's convention.
-_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_EXPERT_NAMES = (
+    ("gate_proj", "up_proj", "down_proj"),
+    ("w1", "w3", "w2"),
+    ("linear_gate", "up_proj", "down_proj"),  # HY-V4's checkpoints' shared expert
+)
 _SHARED_PREFIXES = ("shared_experts.", "shared_expert.", "shared_mlp.")
 
 
@@ -66,7 +80,11 @@ def layer_from_hf_state_dict(
       HunYuan-V1-MoE's router is at `gate.wg.weight`, AFMoE's at
       `router.gate.weight`, DBRX's at `router.layer.weight`. With identity experts
       (`config.num_identity_experts = I`, LongCat-Flash's `router.classifier.weight`)
-      the router and its bias are `E + I` wide.
+      the router and its bias are `E + I` wide. Gemma-4's block, in its decoder
+      layer: `router.proj.weight [E, H]`, `router.scale [H]`,
+      `router.per_expert_scale [E]` and `pre_feedforward_layernorm_2.weight [H]`,
+      folded into the router and the experts (the layer's input is then the
+      residual's RMS norm without a weight). Step-3.7's bias is `router_bias`.
     - routed experts, one of:
         - per expert `i`: `experts.{i}.gate_proj.weight [F, H]`,
           `experts.{i}.up_proj.weight [F, H]`, `experts.{i}.down_proj.weight [H, F]`
@@ -74,6 +92,10 @@ def layer_from_hf_state_dict(
           gate, w3 up, w2 down);
         - DBRX's `experts.mlp.w1` (gate), `experts.mlp.v1` (up) and
           `experts.mlp.w2` (down, `[F, H]` per expert), each `[E * F, H]`;
+        - stacked (Step-3.7's checkpoints): `gate_proj.weight`, `up_proj.weight`
+          `[E, F, H]` and `down_proj.weight [E, H, F]`; Inkling-2's
+          `experts.w13_weight [E, 2F, H]` (gate and up rows alternating) and
+          `experts.w2_weight [E, H, F]`;
         - fused: `experts.gate_up_proj [E, 2F, H]` (gate rows first) and
           `experts.down_proj [E, H, F]`, or with `transposed_experts` (Aria,
           Llama-4) `[E, H, 2F]` and `[E, F, H]`; GraniteMoE's checkpoints'
@@ -86,9 +108,11 @@ def layer_from_hf_state_dict(
       `F_s = n_shared_experts * moe_intermediate_size`) or
       `shared_expert.{gate,up,down}_proj.weight` (Qwen2-MoE) or
       `shared_mlp.{gate,up,down}_proj.weight` (HunYuan-V1-MoE) (or `w1/w3/w2`,
-      DeepSeek-V4's checkpoints; `up_proj`/`down_proj` alone when ungated), or
+      DeepSeek-V4's checkpoints; `linear_gate` for `gate_proj`, HY-V4's;
+      `up_proj`/`down_proj` alone when ungated), or
       `shared_mlp.input_linear.weight [2F_s, H]` and `output_linear.weight`
-      (GraniteMoE-Shared), with Qwen2-MoE's gate
+      (GraniteMoE-Shared), or `shared_experts.gate_up_proj.weight [2F_s, H]`
+      (gate rows first) and `down_proj.weight` (MiniMax-M3), with Qwen2-MoE's gate
       `shared_expert_gate.weight [1, H]` when `config.shared_gate`.
 
     The routing semantics come from `config`: Mixtral is `score_func="softmax"`,
@@ -139,6 +163,7 @@ def _import(
     only those experts (per-expert keys numbered as in the model, fused tensors
     sliced to their rows), and so do the result's expert arrays (a building block for
     `layers_from_hf` with a mesh, not a layer to call)."""
+    state_dict = _gemma4_folded(state_dict, prefix, experts)
     keys = {k[len(prefix) :]: k for k in state_dict if k.startswith(prefix)}
     used: set[str] = set()
 
@@ -262,6 +287,38 @@ def _import(
     return layer
 
 
+def _gemma4_folded(state_dict, prefix, experts=None):
+    """`state_dict` with Gemma-4's decoder-layer MoE tensors (`_GEMMA4_KEYS` under
+    `prefix`) replaced by a plain router `gate.weight` and experts whose weights
+    carry the scales: its router scores `rms(x) * scale / sqrt(H)` and its experts
+    read `rms(x) * w` (`w` the norm's weight), then `per_expert_scale[e]` multiplies
+    expert `e`'s weight; so on `z = rms(x)` the router is `proj * scale / sqrt(H)`,
+    the experts' first projection is scaled by `w` along its input and the second by
+    `per_expert_scale`. With `experts=(start, stop)` the expert tensors hold those
+    experts' rows."""
+    if prefix + _GEMMA4_KEYS[0] not in state_dict:
+        return state_dict
+    missing = [prefix + k for k in _GEMMA4_KEYS if prefix + k not in state_dict]
+    if missing:
+        raise ValueError(f"missing keys {missing} of Gemma-4's MoE block.")
+    proj, scale, per_expert, norm = (
+        np.asarray(state_dict[prefix + k], np.float32) for k in _GEMMA4_KEYS
+    )
+    if experts is not None:
+        per_expert = per_expert[experts[0] : experts[1]]
+    out = {k: v for k, v in state_dict.items() if k[len(prefix) :] not in _GEMMA4_KEYS}
+    out[prefix + "gate.weight"] = proj * (scale / np.sqrt(np.float32(len(scale))))
+    for name, factor in (
+        ("experts.gate_up_proj", norm[None, None, :]),
+        ("experts.down_proj", per_expert[:, None, None]),
+    ):
+        if prefix + name in state_dict:  # else the import names it missing
+            value = np.asarray(state_dict[prefix + name])
+            folded = value.astype(np.float32) * factor
+            out[prefix + name] = folded.astype(value.dtype)
+    return out
+
+
 def _gpt_oss_experts(get, e, h, f, interleaved=True):
     """GPT-OSS's: `experts.gate_up_proj [E, H, 2F]` with gate and up columns
     interleaved (even, odd) and its bias `[E, 2F]` likewise (or, not `interleaved`,
@@ -319,6 +376,17 @@ def _routed_experts(keys, get, e, h, f, transposed: bool, first: int = 0):
             [np.swapaxes(w.reshape(e, f, h), 1, 2) for w in (w1, v1)], axis=2
         )
         return gate_up, w2.reshape(e, f, h)
+    if "gate_proj.weight" in keys:  # Step-3.7's checkpoints: stacked `[E, F, H]` each
+        gate_up = np.concatenate(
+            [get(f"{n}_proj.weight", (e, f, h)) for n in ("gate", "up")], axis=1
+        )
+        down = get("down_proj.weight", (e, h, f))
+        return np.swapaxes(gate_up, 1, 2), np.swapaxes(down, 1, 2)
+    if "experts.w13_weight" in keys:  # Inkling-2's checkpoints: gate, up rows alternate
+        w13 = get("experts.w13_weight", (e, 2 * f, h))
+        gate_up = np.concatenate([w13[:, 0::2], w13[:, 1::2]], axis=1)
+        down = get("experts.w2_weight", (e, h, f))
+        return np.swapaxes(gate_up, 1, 2), np.swapaxes(down, 1, 2)
     if "experts.gate_up_proj" in keys and transposed:
         return get("experts.gate_up_proj", (e, h, 2 * f)), get(
             "experts.down_proj", (e, f, h)
@@ -401,6 +469,9 @@ def _shared_expert(config: MoEConfig, keys, get, h):
         base = next((p for p in _SHARED_PREFIXES if f"{p}up_proj.weight" in keys), "")
         up = get(f"{base}up_proj.weight", (fs, h)).T
         return up, get(f"{base}down_proj.weight", (h, fs)).T, gate
+    if "shared_experts.gate_up_proj.weight" in keys:  # MiniMax-M3: [2S, H] halves
+        gate_up = get("shared_experts.gate_up_proj.weight", (2 * fs, h)).T
+        return gate_up, get("shared_experts.down_proj.weight", (h, fs)).T, gate
     if "shared_mlp.input_linear.weight" in keys:  # GraniteMoE-Shared: [2S, H] halves
         gate_up = get("shared_mlp.input_linear.weight", (2 * fs, h)).T
         return gate_up, get("shared_mlp.output_linear.weight", (h, fs)).T, gate
@@ -1226,6 +1297,150 @@ def _openai_privacy_filter(r: _Reader) -> dict:
     return _gpt_oss(r)
 
 
+# Batch 3: families derived from DeepSeek-V3/V4, MiniMax-M2 and Gemma, and the
+# multimodal wrappers of their text models.
+
+
+def _beam(r: _Reader) -> dict:
+    # DeepSeek-V3's routing over gated experts of `hidden_act`; no shared expert.
+    act = r.require("hidden_act", tuple(_GATED_ACTIVATIONS), default="silu")
+    n_group = int(r.get("n_group", default=1) or 1)
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("num_experts"),
+        score_func="sigmoid",
+        num_groups=n_group,
+        top_groups=int(r.get("topk_group", default=n_group) or n_group),
+        use_router_bias=True,
+        norm_topk=bool(r.get("norm_topk_prob", default=True)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        activation=_GATED_ACTIVATIONS[act],
+    )
+
+
+def _glm5_next_text(r: _Reader) -> dict:
+    # DeepSeek-V3's routing; SwiGLU clamped at `swiglu_limit` in the routed and the
+    # shared experts (its block always clamps: the key is required).
+    _swiglu(r)
+    f = int(r.get("moe_intermediate_size"))
+    return dict(
+        _v3_routing(r),
+        shared_d_ff=_shared_width(r, "n_shared_experts", f),
+        activation_limit=r.get("swiglu_limit"),
+    )
+
+
+def _minimax_m3_vl_text(r: _Reader) -> dict:
+    # MiniMax-M2's routing (sigmoid, a selection bias, renormalised), then
+    # `routed_scaling_factor`; GPT-OSS's clamped `gate * sigmoid(alpha gate) * (up +
+    # 1)` (gate and up not interleaved, no biases) in the routed experts and the
+    # shared expert of `shared_intermediate_size`. Its experts and router read neither
+    # `hidden_act` nor `router_jitter_noise`.
+    for unused in ("hidden_act", "router_jitter_noise"):
+        r.get(unused, default=None)
+    return dict(
+        d_ff=r.get("intermediate_size"),
+        num_experts=r.get("num_local_experts", "num_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        shared_d_ff=int(r.get("shared_intermediate_size")),
+        activation="swiglu_oai",
+        activation_limit=float(r.get("swiglu_limit")),
+        activation_alpha=float(r.get("swiglu_alpha")),
+    )
+
+
+def _inkling2_text(r: _Reader) -> dict:
+    # Sigmoid scores with a selection bias, renormalised (its 1e-20 is below float32's
+    # resolution of the sum), times `route_scale`; experts with the softcapped SwiGLU
+    # `cap(gate) * sigmoid(gate) * cap(up)`; no shared expert.
+    r.get("hidden_act", default=None)  # read by its vision tower only
+    r.require("scoring_func", ("sigmoid",), default="sigmoid")
+    return dict(
+        d_ff=r.get("moe_intermediate_size", "intermediate_size"),
+        num_experts=r.get("n_routed_experts", "num_local_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("route_scale", "routed_scaling_factor")),
+        activation="swiglu_softcap",
+        activation_softcap=(
+            float(r.get("mlp_gate_softcap")),
+            float(r.get("mlp_up_softcap")),
+        ),
+    )
+
+
+def _step3p5(r: _Reader) -> dict:
+    # Step-3.7's text model (a `step3p7` config's `text_config`): MiniMax-M2's routing
+    # (sigmoid, a selection bias, renormalised), then `moe_router_scaling_factor`; a
+    # shared gated expert of `share_expert_dim`. Its per-layer clamps come after the
+    # activation, `min(silu(gate), limit)`, with the shared expert's own limit.
+    act = r.require("hidden_act", tuple(_GATED_ACTIVATIONS), default="silu")
+    r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
+    routed, shared = (
+        _step3p5_limit(r, key) for key in ("swiglu_limits", "swiglu_limits_shared")
+    )
+    if (routed or shared) and _GATED_ACTIVATIONS[act] != "swiglu":
+        raise ValueError(
+            f"{r.model_type} config: hidden_act={act!r} with swiglu_limits is not "
+            "supported (the layer clamps SwiGLU only)."
+        )
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("n_routed_experts", "num_local_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=float(r.get("moe_router_scaling_factor", default=1.0)),
+        shared_d_ff=int(r.get("share_expert_dim")),
+        activation=_GATED_ACTIVATIONS[act],
+        activation_limit=routed,
+        activation_limit_after=_GATED_ACTIVATIONS[act] == "swiglu",
+        limit_shared=False,
+        shared_activation_limit=shared,
+    )
+
+
+def _step3p5_limit(r: _Reader, key: str) -> float | None:
+    """Step-3.7's clamp at per-layer `key` (0 or None: no clamp): one layer's entry,
+    or the model's list when every layer has the same."""
+    value = r.get(key, default=None)
+    if isinstance(value, list):
+        if len(set(value)) > 1:
+            raise ValueError(
+                f"{r.model_type} config: {key}={value!r} differs between layers; "
+                "`layers_from_hf` reads each layer's own, or pass the layer's own "
+                f"config (with {key} set to its value)."
+            )
+        value = value[0] if value else None
+    return float(value) if value else None
+
+
+def _gemma4_text(r: _Reader) -> dict:
+    # Gemma-4's MoE block (its decoder layer's `router` and `experts`, beside a dense
+    # MLP): softmax top-k, renormalised, then times `per_expert_scale` of the chosen
+    # expert; gated experts of `hidden_activation`. The layer's input is the
+    # residual's RMS norm without a weight (`rms_norm_eps`): the router's and the
+    # experts' own scales are folded into their weights on import.
+    if r.model_type == "gemma4_text":
+        r.require("enable_moe_block", (True,), why=" (a model without MoE blocks)")
+    act = r.require(
+        "hidden_activation", tuple(_GATED_ACTIVATIONS), default="gelu_pytorch_tanh"
+    )
+    r.get("rms_norm_eps")  # of the caller's norm, the layer's input
+    return dict(
+        d_ff=r.get("moe_intermediate_size"),
+        num_experts=r.get("num_experts"),
+        top_k=r.get("top_k_experts"),
+        score_func="softmax",
+        norm_topk=True,
+        activation=_GATED_ACTIVATIONS[act],
+    )
+
+
 _FAMILIES = {
     "mixtral": _mixtral,
     "olmoe": _olmoe,
@@ -1292,6 +1507,19 @@ _FAMILIES = {
     "kolibri1": _kolibri1,
     # A token classifier (a bidirectional encoder) with GPT-OSS's routing and experts.
     "openai_privacy_filter": _openai_privacy_filter,
+    # Batch 3 (DeepSeek-V4 / MiniMax-M3 / Gemma-4 derived, wrappers).
+    "beam": _beam,
+    "glm5_next_text": _glm5_next_text,  # a `glm5_next` config's `text_config`
+    "hy_v4_vl_text": _hy_v4,  # HY-V4's block (`hy_v4_vl`'s `text_config`)
+    # DeepSeek-V2's block (`unlimited_ocr`'s `text_config`).
+    "unlimited_ocr_text": _deepseek_v2,
+    "minimax_m3_vl_text": _minimax_m3_vl_text,
+    "inkling2_text": _inkling2_text,  # an `inkling2` config's `text_config`
+    # Inkling-2's block; its looped layers run the same block again.
+    "inkling2_loop_text": _inkling2_text,
+    "step3p5": _step3p5,  # a `step3p7` config's `text_config`
+    "gemma4_text": _gemma4_text,  # also a `gemma4` config's `text_config`
+    "diffusion_gemma_text": _gemma4_text,  # a `diffusion_gemma` config's
 }
 
 
@@ -1318,6 +1546,11 @@ _REFUSED = {
     "vitpose_backbone": "a vision backbone (ViTPose, not a text decoder) whose experts "
     "are linear heads computing part of the MLP's output features, chosen by the "
     "dataset index given with each image, not by a router",
+    # Batch 3.
+    "muse_spark_text": "each expert's output goes through its own RMSNorm "
+    "(`post_expert_norm`) before it is weighted, and the experts read a projected, "
+    "normalised input (`pre_expert_proj`, `pre_expert_norm`, `moe_hidden_size` wide) "
+    "that the router does not: experts that are not an FFN the layer has",
 }
 
 
@@ -1335,7 +1568,11 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     `llama4_text` (weights on the experts' inputs; `transposed_experts=True`),
     `gpt_oss` (biases, clamped activation), `jetmoe` (an output bias),
     `longcat_flash` (identity experts), and the text models of `qwen3_vl_moe`,
-    `qwen3_5_moe`, `glm4v_moe` and `qwen3_omni_moe` (its thinker's); the documentation's table of models
+    `qwen3_5_moe`, `glm4v_moe` and `qwen3_omni_moe` (its thinker's); `beam`,
+    `step3p5` (`step3p7`'s text model), `gemma4_text` and `diffusion_gemma_text`
+    (the layer's input is the residual's RMS norm without a weight), and the text
+    models of `glm5_next`, `hy_v4_vl`, `unlimited_ocr`, `minimax_m3_vl`, `inkling2`
+    and `inkling2_loop`; the documentation's table of models
     (`docs/models.md`) lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer
@@ -1453,26 +1690,41 @@ def _read_config_json(path) -> dict:
 
 # Per-layer settings a family's config may give as a list indexed by layer (each
 # layer's block reads its own entry).
-_PER_LAYER_KEYS = {"hunyuan_v1_moe": ("moe_topk",)}
+_PER_LAYER_KEYS = {
+    "hunyuan_v1_moe": ("moe_topk",),
+    "step3p5": ("swiglu_limits", "swiglu_limits_shared"),
+}
 # Families whose fused experts are stored `[in, out]`.
 _TRANSPOSED_EXPERTS = ("aria_text", "llama4_text")
 # Families whose published checkpoints store the fused experts `[in, out]` and whose
 # `save_pretrained` writes them `[out, in]`: transformers transposes a tensor on load
 # only when its shape is not the module's, and so does `layers_from_hf`.
 _TRANSPOSED_BY_SHAPE = ("qwen3_vl_moe_text",)
-# Families whose shared expert sits beside the block in the decoder layer
-# (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
-# Families whose checkpoints keep the MoE block's tensors directly under the decoder
-# layer's prefix (`layers.{i}.gate.weight`, beside its attention and norms): the
-# block's are those under these names.
-_BLOCK_IN_LAYER = {"mistral_large4_text": ("gate.", "experts.", "shared_experts.")}
 # Families whose block's output norm sits beside it in the decoder layer, as their
 # checkpoints store it (`layers.{i}.post_mlp_layernorm.*`): read with the block.
 _NORM_BESIDE = {"axk1": "post_mlp_layernorm."}
+# Families whose shared expert sits beside the block in the decoder layer
+# (`layers.{i}.shared_mlp.*`): read with the block, as `shared_mlp.*` under its prefix.
 _SHARED_BESIDE = ("granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # Families with GPT-OSS's experts whose gate and up columns are stored in halves, not
 # interleaved.
 _CONCATENATED_GATE_UP = ("openai_privacy_filter",)
+# The same, with another name beside the block: model type -> (its name there, the
+# name it is read as under the block's prefix).
+_SHARED_BESIDE_AS = {"step3p5": ("share_expert.", "shared_experts.")}
+# Families whose MoE block is part of the decoder layer, not a module of its own, or
+# whose checkpoints keep the block's tensors directly under the decoder layer's prefix
+# (beside its attention and norms): the names under the layer's prefix that are the
+# block's.
+_BLOCK_IN_LAYER = {
+    "mistral_large4_text": ("gate.", "experts.", "shared_experts."),
+    "gemma4_text": ("router.", "experts.", "pre_feedforward_layernorm_2.weight"),
+    "diffusion_gemma_text": (
+        "router.",
+        "experts.",
+        "pre_feedforward_layernorm_2.weight",
+    ),
+}
 
 
 def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -1503,7 +1755,11 @@ def _moe_prefixes(names) -> dict[int, str]:
             if not name.endswith("." + router):
                 continue
             prefix = name[: -len(router)]
-            experts = (prefix + "experts.", prefix + "input_linear.")
+            experts = (
+                prefix + "experts.",
+                prefix + "input_linear.",
+                prefix + "gate_proj.weight",  # Step-3.7's stacked experts
+            )
             if not any(n.startswith(experts) for n in names):
                 continue
             numbers = re.findall(r"\.(\d+)\.", "." + prefix)
@@ -1527,6 +1783,11 @@ _FUSED_EXPERT_TENSORS = {
     "experts.gate_up_proj_bias": None,
     "experts.down_proj_bias": None,
     "experts.up_proj": None,
+    "experts.w13_weight": None,
+    "gate_proj.weight": None,
+    "up_proj.weight": None,
+    "down_proj.weight": None,
+    "experts.w2_weight": None,
     "input_linear.weight": None,
     "output_linear.weight": None,
     "experts.mlp.w1": "d_ff",
@@ -1670,6 +1931,13 @@ def layers_from_hf(
             for n in files:
                 if n.startswith(beside):
                     names[i][n] = prefixes[i] + "shared_mlp." + n[len(beside) :]
+    if model_type in _SHARED_BESIDE_AS:
+        there, here = _SHARED_BESIDE_AS[model_type]
+        for i in wanted:
+            beside = prefixes[i].rstrip(".").rpartition(".")[0] + "." + there
+            for n in files:
+                if n.startswith(beside):
+                    names[i][n] = prefixes[i] + here + n[len(beside) :]
     # Quantized tensors are read later, one expert at a time, and dequantized.
     stored: dict[str, Stored] = {}
     if quant is not None:

@@ -800,6 +800,8 @@ def _reference_activation(cfg: MoEConfig, h: Array, shared: bool = False) -> Arr
     name, limit = cfg.activation, cfg.activation_limit
     if shared and not cfg.limit_shared:
         limit = None
+    if shared and cfg.shared_activation_limit is not None:
+        limit = cfg.shared_activation_limit
     ungated = {
         "relu": jax.nn.relu,
         "relu2": lambda u: jax.nn.relu(u) ** 2,
@@ -811,11 +813,18 @@ def _reference_activation(cfg: MoEConfig, h: Array, shared: bool = False) -> Arr
         return ungated[name](h)
     f = h.shape[-1] // 2
     gate, up = h[..., :f], h[..., f:]
+    after = cfg.activation_limit_after and limit is not None
     if limit is not None:
-        gate = jnp.minimum(gate, limit)
         up = jnp.clip(up, -limit, limit)
+        if not after:
+            gate = jnp.minimum(gate, limit)
     if name == "swiglu":
-        return gate * jax.nn.sigmoid(gate) * up
+        silu = gate * jax.nn.sigmoid(gate)
+        return (jnp.minimum(silu, limit) if after else silu) * up
     if name == "swiglu_oai":
         return gate * jax.nn.sigmoid(cfg.activation_alpha * gate) * (up + 1)
+    if name == "swiglu_softcap":
+        c_gate, c_up = cfg.activation_softcap
+        linear = c_gate * jnp.tanh(gate / c_gate)
+        return linear * jax.nn.sigmoid(gate) * (c_up * jnp.tanh(up / c_up))
     return jax.nn.gelu(gate, approximate=name == "geglu_tanh") * up

@@ -3,6 +3,7 @@ built on them."""
 
 import abc
 import dataclasses
+import math
 
 import equinox as eqx
 import jax
@@ -17,7 +18,7 @@ GradAcc = tuple[
 ]
 
 
-_GATED = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai")
+_GATED = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai", "swiglu_softcap")
 _UNGATED = ("relu", "relu2", "gelu", "gelu_tanh", "silu")
 ACTIVATIONS = _GATED + _UNGATED
 
@@ -30,10 +31,13 @@ class Activation:
     ungated ones take `h` whole (`W1` is `[d_model, d_ff]`).
 
     - `"swiglu"`: `silu(gate) * up`; with `limit`, `gate` is clamped to at most
-        `limit` and `up` to `[-limit, limit]` first.
+        `limit` and `up` to `[-limit, limit]` first; with `limit_after` too, `silu(gate)`
+        is clamped to at most `limit` instead of `gate` (Step-3.7).
     - `"geglu"`, `"geglu_tanh"`: `gelu(gate) * up` (exact, or the tanh approximation).
     - `"swiglu_oai"`: `gate * sigmoid(alpha * gate) * (up + 1)` after the clamps above
         (`limit` required).
+    - `"swiglu_softcap"`: `cap(gate, c_g) * sigmoid(gate) * cap(up, c_u)` with
+        `cap(v, c) = c * tanh(v / c)` and `softcap = (c_g, c_u)` (required; Inkling-2).
     - `"relu"`, `"relu2"` (`relu(h)**2`), `"gelu"`, `"gelu_tanh"`, `"silu"`: ungated.
 
     With `bias`, `h` carries one more column, a constant 1 that is passed through to
@@ -48,11 +52,34 @@ class Activation:
     limit: float | None = None
     alpha: float = 1.702
     bias: bool = False
+    softcap: tuple[float, ...] | None = None
+    limit_after: bool = False
 
     def __post_init__(self):
         if self.name not in ACTIVATIONS:
             raise ValueError(
                 f"Unknown activation {self.name!r}; expected one of {ACTIVATIONS}."
+            )
+        if (self.name == "swiglu_softcap") != (self.softcap is not None):
+            raise ValueError(
+                "`activation_softcap` (a pair of positive caps) is needed by "
+                f"'swiglu_softcap' and by no other activation; got "
+                f"{self.softcap!r} for {self.name!r}."
+            )
+        if self.softcap is not None and not (
+            isinstance(self.softcap, tuple)
+            and len(self.softcap) == 2
+            and all(
+                isinstance(c, int | float)
+                and not isinstance(c, bool)
+                and math.isfinite(c)
+                and c > 0
+                for c in self.softcap
+            )
+        ):
+            raise ValueError(
+                "`activation_softcap` must be a pair of positive finite numbers "
+                f"(gate cap, up cap), got {self.softcap!r}."
             )
         if self.limit is not None and not (
             self.name in ("swiglu", "swiglu_oai") and self.limit > 0
@@ -60,6 +87,11 @@ class Activation:
             raise ValueError(
                 f"An activation `limit` applies to 'swiglu' and 'swiglu_oai' and must "
                 f"be positive; got limit={self.limit!r} for {self.name!r}."
+            )
+        if self.limit_after and self.name != "swiglu":
+            raise ValueError(
+                "`activation_limit_after` (a clamp after the activation) applies to "
+                f"'swiglu' only; got {self.name!r}."
             )
         if self.name == "swiglu_oai" and self.limit is None:
             raise ValueError("The 'swiglu_oai' activation needs a `limit`.")
@@ -95,12 +127,20 @@ class Activation:
             return jax.nn.gelu(h, approximate=self.name == "gelu_tanh")
         gate, up = jnp.split(h, 2, axis=-1)
         if self.limit is not None:
-            gate = jnp.minimum(gate, self.limit)
+            if not self.limit_after:
+                gate = jnp.minimum(gate, self.limit)
             up = jnp.clip(up, -self.limit, self.limit)
         if self.name == "swiglu":
-            return jax.nn.silu(gate) * up
+            activated = jax.nn.silu(gate)
+            if self.limit_after and self.limit is not None:
+                activated = jnp.minimum(activated, self.limit)
+            return activated * up
         if self.name == "swiglu_oai":
             return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
+        if self.name == "swiglu_softcap":
+            c_gate, c_up = self.softcap
+            capped_up = c_up * jnp.tanh(up / c_up)
+            return c_gate * jnp.tanh(gate / c_gate) * jax.nn.sigmoid(gate) * capped_up
         return jax.nn.gelu(gate, approximate=self.name == "geglu_tanh") * up
 
     def jvp(self, h: Array, t_h: Array) -> tuple[Array, Array]:
