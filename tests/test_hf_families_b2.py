@@ -68,11 +68,20 @@ _NOT_NEUTRAL = {
     "moe_latent_size": 8,
 }
 # Keys a default config leaves unset that its family's reader needs.
-_FILL = {"num_experts_per_tok": 2, "n_routed_experts": 8}
+_FILL = {
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 8,
+    "num_experts": 8,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 16,
+}
+# Families whose default config has no MoE block, and the keys that give it one.
+_MOE_ON = {"gemma4_text": {"enable_moe_block": True}}
 
 
 def _default_config(model_type):
     hf = transformers.CONFIG_MAPPING[model_type]().to_dict()
+    hf = hf | _MOE_ON.get(model_type, {})
     return hf | {k: v for k, v in _FILL.items() if k in hf and hf[k] is None}
 
 
