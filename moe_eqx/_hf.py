@@ -1551,6 +1551,10 @@ _REFUSED = {
     "(`post_expert_norm`) before it is weighted, and the experts read a projected, "
     "normalised input (`pre_expert_proj`, `pre_expert_norm`, `moe_hidden_size` wide) "
     "that the router does not: experts that are not an FFN the layer has",
+    "inkling_text": "its shared experts are weighted per token: their sigmoid scores "
+    "are normalised together with the chosen routed experts' (`shared_gammas`), so "
+    "the routed weights depend on the shared experts' logits too; the layer's shared "
+    "expert is not routed",
 }
 
 
