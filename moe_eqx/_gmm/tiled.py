@@ -94,14 +94,24 @@ def _index(a, i):
 
 
 def _for_windows(
-    group_sizes, window: int, num_rows: int, body, carry, enter=None, leave=None
+    group_sizes,
+    window: int,
+    num_rows: int,
+    body,
+    carry,
+    enter=None,
+    leave=None,
+    peel: bool = False,
 ):
-    """Folds `body(carry, ctx, start, keep)` over every window of every group: a loop
-    over the groups around a loop over the group's windows. `start` is where the
+    """Folds `body(carry, ctx, start, keep, first)` over every window of every group: a
+    loop over the groups around a loop over the group's windows. `start` is where the
     window's `W` rows are read (clamped into the array), `keep [W, 1]` marks the rows
     it owns. Per group, `enter(carry, g) -> (carry, ctx)` runs before its windows
     (slicing its weights once, not once per window) and `leave(carry, g, ctx)` after
-    them (storing a weight gradient summed in a `ctx` scratch once per group)."""
+    them (storing a weight gradient summed in a `ctx` scratch once per group). With
+    `peel`, a non-empty group's first window runs in a loop of its own with the static
+    `first=True` (a sum over the windows then starts with its product instead of
+    adding it to zeros); `first` is `False` otherwise."""
     sizes = group_sizes.astype(jnp.int32)
     ends = cumsum(sizes)
 
@@ -110,16 +120,21 @@ def _for_windows(
         begin = _index(ends, g) - size
         carry, ctx = (carry, g) if enter is None else enter(carry, g)
 
-        def one(i, state):
+        def one(i, state, first=False):
             carry, ctx = state
-            first = begin + i * window
-            start = jnp.minimum(first, num_rows - window)
+            first_row = begin + i * window
+            start = jnp.minimum(first_row, num_rows - window)
             rows = start + jnp.arange(window, dtype=jnp.int32)
-            keep = ((rows >= first) & (rows < begin + size))[:, None]
-            return body(carry, ctx, start, keep)
+            keep = ((rows >= first_row) & (rows < begin + size))[:, None]
+            return body(carry, ctx, start, keep, first)
 
         count = div(size + window - 1, window)
-        carry, ctx = lax.fori_loop(0, count, one, (carry, ctx))
+        state = (carry, ctx)
+        if peel:
+            # 0 or 1 trips: a `lax.cond` would copy the carry.
+            trips = jnp.minimum(count, 1)
+            state = lax.fori_loop(0, trips, ft.partial(one, first=True), state)
+        carry, ctx = lax.fori_loop(1 if peel else 0, count, one, state)
         return carry if leave is None else leave(carry, g, ctx)
 
     return lax.fori_loop(0, sizes.shape[0], group, carry)
@@ -141,11 +156,28 @@ def _put(a, rows, start, keep):
     )
 
 
-def _leave(carry, g, ctx):
-    """Stores the group's summed weight gradient `ctx[1]` (if any) as `carry[1][g]`."""
-    if ctx[1] is None:
-        return carry
-    return carry[0], _set_index(carry[1], ctx[1], g)
+def _enter_blocks(carry, g, fresh: bool):
+    """A group's weight-gradient blocks to sum into: the scratch `carry[2]` when
+    `fresh` (the group's first window overwrites it, see `_add`), else the group's
+    blocks of the accumulators `carry[1]`."""
+    return carry[2] if fresh else tuple(_index(o, g) for o in carry[1])
+
+
+def _leave_blocks(carry, g, size, blocks, fresh: bool):
+    """Stores a group's summed weight-gradient `blocks` into the `[G, ...]`
+    accumulators `carry[1]`; with `fresh` keeps them as the scratch `carry[2]`, and
+    an empty group's blocks, stale (the previous group's), are stored as zeros."""
+    rows, outs, scratch = carry
+    if fresh:
+        scratch = tuple(blocks)
+        blocks = [jnp.where(size > 0, b, 0) for b in blocks]
+    outs = tuple(_set_index(o, b, g) for o, b in zip(outs, blocks, strict=True))
+    return rows, outs, scratch
+
+
+def _add(total, product, first: bool):
+    """`product` for a group's first window (`total` is stale), else `total + product`."""
+    return product if first else total + product
 
 
 def _dot(a, b, dtype):
@@ -173,7 +205,7 @@ def _gmm_forward(lhs, rhs, group_sizes, window, transpose_rhs=False):
         w = _index(rhs, g).astype(lhs.dtype)
         return out, w.T if transpose_rhs else w
 
-    def body(out, w, start, keep):
+    def body(out, w, start, keep, first):
         y = _dot(_take(lhs, start, window), w, lhs.dtype)
         return _put(out, y, start, keep), w
 
@@ -185,31 +217,49 @@ def _gmm_backward(lhs, rhs, group_sizes, d_out, window, want_lhs, want_rhs):
     `lhs.dtype`, `d_rhs[g] = lhs_g^T d_out_g` summed in float32 (`[G, K, N]` float32;
     `rhs` may be `None` when `d_lhs` is not wanted), in one pass over the windows."""
     num_rows, num_groups = lhs.shape[0], group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
     d_out = d_out.astype(lhs.dtype)
     acc = acc_dtype(lhs.dtype)
     like = (lhs, d_out) if rhs is None else (lhs, d_out, rhs)
     d_lhs = _zeros(lhs.shape, lhs.dtype, *like) if want_lhs else None
     shape = (num_groups, lhs.shape[1], d_out.shape[1])
     d_rhs = _zeros(shape, acc, *like) if want_rhs else None
+    # A group's `d_rhs` block is summed in a `[K, N]` scratch carried from group to
+    # group (its first window writes it) and stored once per group.
+    outs = (d_rhs,) if want_rhs else ()
+    scratch = (_zeros(shape[1:], acc, *like),) if want_rhs else ()
+    # Rows a window does not own are masked out of `d_rhs` on the narrower of its
+    # two operands (`d_lhs` keeps only the owned rows anyway).
+    mask_lhs = lhs.shape[1] <= d_out.shape[1]
 
     def enter(carry, g):
         w = _index(rhs, g).astype(lhs.dtype) if want_lhs else None
-        return carry, (w, None if d_rhs is None else _index(carry[1], g))
+        return carry, (w, _enter_blocks(carry, g, fresh=True))
 
-    def body(carry, ctx, start, keep):
-        (d_lhs, d_rhs), (w, block) = carry, ctx
-        dy = jnp.where(keep, _take(d_out, start, window), 0)
+    def body(carry, ctx, start, keep, first):
+        d_lhs = carry[0]
+        w, blocks = ctx
+        dy = _take(d_out, start, window)
         if want_lhs:
             d_lhs = _put(d_lhs, _dot(dy, w.T, lhs.dtype), start, keep)
         if want_rhs:
-            block = block + _dot(_take(lhs, start, window).T, dy, acc)
-        return (d_lhs, d_rhs), (w, block)
+            x = _take(lhs, start, window)
+            if mask_lhs:
+                x = jnp.where(keep, x, 0)
+            else:
+                dy = jnp.where(keep, dy, 0)
+            blocks = (_add(blocks[0], _dot(x.T, dy, acc), first),)
+        return (d_lhs, *carry[1:]), (w, blocks)
+
+    def leave(carry, g, ctx):
+        return _leave_blocks(carry, g, _index(sizes, g), ctx[1], fresh=True)
 
     if num_rows > 0:
-        d_lhs, d_rhs = _for_windows(
-            group_sizes, window, num_rows, body, (d_lhs, d_rhs), enter, _leave
+        carry = (d_lhs, outs, scratch)
+        d_lhs, outs, _ = _for_windows(
+            sizes, window, num_rows, body, carry, enter, leave, peel=want_rhs
         )
-    return d_lhs, d_rhs
+    return d_lhs, outs[0] if want_rhs else None
 
 
 class _TiledProducts(AbstractProducts):
@@ -253,7 +303,7 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, keep_gate_up: b
             _index(w_down, g).astype(x.dtype),
         )
 
-    def body(carry, ctx, start, keep):
+    def body(carry, ctx, start, keep, first):
         (out, gate_up), (w_gu, w_dn) = carry, ctx
         gu = _dot(_take(x, start, window), w_gu, x.dtype)
         y = _dot(act(gu).astype(x.dtype), w_dn, x.dtype)
@@ -299,7 +349,7 @@ def _ffn_tangent_fused(res: _FFNRes, t_x, t_gu, t_dn):
             None if w is None else _index(w, g).astype(x.dtype) for w in ws
         )
 
-    def body(out, ws, start, keep):
+    def body(out, ws, start, keep, first):
         w_gu, t_w_gu, w_dn, t_w_dn = ws
         gu = _take(res.gate_up, start, window)
         t_gate_up = jnp.zeros(gu.shape, jnp.float32)
@@ -361,27 +411,32 @@ def _ffn_tangent(res: _FFNRes, lin):
 def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
     x, window = res.x, res.window
     num_rows = x.shape[0]
+    sizes = res.group_sizes
     acc = acc_dtype(x.dtype)
     d_out = d_out.astype(x.dtype)
     like = (x, d_out, res.w_gate_up, res.w_down)
-    want_w = want_w or acc_in is not None
+    # Without accumulators a group's weight-gradient blocks are summed in a scratch
+    # carried from group to group (its first window writes them), with them in the
+    # accumulators' blocks; stored once per group either way.
+    fresh = acc_in is None
+    want_w = want_w or not fresh
     d_x = _zeros(x.shape, x.dtype, *like) if want_x else None
-    d_gu = d_dn = None
-    if acc_in is not None:
-        d_gu, d_dn = match_varying(*(a.astype(acc) for a in acc_in), *like)[:2]
+    outs = scratch = ()
+    if not fresh:
+        outs = tuple(match_varying(*(a.astype(acc) for a in acc_in), *like)[:2])
     elif want_w:
-        d_gu = _zeros(res.w_gate_up.shape, acc, *like)
-        d_dn = _zeros(res.w_down.shape, acc, *like)
+        weights = (res.w_gate_up, res.w_down)
+        outs = tuple(_zeros(w.shape, acc, *like) for w in weights)
+        scratch = tuple(_zeros(w.shape[1:], acc, *like) for w in weights)
 
     def enter(carry, g):
-        _, d_gu, d_dn = carry
         w_gu = _index(res.w_gate_up, g).astype(x.dtype) if want_x else None
         w_dn = _index(res.w_down, g).astype(x.dtype)
-        blocks = (_index(d_gu, g), _index(d_dn, g)) if want_w else None
+        blocks = _enter_blocks(carry, g, fresh) if want_w else ()
         return carry, (w_gu, w_dn, blocks)
 
-    def body(carry, ctx, start, keep):
-        d_x, d_gu, d_dn = carry
+    def body(carry, ctx, start, keep, first):
+        d_x = carry[0]
         w_gu, w_dn, blocks = ctx
         dy = jnp.where(keep, _take(d_out, start, window), 0)
         gu = _take(res.gate_up, start, window)
@@ -393,22 +448,20 @@ def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool)
             act = res.act(gu).astype(x.dtype)
             x_w = _take(x, start, window)
             blocks = (
-                blocks[0] + _dot(x_w.T, d_gate_up, acc),
-                blocks[1] + _dot(act.T, dy, acc),
+                _add(blocks[0], _dot(x_w.T, d_gate_up, acc), first),
+                _add(blocks[1], _dot(act.T, dy, acc), first),
             )
-        return (d_x, d_gu, d_dn), (w_gu, w_dn, blocks)
+        return (d_x, *carry[1:]), (w_gu, w_dn, blocks)
 
     def leave(carry, g, ctx):
-        d_x, d_gu, d_dn = carry
-        if want_w:
-            d_gu = _set_index(d_gu, ctx[2][0], g)
-            d_dn = _set_index(d_dn, ctx[2][1], g)
-        return d_x, d_gu, d_dn
+        return _leave_blocks(carry, g, _index(sizes, g), ctx[2], fresh)
 
     if num_rows > 0:
-        d_x, d_gu, d_dn = _for_windows(
-            res.group_sizes, window, num_rows, body, (d_x, d_gu, d_dn), enter, leave
+        carry = (d_x, outs, scratch)
+        d_x, outs, _ = _for_windows(
+            sizes, window, num_rows, body, carry, enter, leave, peel=want_w and fresh
         )
+    d_gu, d_dn = outs if want_w else (None, None)
     return d_x, d_gu, d_dn
 
 
