@@ -20,6 +20,7 @@ from ._fsdp import expert_specs, fsdp_dim, fsdp_size
 from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
+from ._quant import as_float
 from ._router import Router
 from ._rules import has_explicit_axes, local_experts
 from ._shard import (
@@ -693,7 +694,7 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"]):
     cfg = layer.config
     xf = x.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
-    w_gu = layer.experts.w_gate_up.astype(jnp.float32)
+    w_gu = as_float(layer.experts.w_gate_up, jnp.float32)
     if cfg.weight_on_input:  # expert e sees w[t, e] x[t] (Llama-4)
         xin = dense_w.T[:, :, None] * xf[None]
         gu = jnp.einsum("eth,ehf->etf", xin, w_gu, precision=hp)
@@ -704,7 +705,7 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"]):
         gu = gu + experts.b_gate_up.astype(jnp.float32)[:, None, :]
     act = _reference_activation(cfg, gu)
     out = jnp.einsum(
-        "etf,efh->eth", act, experts.w_down.astype(jnp.float32), precision=hp
+        "etf,efh->eth", act, as_float(experts.w_down, jnp.float32), precision=hp
     )
     if experts.b_down is not None:
         out = out + experts.b_down.astype(jnp.float32)[:, None, :]
