@@ -484,11 +484,12 @@ def _place_tree(place, tree, spec, mesh: Mesh):
     `PartitionSpec` for all of them or a tree of them matching `tree`."""
     if isinstance(spec, P):
         return jax.tree.map(lambda a: place(a, mesh, spec), tree)
+    # `spec` may be a prefix of `tree`: one spec for all arrays of a quantized weight.
     return jax.tree.map(
-        lambda a, s: a if a is None else place(a, mesh, s),
-        tree,
+        lambda s, a: jax.tree.map(lambda leaf: place(leaf, mesh, s), a),
         spec,
-        is_leaf=lambda n: n is None,
+        tree,
+        is_leaf=lambda n: n is None or isinstance(n, P),
     )
 
 

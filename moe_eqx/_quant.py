@@ -95,6 +95,17 @@ def dequantize_fp8_blocks(
         return (w.astype(xp.float32) * scale[..., :cols]).astype(dtype)
 
 
+def _fp4_value(xp, code):
+    """`FP4_E2M1_VALUES[code]`, computed elementwise (no table lookup, a gather that
+    an explicitly sharded array would need a sharding for): exponent bits `e`,
+    mantissa bit `m`, `m / 2` when `e = 0` (subnormal), else `(1 + m / 2) 2^(e-1)`."""
+    exponent = ((code >> 1) & 3).astype(xp.int32)
+    half = (code & 1).astype(xp.float32) * xp.float32(0.5)
+    normal = xp.ldexp(xp.float32(1) + half, exponent - 1)
+    value = xp.where(exponent == 0, half, normal)
+    return xp.where((code & 8) != 0, -value, value)
+
+
 def dequantize_mxfp4(
     blocks: UInt8[np.ndarray | Array, "*rows groups 16"],
     scales: UInt8[np.ndarray | Array, "*rows groups"],
@@ -125,8 +136,7 @@ def dequantize_mxfp4(
             f"{tuple(scales.shape)}: expected `[..., groups, {MXFP4_BLOCK // 2}]` "
             "and `[..., groups]`."
         )
-    lut = xp.asarray(FP4_E2M1_VALUES, xp.float32)
-    values = xp.stack([lut[blocks & 0x0F], lut[blocks >> 4]], axis=-1)
+    values = xp.stack([_fp4_value(xp, blocks & 0x0F), _fp4_value(xp, blocks >> 4)], -1)
     values = values.reshape(*blocks.shape[:-1], MXFP4_BLOCK)
     # `ldexp` scales each value exactly (an exponent of 128 included), as
     # transformers' `torch.ldexp` does; the scale itself is never a float.

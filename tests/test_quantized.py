@@ -2,15 +2,19 @@
 definition, its bytes, and the quantized layer against the dequantized one on every
 CPU backend (outputs and `x`-gradients); the quantized weights are constants."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import cpu_devices, mesh
 
 import moe_eqx as me
 from moe_eqx import _quant
+from moe_eqx._layer import with_fsdp_axes
 
 FORMATS = ("float8_e4m3fn", "mxfp4", "int8")
 # Bytes of the quantized experts over bfloat16's (the issue's goals).
@@ -176,3 +180,93 @@ def test_bad_input(layer):
         me.quantize_experts(me.quantize_experts(layer, "int8"), "int8")
     with pytest.raises(ValueError, match="multiple of 32"):
         _quant.quantize(jnp.zeros((2, 40, 8)), "mxfp4")
+
+
+# Expert parallelism: EP8 over 16 experts, every path of the layer with quantized
+# experts against the same layer dequantized, on the same mesh.
+EP_CONFIG = me.MoEConfig(d_model=64, d_ff=64, num_experts=16, top_k=2)
+
+
+def _value_and_grad(model, x, mesh):
+    def loss(model_x):
+        y, stats = model_x[0](model_x[1], mesh=mesh)
+        return jnp.sum(jnp.sin(y)), stats
+
+    return eqx.filter_value_and_grad(loss, has_aux=True)((model, x))
+
+
+_ep_value_and_grad = eqx.filter_jit(_value_and_grad)
+
+
+@pytest.fixture(scope="module")
+def ep_layer():
+    return me.MoELayer(EP_CONFIG, key=jr.key(5))
+
+
+@pytest.fixture(scope="module")
+def ep_x():
+    return jr.normal(jr.key(6), (64, EP_CONFIG.d_model), jnp.float32)
+
+
+def _assert_same_value_and_grad(q, d, x, mesh):
+    (loss_q, stats_q), (g_q, gx_q) = _ep_value_and_grad(q, x, mesh)
+    (loss_d, stats_d), (g_d, gx_d) = _ep_value_and_grad(d, x, mesh)
+    np.testing.assert_allclose(loss_q, loss_d, rtol=1e-6)
+    np.testing.assert_allclose(gx_q, gx_d, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        g_q.router.weight, g_d.router.weight, rtol=1e-5, atol=1e-6
+    )
+    assert g_q.experts.w_gate_up.values is None and g_q.experts.w_down.scales is None
+    return stats_q, stats_d
+
+
+def test_ep8_drop(ep_layer, ep_x):
+    q = me.quantize_experts(
+        ep_layer.with_config(on_overflow="drop", buffer_factor=0.3), "int8"
+    )
+    d = me.dequantize_experts(q)
+    m = mesh(8)
+    (y_q, stats_q), (y_d, stats_d) = _ep_forward(q, ep_x, m), _ep_forward(d, ep_x, m)
+    assert int(stats_q.dropped_pairs) > 0
+    assert int(stats_q.dropped_pairs) == int(stats_d.dropped_pairs)
+    np.testing.assert_allclose(y_q, y_d, rtol=1e-6, atol=1e-6)
+
+
+_ep_forward = eqx.filter_jit(lambda model, x, mesh: model(x, mesh=mesh))
+
+
+def test_ep8_fallback(ep_layer, ep_x):
+    q = me.quantize_experts(ep_layer.with_config(buffer_factor=0.1), "float8_e4m3fn")
+    stats, _ = _assert_same_value_and_grad(q, me.dequantize_experts(q), ep_x, mesh(8))
+    assert bool(stats.fallback_used)
+
+
+def test_ep8_slots_carry_the_quantized_weights(ep_layer, ep_x):
+    # Expert 0 hot: the planner copies it (its bytes and scales) into spare slots.
+    hot = eqx.tree_at(
+        lambda m: m.router.bias,
+        ep_layer.with_config(num_slots=1),
+        jnp.zeros(16).at[0].set(4.0),
+        is_leaf=lambda n: n is None,
+    )
+    q = me.quantize_experts(hot, "mxfp4")
+    stats, _ = _assert_same_value_and_grad(q, me.dequantize_experts(q), ep_x, mesh(8))
+    assert float(stats.max_over_mean) < float(stats.max_over_mean_before)
+
+
+def test_fsdp_splits_quantized_experts_by_expert(ep_layer, ep_x):
+    m = jax.make_mesh((2, 4), ("data", "expert"), devices=cpu_devices()[:8])
+    layer = with_fsdp_axes(ep_layer, ("data",))
+    q = me.shard_model(me.quantize_experts(layer, "mxfp4"), m)
+    # Each device holds one of its shard's four experts: 1/8 of the bytes and scales.
+    assert q.experts.w_gate_up.values.addressable_shards[0].data.shape[0] == 2
+    assert q.experts.w_gate_up.scales.addressable_shards[0].data.shape[0] == 2
+    d = me.dequantize_experts(me.quantize_experts(layer, "mxfp4"))
+    _assert_same_value_and_grad(q, d, ep_x, m)
+    # Split within d_ff (one expert per shard): refused, naming the fsdp axes.
+    small = with_fsdp_axes(
+        me.MoELayer(dataclasses.replace(EP_CONFIG, num_experts=4), key=jr.key(0)),
+        ("data",),
+    )
+    with pytest.raises(ValueError, match="whole experts"):
+        me.shard_specs(me.quantize_experts(small, "int8"), m)
