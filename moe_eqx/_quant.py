@@ -185,12 +185,16 @@ class QuantizedArray(eqx.Module):
     - `values`, `scales`: as above.
     - `fmt`: one of `"float8_e4m3fn"`, `"mxfp4"`, `"int8"` (static).
     - `dtype`: the dtype `dequantize` returns by default (static).
+    - `parts`: FP8 only: the columns are this many equal parts, each blocked from
+        its own first column (a gate and an up projection stored apart and put side
+        by side, whose width the block need not divide).
     """
 
     values: Array
     scales: Array
     fmt: str = eqx.field(static=True)
     dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
+    parts: int = eqx.field(static=True, default=1)
 
     def __check_init__(self):
         if self.fmt not in QUANT_FORMATS:
@@ -198,6 +202,8 @@ class QuantizedArray(eqx.Module):
                 f"Unknown quantized format `fmt` {self.fmt!r}; expected one of "
                 f"{QUANT_FORMATS}."
             )
+        if self.parts != 1 and self.fmt != "float8_e4m3fn":
+            raise ValueError("`parts` applies to the 'float8_e4m3fn' format only.")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -246,7 +252,16 @@ class QuantizedArray(eqx.Module):
         if self.fmt == "float8_e4m3fn":
             w = _bits(self.values, jnp.float8_e4m3fn)
             scale = _bits(self.scales, jnp.float32)
-            return dequantize_fp8_blocks(w, scale, FP8_BLOCK, dtype)
+            if self.parts == 1:
+                return dequantize_fp8_blocks(w, scale, FP8_BLOCK, dtype)
+            pieces = zip(
+                jnp.split(w, self.parts, axis=-1),
+                jnp.split(scale, self.parts, axis=-1),
+                strict=True,
+            )
+            return jnp.concatenate(
+                [dequantize_fp8_blocks(v, s, FP8_BLOCK, dtype) for v, s in pieces], -1
+            )
         if self.fmt == "mxfp4":
             return jnp.swapaxes(
                 dequantize_mxfp4(self.values, self.scales), -1, -2

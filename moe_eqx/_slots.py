@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PyTree, Shaped
+from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
 from ._autodiff import custom_linear
 from ._planner import most_exports
