@@ -20,7 +20,7 @@ from ._fsdp import expert_specs, fsdp_dim, fsdp_size
 from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
-from ._quant import as_float
+from ._quant import QuantizedArray, as_float
 from ._router import Router
 from ._rules import has_explicit_axes, local_experts
 from ._shard import (
@@ -231,7 +231,10 @@ def _check_arrays_fit(layer: MoELayer, cfg: MoEConfig) -> None:
     skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
 
     def leaves(tree):
-        flat = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda a: a is None)
+        # A quantized weight counts as one array of its logical shape.
+        flat = jax.tree_util.tree_leaves_with_path(
+            tree, is_leaf=lambda a: a is None or isinstance(a, QuantizedArray)
+        )
         return {jax.tree_util.keystr(p): getattr(a, "shape", None) for p, a in flat}
 
     want, have = leaves(skeleton), leaves(layer)

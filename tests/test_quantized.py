@@ -178,6 +178,8 @@ def test_bad_input(layer):
         me.quantize_experts(layer, "fp4")
     with pytest.raises(ValueError, match="already quantized"):
         me.quantize_experts(me.quantize_experts(layer, "int8"), "int8")
+    # A quantized layer takes a new parallel setting like a float one.
+    me.quantize_experts(layer, "int8").with_config(on_overflow="drop")
     with pytest.raises(ValueError, match="multiple of 32"):
         _quant.quantize(jnp.zeros((2, 40, 8)), "mxfp4")
 
@@ -270,3 +272,35 @@ def test_fsdp_splits_quantized_experts_by_expert(ep_layer, ep_x):
     )
     with pytest.raises(ValueError, match="whole experts"):
         me.shard_specs(me.quantize_experts(small, "int8"), m)
+
+
+# Memory: a compiled forward's temporaries (XLA's buffer assignment), one device,
+# the tiled backend. Eight experts whose weights outweigh the activations, so that a
+# float copy of all of them would show.
+MEM_CONFIG = me.MoEConfig(d_model=128, d_ff=128, num_experts=8, top_k=2)
+
+
+def _temp_bytes(model, x):
+    arrays, static = eqx.partition(model, eqx.is_array)
+    forward = jax.jit(lambda a, x: eqx.combine(a, static)(x)[0])
+    return forward.lower(arrays, x).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.fixture(scope="module")
+def float_temps():
+    """`{dtype: (layer, x, the float layer's temporaries)}`."""
+    out = {}
+    for dtype in (jnp.bfloat16, jnp.float32):
+        layer = me.MoELayer(MEM_CONFIG, dtype=dtype, key=jr.key(7))
+        x = jr.normal(jr.key(8), (16, MEM_CONFIG.d_model), dtype)
+        out[dtype] = (layer, x, _temp_bytes(layer, x))
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forward_temporaries_hold_one_dequantized_expert(float_temps, fmt):
+    h, f = MEM_CONFIG.d_model, MEM_CONFIG.d_ff
+    for dtype, (layer, x, float_temp) in float_temps.items():
+        one_expert = (h * 2 * f + f * h) * jnp.dtype(dtype).itemsize
+        temp = _temp_bytes(me.quantize_experts(layer, fmt), x)
+        assert temp <= float_temp + one_expert, (dtype, temp, float_temp, one_expert)
