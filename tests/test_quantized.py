@@ -304,3 +304,18 @@ def test_forward_temporaries_hold_one_dequantized_expert(float_temps, fmt):
         one_expert = (h * 2 * f + f * h) * jnp.dtype(dtype).itemsize
         temp = _temp_bytes(me.quantize_experts(layer, fmt), x)
         assert temp <= float_temp + one_expert, (dtype, temp, float_temp, one_expert)
+
+
+def test_expert_biases_get_gradients(x):
+    """Experts with biases (GPT-OSS): the quantized weights are dequantized before
+    the bias rows join them; the biases get the dequantized layer's gradient."""
+    cfg = dataclasses.replace(CONFIG, expert_bias=True)
+    layer = me.MoELayer(cfg, key=jr.key(9))
+    bias = 0.1 * jr.normal(jr.key(10), layer.experts.b_gate_up.shape)
+    layer = eqx.tree_at(lambda m: m.experts.b_gate_up, layer, bias)
+    q = me.quantize_experts(layer, "mxfp4")
+    (g_q, gx_q), (g_d, gx_d) = _grad((q, x)), _grad((me.dequantize_experts(q), x))
+    for pick in (lambda g: g.experts.b_gate_up, lambda g: g.experts.b_down):
+        np.testing.assert_allclose(pick(g_q), pick(g_d), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gx_q, gx_d, rtol=1e-5, atol=1e-6)
+    assert g_q.experts.w_down.values is None
