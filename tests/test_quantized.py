@@ -239,8 +239,19 @@ _ep_forward = eqx.filter_jit(lambda model, x, mesh: model(x, mesh=mesh))
 
 def test_ep8_fallback(ep_layer, ep_x):
     q = me.quantize_experts(ep_layer.with_config(buffer_factor=0.1), "float8_e4m3fn")
-    stats, _ = _assert_same_value_and_grad(q, me.dequantize_experts(q), ep_x, mesh(8))
+    d = me.dequantize_experts(q)
+    stats, _ = _assert_same_value_and_grad(q, d, ep_x, mesh(8))
     assert bool(stats.fallback_used)
+    # Forward mode too (the fallback's tangent loop gets no tangent for the weights).
+    t = jr.normal(jr.key(11), ep_x.shape)
+    np.testing.assert_allclose(
+        _ep_jvp(q, ep_x, t, mesh(8)), _ep_jvp(d, ep_x, t, mesh(8)), rtol=1e-5, atol=1e-6
+    )
+
+
+@eqx.filter_jit
+def _ep_jvp(model, x, t, mesh):
+    return jax.jvp(lambda x: model(x, mesh=mesh)[0], (x,), (t,))[1]
 
 
 def test_ep8_slots_carry_the_quantized_weights(ep_layer, ep_x):
