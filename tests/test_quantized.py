@@ -330,3 +330,11 @@ def test_expert_biases_get_gradients(x):
         np.testing.assert_allclose(pick(g_q), pick(g_d), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gx_q, gx_d, rtol=1e-5, atol=1e-6)
     assert g_q.experts.w_down.values is None
+
+
+def test_rebalance_moves_quantized_experts(layer, x):
+    q = me.quantize_experts(layer.with_config(gmm_backend="tiled"), "float8_e4m3fn")
+    moved = me.rebalance_experts(q, jnp.array([10.0, 10.0, 1.0, 1.0]), num_shards=2)
+    assert not np.array_equal(moved.expert_ids, np.arange(4))
+    assert isinstance(moved.experts.w_down, me.QuantizedArray)
+    np.testing.assert_allclose(_forward(moved, x), _forward(q, x), rtol=1e-6, atol=1e-6)
