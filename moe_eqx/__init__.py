@@ -42,6 +42,11 @@ from ._planner import (
     DuplicationPlan as DuplicationPlan,
     plan_duplication as plan_duplication,
 )
+from ._qexperts import (
+    dequantize_experts as dequantize_experts,
+    quantize_experts as quantize_experts,
+)
+from ._quant import QuantizedArray as QuantizedArray
 from ._rebalance import rebalance as rebalance, rebalance_experts as rebalance_experts
 from ._router import (
     Router as Router,

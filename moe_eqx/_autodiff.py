@@ -43,6 +43,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.interpreters import ad, batching, mlir, partial_eval as pe
 
+from ._quant import QuantizedArray
+
 
 def _is_none(x) -> bool:
     return x is None
@@ -306,13 +308,17 @@ def _is_symbolic_zero(x) -> bool:
     return isinstance(x, SymbolicZero)
 
 
+def _no_tangent(x) -> bool:
+    # A quantized weight's leaves are integers: its tangent is always zero.
+    return _is_symbolic_zero(x) or isinstance(x, QuantizedArray)
+
+
 def symbolic_zeros_to_none(tangents: Any) -> Any:
     """The tangents a `custom_jvp` rule (`symbolic_zeros=True`) receives, with `None`
-    for the symbolic zeros: the linear arguments `custom_linear` takes."""
+    for the symbolic zeros (and for a `QuantizedArray`'s, a constant's): the linear
+    arguments `custom_linear` takes."""
     return jtu.tree_map(
-        lambda t: None if _is_symbolic_zero(t) else t,
-        tangents,
-        is_leaf=_is_symbolic_zero,
+        lambda t: None if _no_tangent(t) else t, tangents, is_leaf=_no_tangent
     )
 
 

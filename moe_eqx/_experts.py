@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._config import MoEConfig
 from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
 from ._gmm._base import SWIGLU, Activation
+from ._quant import QuantizedArray, as_float
 from ._rules import DISPATCHED, EXPERT_OUT, remat_name
 
 
@@ -38,8 +39,8 @@ class Experts(eqx.Module):
         `config.expert_activation` from it.
     """
 
-    w_gate_up: Float[Array, "experts d_model two_d_ff"]
-    w_down: Float[Array, "experts d_ff d_model"]
+    w_gate_up: Float[Array, "experts d_model two_d_ff"] | QuantizedArray
+    w_down: Float[Array, "experts d_ff d_model"] | QuantizedArray
     config: MoEConfig
     b_gate_up: Float[Array, "experts two_d_ff"] | None = None
     b_down: Float[Array, "experts d_model"] | None = None
@@ -108,8 +109,8 @@ class Experts(eqx.Module):
 
 def expert_ffn(
     x: Float[Array, "rows d_in"],
-    w_gate_up: Float[Array, "groups d_in two_d_ff"],
-    w_down: Float[Array, "groups d_ff d_model"],
+    w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
+    w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
     group_sizes: Int[Array, " groups"],
     *,
     backend: str | AbstractGMMBackend = "auto",
@@ -161,10 +162,12 @@ def expert_arrays(experts: Experts, x, activation: Activation):
     (if any) folded in (`fold_biases`)."""
     if experts.b_gate_up is None:
         return x, experts.w_gate_up, experts.w_down, activation
+    # The bias rows join the weights as floats: quantized weights are dequantized
+    # whole here.
     return fold_biases(
         x,
-        experts.w_gate_up,
-        experts.w_down,
+        as_float(experts.w_gate_up, experts.w_gate_up.dtype),
+        as_float(experts.w_down, experts.w_down.dtype),
         experts.b_gate_up,
         experts.b_down,
         activation,

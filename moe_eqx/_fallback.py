@@ -241,13 +241,24 @@ def _piece_pullback(res: _Res, p):
     return jax.vjp(trip, *diff)[1]
 
 
+def _zero_tangent(p):
+    """A zero tangent of `p`: `float0` for integer leaves (a quantized weight's)."""
+
+    def zero(a):
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            return jnp.zeros_like(a)
+        return np.zeros(a.shape, jax.dtypes.float0)
+
+    return jtu.tree_map(zero, p)
+
+
 def _jvp_loop(res: _Res, lin, bounded: bool):
     """Forward mode: `((y, stats), t_y)`, the loop differentiated directly, one loop
     carrying the value and its tangent (it keeps no residuals)."""
     i = res.inputs
     primals = (i.x, i.weights, i.w_gate_up, i.w_down)
     tangents = tuple(
-        jnp.zeros_like(p) if t is None else t for p, t in zip(primals, lin, strict=True)
+        _zero_tangent(p) if t is None else t for p, t in zip(primals, lin, strict=True)
     )
 
     def y_of(x, weights, w_gate_up, w_down):

@@ -25,6 +25,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ._config import MoEConfig
+from ._quant import QuantizedArray
 from ._rules import local_experts
 
 
@@ -68,6 +69,7 @@ def expert_specs(cfg: MoEConfig, experts, mesh_shape: Mapping[str, int] | None):
     if cfg.fsdp_axes:  # else no mesh needed (`mesh_shape` may be None)
         dim = fsdp_dim(cfg, mesh_shape[ax], fsdp_size(cfg, mesh_shape))
     fsdp = cfg.fsdp_axes
+    _check_quantized_split(experts, dim)
     if dim is None:
         specs = {name: P(ax) for name in _ARRAYS}
     elif dim == "experts":
@@ -84,6 +86,19 @@ def expert_specs(cfg: MoEConfig, experts, mesh_shape: Mapping[str, int] | None):
         for name, spec in specs.items()
     }
     return _with(experts, specs)
+
+
+def _check_quantized_split(experts, dim) -> None:
+    """Quantized weights split over the fsdp axes by whole experts only: their
+    blocks and scales do not follow a split within `d_ff`."""
+    if dim == "d_ff" and any(
+        isinstance(getattr(experts, name), QuantizedArray) for name in _ARRAYS
+    ):
+        raise ValueError(
+            "Quantized experts are split over `config.fsdp_axes` by whole experts "
+            "only: the fsdp axes must divide the experts of each shard "
+            "(`num_experts` over the expert axis), not `d_ff`."
+        )
 
 
 # The rank of each expert array of one layer.
@@ -110,6 +125,7 @@ def gather_experts(cfg: MoEConfig, experts, num_shards: int):
     dim = fsdp_dim(cfg, num_shards, jax.lax.axis_size(cfg.fsdp_axes))
     if dim is None:
         return experts
+    _check_quantized_split(experts, dim)
     if dim == "experts":
         axes = {name: 0 for name in _ARRAYS}
     else:

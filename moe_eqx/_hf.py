@@ -18,7 +18,13 @@ import jax.random as jr
 import numpy as np
 
 from ._config import PARALLEL_FIELDS, MoEConfig
-from ._hf_quant import Stored, checkpoint_dtype, quant_format, quantized_tensors
+from ._hf_quant import (
+    Stored,
+    checkpoint_dtype,
+    quant_format,
+    quantized_tensors,
+    stored_experts,
+)
 from ._layer import MoELayer, shard_model
 from ._rules import local_experts
 
@@ -1837,6 +1843,7 @@ def layers_from_hf(
     *,
     dtype=None,
     mesh=None,
+    keep_quantized: bool = False,
     **overrides,
 ) -> dict[int, MoELayer]:
     """The MoE layers of a Hugging Face model directory (`config.json` and
@@ -1880,6 +1887,15 @@ def layers_from_hf(
     - `dtype`: the layers' parameter dtype (default: the checkpoint's; for a
         quantized checkpoint, the config's `torch_dtype`).
     - `mesh`: optional `jax.sharding.Mesh` with the axis `config.axis_name`.
+    - `keep_quantized`: keep the routed experts of a quantized checkpoint in the
+        stored format, as [`moe_eqx.QuantizedArray`][]s (FP8: the `float8_e4m3fn`
+        bytes and their float32 block scales, per-expert `[out, in]` tensors
+        transposed to `[in, out]`, gate and up side by side; MXFP4: GPT-OSS's
+        `*_blocks` and `*_scales`, gate and up rows in the layer's order); they
+        dequantize to `dtype`. The import builds each layer dequantized first, then
+        replaces its experts (it holds one layer's float experts meanwhile); with a
+        `mesh`, the layers are then placed by [`moe_eqx.shard_model`][]. A
+        checkpoint without a `quantization_config` is a `ValueError`.
     - `overrides`: the library's own config fields, as for `config_from_hf`.
 
     **Returns:**
@@ -1888,6 +1904,8 @@ def layers_from_hf(
     """
     from safetensors import safe_open
 
+    if keep_quantized:
+        return _kept_quantized(directory, layers, dtype, mesh, overrides)
     directory = pathlib.Path(directory)
     hf = _read_config_json(directory / "config.json")
     text = _text_config(hf)
@@ -2028,6 +2046,34 @@ def layers_from_hf(
         )
         for i in wanted
     }
+
+
+def _kept_quantized(directory, layers, dtype, mesh, overrides):
+    """`layers_from_hf(..., keep_quantized=True)`: the layers loaded as usual, their
+    routed experts then replaced by the checkpoint's own quantized tensors."""
+    directory = pathlib.Path(directory)
+    hf = _read_config_json(directory / "config.json")
+    quant = quant_format(hf)
+    if quant is None:
+        raise ValueError(
+            "`keep_quantized=True` needs a quantized checkpoint: the config has no "
+            "`quantization_config`."
+        )
+    dtype = checkpoint_dtype(hf) if dtype is None else dtype
+    loaded = layers_from_hf(directory, layers, dtype=dtype, **overrides)
+    files = _tensor_files(directory)
+    within = _NESTED_TEXT.get(hf.get("model_type"), (None, ""))[1]
+    prefixes = _moe_prefixes(n for n in files if n.startswith(within))
+    out = {}
+    for i, layer in loaded.items():
+        kept = stored_experts(
+            quant, prefixes[i], files, layer.config.num_experts, dtype, _EXPERT_NAMES
+        )
+        layer = eqx.tree_at(
+            lambda m: (m.experts.w_gate_up, m.experts.w_down), layer, kept
+        )
+        out[i] = layer if mesh is None else shard_model(layer, mesh)
+    return out
 
 
 def _per_layer_configs(hf, text, overrides):

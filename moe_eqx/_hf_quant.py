@@ -11,7 +11,14 @@ from collections.abc import Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from ._quant import MXFP4_BLOCK, dequantize_fp8_blocks, dequantize_mxfp4
+from ._quant import (
+    FP8_BLOCK,
+    MXFP4_BLOCK,
+    QuantizedArray,
+    dequantize_fp8_blocks,
+    dequantize_mxfp4,
+    e8m0_to_float32,
+)
 
 _METHODS = "fp8 (FP8 E4M3 with block scales), mxfp4"
 _FP8_SCALE = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`
@@ -277,3 +284,103 @@ def _mxfp4_group(quant, name, names, file, dtype):
         return np.swapaxes(dequantize_mxfp4(b, s, dtype), 1, 2)
 
     return (blocks, scales), base, Stored((e, groups * MXFP4_BLOCK, out), dtype, read)
+
+
+def _float32_scales(s: np.ndarray) -> np.ndarray:
+    """Stored block scales (float32, bfloat16 or E8M0 bytes) as float32, exactly."""
+    if s.dtype == np.uint8:
+        return e8m0_to_float32(s)
+    return s.astype(np.float32)
+
+
+def stored_experts(
+    quant: QuantFormat,
+    prefix: str,
+    files: Mapping[str, pathlib.Path],
+    num_experts: int,
+    dtype,
+    expert_names,
+) -> tuple[QuantizedArray, QuantizedArray]:
+    """A layer's routed experts as the checkpoint stores them, in the layer's layout.
+
+    **Arguments:**
+
+    - `quant`: the checkpoint's format.
+    - `prefix`: the MoE block's tensor prefix.
+    - `files`: tensor name -> the safetensors file holding it.
+    - `num_experts`: `E`.
+    - `dtype`: the dtype the weights dequantize to.
+    - `expert_names`: the per-expert `(gate, up, down)` names to look for (FP8).
+
+    **Returns:**
+
+    `(w_gate_up, w_down)`, [`moe_eqx.QuantizedArray`][]s `[E, d_model, 2 d_ff]` and
+    `[E, d_ff, d_model]`. A layout other than per-expert FP8 weights (DeepSeek-V3)
+    or GPT-OSS's fused MXFP4 tensors, or FP8 blocks other than 128 x 128, is a
+    `ValueError`.
+    """
+    opened: dict[pathlib.Path, _File] = {}
+
+    def read(name):
+        if name not in files:
+            raise ValueError(f"{name} is missing (`keep_quantized=True`).")
+        path = files[name]
+        if path not in opened:
+            opened[path] = _File(path)
+        return opened[path].read(name)
+
+    if quant.method == "mxfp4":
+        base = prefix + "experts."
+        gu_blocks, gu_scales, dn_blocks, dn_scales = (
+            read(f"{base}{proj}_{part}")
+            for proj in ("gate_up_proj", "down_proj")
+            for part in ("blocks", "scales")
+        )
+        # GPT-OSS interleaves gate and up outputs (even, odd); the layer puts all
+        # gates, then all ups.
+        rows = gu_blocks.shape[1]
+        order = np.concatenate([np.arange(0, rows, 2), np.arange(1, rows, 2)])
+        a = jnp.asarray
+        return (
+            QuantizedArray(
+                a(gu_blocks[:, order]), a(gu_scales[:, order]), "mxfp4", dtype
+            ),
+            QuantizedArray(a(dn_blocks), a(dn_scales), "mxfp4", dtype),
+        )
+    if quant.block != FP8_BLOCK:
+        raise ValueError(
+            f"quantization_config.weight_block_size={list(quant.block)}: experts are "
+            f"kept quantized in blocks of {FP8_BLOCK[0]} x {FP8_BLOCK[1]} only "
+            "(load with `keep_quantized=False` to dequantize them)."
+        )
+    names = next(
+        (n for n in expert_names if f"{prefix}experts.0.{n[0]}.weight" in files), None
+    )
+    if names is None:
+        raise ValueError(
+            "`keep_quantized=True` reads FP8 experts stored one tensor per expert "
+            f"and projection ({prefix}experts.0.gate_proj.weight, ...): not found."
+        )
+
+    def expert(i, proj):
+        name = f"{prefix}experts.{i}.{proj}.weight"
+        # `[out, in]` -> `[in, out]`: the bytes and the scale grid transposed.
+        values = read(name).view(np.uint8).T
+        scales = _float32_scales(read(name + _FP8_SCALE)).T
+        return values, scales
+
+    gate_up, down = [], []
+    for i in range(num_experts):
+        (gv, gs), (uv, us), dn = (expert(i, proj) for proj in names)
+        gate_up.append((np.concatenate([gv, uv], 1), np.concatenate([gs, us], 1)))
+        down.append(dn)
+
+    def stacked(pieces, parts):
+        values = np.stack([p[0] for p in pieces])
+        scales = np.ascontiguousarray(np.stack([p[1] for p in pieces]))
+        scales = jnp.asarray(scales.view(np.uint32))
+        return QuantizedArray(
+            jnp.asarray(values), scales, "float8_e4m3fn", dtype, parts=parts
+        )
+
+    return stacked(gate_up, 2), stacked(down, 1)

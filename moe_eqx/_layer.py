@@ -26,6 +26,7 @@ from ._fsdp import expert_specs, fsdp_dim, fsdp_size
 from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
+from ._quant import QuantizedArray, as_float
 from ._router import Router, check_expert_ids
 from ._rules import has_explicit_axes, local_experts
 from ._shard import (
@@ -261,7 +262,10 @@ def _check_arrays_fit(layer: MoELayer, cfg: MoEConfig) -> None:
     skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
 
     def leaves(tree):
-        flat = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda a: a is None)
+        # A quantized weight counts as one array of its logical shape.
+        flat = jax.tree_util.tree_leaves_with_path(
+            tree, is_leaf=lambda a: a is None or isinstance(a, QuantizedArray)
+        )
         return {jax.tree_util.keystr(p): getattr(a, "shape", None) for p, a in flat}
 
     want, have = leaves(skeleton), leaves(layer)
@@ -535,11 +539,12 @@ def _place_tree(place, tree, spec, mesh: Mesh):
     `PartitionSpec` for all of them or a tree of them matching `tree`."""
     if isinstance(spec, P):
         return jax.tree.map(lambda a: place(a, mesh, spec), tree)
+    # `spec` may be a prefix of `tree`: one spec for all arrays of a quantized weight.
     return jax.tree.map(
-        lambda a, s: a if a is None else place(a, mesh, s),
-        tree,
+        lambda s, a: jax.tree.map(lambda leaf: place(leaf, mesh, s), a),
         spec,
-        is_leaf=lambda n: n is None,
+        tree,
+        is_leaf=lambda n: n is None or isinstance(n, P),
     )
 
 
@@ -756,7 +761,7 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
     cfg = layer.config
     xf = x.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
-    w_gu = layer.experts.w_gate_up.astype(jnp.float32)
+    w_gu = as_float(layer.experts.w_gate_up, jnp.float32)
     if cfg.weight_on_input:  # expert e sees w[t, e] x[t] (Llama-4)
         xin = dense_w.T[:, :, None] * xf[None]
         gu = jnp.einsum("eth,ehf->etf", xin, w_gu, precision=hp)
@@ -767,7 +772,7 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
         gu = gu + experts.b_gate_up.astype(jnp.float32)[:, None, :]
     act = _reference_activation(cfg, gu)
     out = jnp.einsum(
-        "etf,efh->eth", act, experts.w_down.astype(jnp.float32), precision=hp
+        "etf,efh->eth", act, as_float(experts.w_down, jnp.float32), precision=hp
     )
     if experts.b_down is not None:
         out = out + experts.b_down.astype(jnp.float32)[:, None, :]

@@ -4,6 +4,9 @@ with an E8M0 exponent per 32 values). Pure functions of NumPy or JAX arrays (eac
 computes with the namespace of its input), so that a weight kept quantized in memory
 can be dequantized by the same rule as one dequantized on load."""
 
+import dataclasses
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +95,17 @@ def dequantize_fp8_blocks(
         return (w.astype(xp.float32) * scale[..., :cols]).astype(dtype)
 
 
+def _fp4_value(xp, code):
+    """`FP4_E2M1_VALUES[code]`, computed elementwise (no table lookup, a gather that
+    an explicitly sharded array would need a sharding for): exponent bits `e`,
+    mantissa bit `m`, `m / 2` when `e = 0` (subnormal), else `(1 + m / 2) 2^(e-1)`."""
+    exponent = ((code >> 1) & 3).astype(xp.int32)
+    half = (code & 1).astype(xp.float32) * xp.float32(0.5)
+    normal = xp.ldexp(xp.float32(1) + half, exponent - 1)
+    value = xp.where(exponent == 0, half, normal)
+    return xp.where((code & 8) != 0, -value, value)
+
+
 def dequantize_mxfp4(
     blocks: UInt8[np.ndarray | Array, "*rows groups 16"],
     scales: UInt8[np.ndarray | Array, "*rows groups"],
@@ -122,8 +136,7 @@ def dequantize_mxfp4(
             f"{tuple(scales.shape)}: expected `[..., groups, {MXFP4_BLOCK // 2}]` "
             "and `[..., groups]`."
         )
-    lut = xp.asarray(FP4_E2M1_VALUES, xp.float32)
-    values = xp.stack([lut[blocks & 0x0F], lut[blocks >> 4]], axis=-1)
+    values = xp.stack([_fp4_value(xp, blocks & 0x0F), _fp4_value(xp, blocks >> 4)], -1)
     values = values.reshape(*blocks.shape[:-1], MXFP4_BLOCK)
     # `ldexp` scales each value exactly (an exponent of 128 included), as
     # transformers' `torch.ldexp` does; the scale itself is never a float.
@@ -131,3 +144,231 @@ def dequantize_mxfp4(
     with _overflow_is_infinity():
         out = xp.ldexp(values, exponents)
         return out.reshape(*scales.shape[:-1], -1).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------
+# Weights kept quantized in memory.
+
+QUANT_FORMATS = ("float8_e4m3fn", "mxfp4", "int8")
+# FP8 blocks of DeepSeek-V3's published checkpoints: rows x columns of `[in, out]`.
+FP8_BLOCK = (128, 128)
+_FP8_MAX = 448.0
+_INT8_MAX = 127.0
+
+
+def _bits(a: Array, dtype) -> Array:
+    return jax.lax.bitcast_convert_type(a, dtype)
+
+
+class QuantizedArray(eqx.Module):
+    """A weight `[..., K, N]` (`[in, out]` per expert) stored quantized: integer
+    arrays only, so autodiff (`eqx.filter_grad`, `jax.grad` with `allow_int`) treats
+    it as a constant. Its leading axes (the experts) index, slice, shard and move
+    like a float array's; the backends dequantize what they load.
+
+    Formats (`fmt`):
+
+    - `"float8_e4m3fn"`: `values` `uint8` `[..., K, N]`, the FP8 E4M3 bit patterns;
+        `scales` `uint32` `[..., ceil(K / 128), ceil(N / 128)]`, the bits of one
+        float32 scale per 128 x 128 block (DeepSeek-V3's `weight_scale_inv`).
+    - `"mxfp4"`: `values` `uint8` `[..., N, K / 32, 16]`, two FP4 E2M1 codes per byte
+        (gpt-oss's `*_blocks`, blocks of 32 along the contracting axis `K`);
+        `scales` `uint8` `[..., N, K / 32]`, E8M0 exponents.
+    - `"int8"`: `values` `int8` `[..., K, N]`; `scales` `uint32` `[..., 1, N]`, the
+        bits of one float32 scale per output channel.
+
+    The float32 scales are stored as their bits (`uint32`) so that no leaf is a
+    float array: `eqx.filter_grad` and optimizers skip the whole weight.
+
+    **Fields:**
+
+    - `values`, `scales`: as above.
+    - `fmt`: one of `"float8_e4m3fn"`, `"mxfp4"`, `"int8"` (static).
+    - `dtype`: the dtype `dequantize` returns by default (static).
+    - `parts`: FP8 only: the columns are this many equal parts, each blocked from
+        its own first column (a gate and an up projection stored apart and put side
+        by side, whose width the block need not divide).
+    """
+
+    values: Array
+    scales: Array
+    fmt: str = eqx.field(static=True)
+    dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
+    parts: int = eqx.field(static=True, default=1)
+
+    def __check_init__(self):
+        if self.fmt not in QUANT_FORMATS:
+            raise ValueError(
+                f"Unknown quantized format `fmt` {self.fmt!r}; expected one of "
+                f"{QUANT_FORMATS}."
+            )
+        if self.parts != 1 and self.fmt != "float8_e4m3fn":
+            raise ValueError("`parts` applies to the 'float8_e4m3fn' format only.")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (dequantized) shape `[..., K, N]`."""
+        v = self.values.shape
+        if self.fmt == "mxfp4":
+            return (*v[:-3], v[-2] * MXFP4_BLOCK, v[-3])
+        return tuple(v)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of `values` and `scales` together."""
+        return self.values.nbytes + self.scales.nbytes
+
+    def astype(self, dtype) -> "QuantizedArray":
+        """The same weight, dequantizing to `dtype`."""
+        return dataclasses.replace(self, dtype=dtype)
+
+    def __getitem__(self, index) -> "QuantizedArray":
+        """Indexes the leading (expert) axes of `values` and `scales` alike."""
+        return self.map_experts(lambda a: a[index])
+
+    def map_experts(self, fn) -> "QuantizedArray":
+        """`fn` applied to `values` and `scales`; `fn` may only act on leading axes
+        above the weight's own two."""
+        return dataclasses.replace(self, values=fn(self.values), scales=fn(self.scales))
+
+    def dequantize(self, dtype=None) -> Array:
+        """The weight as floats, `[..., K, N]`: computed in float32 and cast to
+        `dtype` (default `self.dtype`) once.
+
+        **Arguments:**
+
+        - `dtype`: the result's dtype.
+
+        **Returns:**
+
+        The weight, as the format defines it (bitwise equal to transformers'
+        dequantization for FP8 and MXFP4).
+        """
+        dtype = self.dtype if dtype is None else dtype
+        if self.fmt == "float8_e4m3fn":
+            w = _bits(self.values, jnp.float8_e4m3fn)
+            scale = _bits(self.scales, jnp.float32)
+            if self.parts == 1:
+                return dequantize_fp8_blocks(w, scale, FP8_BLOCK, dtype)
+            pieces = zip(
+                jnp.split(w, self.parts, axis=-1),
+                jnp.split(scale, self.parts, axis=-1),
+                strict=True,
+            )
+            return jnp.concatenate(
+                [dequantize_fp8_blocks(v, s, FP8_BLOCK, dtype) for v, s in pieces], -1
+            )
+        if self.fmt == "mxfp4":
+            return jnp.swapaxes(
+                dequantize_mxfp4(self.values, self.scales), -1, -2
+            ).astype(dtype)
+        scale = _bits(self.scales, jnp.float32)
+        return (self.values.astype(jnp.float32) * scale).astype(dtype)
+
+
+def quantize(w: Float[Array, "*experts k n"], fmt: str) -> QuantizedArray:
+    """Quantizes a weight `[..., K, N]` (`[in, out]`) into `fmt`.
+
+    - `"float8_e4m3fn"`: per 128 x 128 block, `scale = amax / 448` (1 for an all-zero
+        block) and `values = fp8(w / scale)`, rounded to nearest even.
+    - `"mxfp4"`: per 32 values along `K` (which it must divide), the OCP MX scale
+        `2 ** (floor(log2(amax)) - 2)` and `values` the E2M1 code nearest `w / scale`
+        (ties to an even code), saturating at 6.
+    - `"int8"`: per output column, `scale = amax / 127` (1 for a zero column) and
+        `values = round(w / scale)`.
+
+    **Arguments:**
+
+    - `w`: the float weight.
+    - `fmt`: one of `"float8_e4m3fn"`, `"mxfp4"`, `"int8"`.
+
+    **Returns:**
+
+    A [`moe_eqx.QuantizedArray`][] that dequantizes to `w.dtype`.
+    """
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(
+            f"Unknown quantized format `fmt` {fmt!r}; expected one of {QUANT_FORMATS}."
+        )
+    wf = jnp.asarray(w).astype(jnp.float32)
+    if fmt == "float8_e4m3fn":
+        values, scales = _quantize_fp8(wf)
+    elif fmt == "mxfp4":
+        values, scales = _quantize_mxfp4(wf)
+    else:
+        values, scales = _quantize_int8(wf)
+    return QuantizedArray(values, scales, fmt, w.dtype)
+
+
+# Each a jitted function: one program per shape, not one per operation.
+@jax.jit
+def _quantize_int8(w):
+    amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)
+    scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
+    values = jnp.clip(jnp.round(w / scale), -_INT8_MAX, _INT8_MAX)
+    return values.astype(jnp.int8), _bits(scale, jnp.uint32)
+
+
+@jax.jit
+def _quantize_fp8(w):
+    *lead, k, n = w.shape
+    br, bc = FP8_BLOCK
+    kb, nb = -(-k // br), -(-n // bc)
+    padded = jnp.pad(w, [(0, 0)] * len(lead) + [(0, kb * br - k), (0, nb * bc - n)])
+    blocks = padded.reshape(*lead, kb, br, nb, bc)
+    amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
+    scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
+    full = jnp.repeat(jnp.repeat(scale, br, axis=-2)[..., :k, :], bc, axis=-1)
+    q = jnp.clip(w / full[..., :n], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
+    return _bits(q, jnp.uint8), _bits(scale, jnp.uint32)
+
+
+def _quantize_mxfp4(w):
+    k = w.shape[-2]
+    if k % MXFP4_BLOCK:
+        raise ValueError(
+            f"MXFP4 blocks of {MXFP4_BLOCK} run along the contracting axis, which "
+            f"has {k} values here: it must be a multiple of {MXFP4_BLOCK}."
+        )
+    return _quantize_mxfp4_jit(w)
+
+
+@jax.jit
+def _quantize_mxfp4_jit(w):
+    *lead, k, n = w.shape
+    # [..., N, K / 32, 32]: the stored layout, blocks along K.
+    blocks = jnp.swapaxes(w, -1, -2).reshape(*lead, n, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    # floor(log2(amax)) exactly, from the float's exponent (`frexp`: amax = m 2^e,
+    # m in [0.5, 1)); E2M1's largest exponent is 2.
+    exponent = jnp.frexp(amax)[1] - 1 - 2
+    exponent = jnp.where(amax > 0, exponent, -127)
+    byte = jnp.clip(exponent + 127, 0, 254)
+    scaled = jnp.ldexp(blocks, (127 - byte)[..., None])
+    magnitude = jnp.abs(scaled)
+    grid = jnp.asarray(FP4_E2M1_VALUES[:8], jnp.float32)
+    dist = jnp.abs(magnitude[..., None] - grid.reshape((1,) * magnitude.ndim + (8,)))
+    code = jnp.argmin(dist, axis=-1).astype(jnp.int32)
+    # A tie between two codes goes to the even one (round half to even).
+    nxt = jnp.minimum(code + 1, 7)
+    tie = (
+        jnp.take_along_axis(dist, nxt[..., None], -1)[..., 0]
+        == jnp.take_along_axis(dist, code[..., None], -1)[..., 0]
+    )
+    code = jnp.where(tie & (code % 2 == 1) & (nxt != code), nxt, code)
+    code = code + jnp.where(jnp.signbit(scaled) & (code > 0), 8, 0)
+    pairs = code.astype(jnp.uint8).reshape(*code.shape[:-1], MXFP4_BLOCK // 2, 2)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    return packed, byte.astype(jnp.uint8)
+
+
+def as_float(w, dtype) -> Array:
+    """`w` in `dtype`: a [`moe_eqx.QuantizedArray`][] dequantized, a float array
+    cast."""
+    if isinstance(w, QuantizedArray):
+        return w.dequantize(dtype)
+    return w.astype(dtype)

@@ -123,23 +123,25 @@ def _varying_axes(x) -> frozenset:
 
 
 def match_varying(*xs):
-    """Casts arrays to vary over the union of their `shard_map` manual axes.
+    """Casts arrays (or PyTrees of them) to vary over the union of their `shard_map` manual axes.
 
     Inside `jax.shard_map`, loop carries and `custom_linear` operands must agree on
     which mesh axes they vary over: a zero-initialised carry does not vary, while a
     carry computed from sharded rows does. Outside `shard_map` this is the identity.
     """
-    axes = frozenset().union(*(_varying_axes(x) for x in xs))
-    out = []
-    for x in xs:
+    leaves = jax.tree.leaves(xs)
+    axes = frozenset().union(*(_varying_axes(x) for x in leaves))
+
+    def cast(x):
         missing = tuple(sorted(axes - _varying_axes(x)))
         if not missing:
-            out.append(x)
-        elif hasattr(lax, "pcast"):
-            out.append(lax.pcast(x, missing, to="varying"))
-        else:  # jax < 0.8
-            out.append(lax.pvary(x, missing))
-    return tuple(out)
+            return x
+        if hasattr(lax, "pcast"):
+            return lax.pcast(x, missing, to="varying")
+        return lax.pvary(x, missing)  # jax < 0.8
+
+    # A PyTree argument (a quantized weight) is cast leaf by leaf.
+    return tuple(jax.tree.map(cast, x) for x in xs)
 
 
 def has_explicit_axes(mesh) -> bool:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PyTree
+from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
 from ._autodiff import custom_linear
 from ._planner import most_exports
@@ -428,7 +428,7 @@ def check_slot_exports(
 
 
 def gather_slot_weights(
-    w_home: PyTree[Float[Array, "local_experts ..."]],
+    w_home: PyTree[Shaped[Array, "local_experts ..."]],
     slot_expert: Int[Array, "shards slots"],
     num_local: int,
     axis_name: str,
@@ -437,7 +437,7 @@ def gather_slot_weights(
     backward: str = "auto",
     exchange: str = "dense",
     with_home: bool = False,
-) -> PyTree[Float[Array, "groups ..."]]:
+) -> PyTree[Shaped[Array, "groups ..."]]:
     """Fetches the weights of this shard's slot experts from their home shards.
 
     Called inside `shard_map` over `axis_name`. Memory and wire bytes per device are

@@ -25,6 +25,7 @@ from ._gmm import AbstractGMMBackend, GradAcc
 from ._gmm._base import SWIGLU, Activation
 from ._overflow import BufferSizes
 from ._permute import sum_rows
+from ._quant import QuantizedArray
 from ._rules import count_at_or_below
 
 
@@ -98,8 +99,8 @@ class TripInputs(eqx.Module):
     dest_shard: Int[Array, "tokens k"]
     dest_group: Int[Array, "tokens k"]
     valid: Bool[Array, "tokens k"]
-    w_gate_up: Float[Array, "groups d_in two_d_ff"]
-    w_down: Float[Array, "groups d_ff d_model"]
+    w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray
+    w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray
 
 
 def expert_parallel_trip(

@@ -69,6 +69,7 @@ from ._planner import (
     default_max_exports as default_max_exports,
     slot_pair_counts as slot_pair_counts,
 )
+from ._quant import quantize as quantize
 from ._rebalance import (
     permute_experts as permute_experts,
     plan_placement as plan_placement,

@@ -448,3 +448,45 @@ def test_missing_or_misshapen_scales_are_named(fp8_model, mxfp4_model, tmp_path)
         me.layers_from_hf(
             _rewritten(fp8_model, tmp_path / "e", config={"torch_dtype": None})
         )
+
+
+def _expert_bytes(experts):
+    return sum(a.nbytes for a in jax.tree.leaves((experts.w_gate_up, experts.w_down)))
+
+
+def test_keep_quantized_keeps_the_stored_bytes(model):
+    """`keep_quantized=True`: the experts hold the checkpoint's own bytes and scales,
+    which dequantize bit for bit to the default import's experts; the layer's output
+    equals the dequantized layer's, and its experts take at most 0.55 (FP8) or 0.30
+    (MXFP4) of bfloat16's bytes."""
+    (kept,) = me.layers_from_hf(model["dir"], keep_quantized=True).values()
+    (loaded,) = me.layers_from_hf(model["dir"]).values()
+    q = kept.experts.w_gate_up
+    assert isinstance(q, me.QuantizedArray)
+    assert q.fmt == {"fp8": "float8_e4m3fn", "mxfp4": "mxfp4"}[model["kind"]]
+    deq = me.dequantize_experts(kept)
+    for name in ("w_gate_up", "w_down"):
+        got, want = getattr(deq.experts, name), getattr(loaded.experts, name)
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
+        )
+    if model["kind"] == "fp8":  # the first expert's gate projection, as stored
+        stored = model["tensors"]["model.layers.1.mlp.experts.0.gate_proj.weight"]
+        np.testing.assert_array_equal(
+            np.asarray(q.values[0, :, :F]), stored.view(torch.uint8).numpy().T
+        )
+    ratio = _expert_bytes(kept.experts) / (_expert_bytes(loaded.experts))
+    assert ratio <= {"fp8": 0.55, "mxfp4": 0.30}[model["kind"]], ratio
+    x = jax.random.normal(jax.random.key(0), (16, model["d_model"]), jnp.bfloat16)
+    np.testing.assert_allclose(
+        np.asarray(kept(x)[0], np.float32), np.asarray(deq(x)[0], np.float32)
+    )
+
+
+def test_keep_quantized_needs_a_quantized_checkpoint(model, tmp_path):
+    config = {k: v for k, v in model["config"].items() if k != "quantization_config"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(model["dir"] / "model.safetensors")
+    with pytest.raises(ValueError, match="keep_quantized=True.*quantization_config"):
+        me.layers_from_hf(tmp_path, keep_quantized=True)

@@ -368,3 +368,29 @@ def test_expert_parallel_shard_platform_argument():
     lowered = _lower(layer, x, None, "cuda", backward=False, call=call)
     ops = _ops(lowered.as_text())
     assert ops["ragged_all_to_all"] >= 2 and ops["all_to_all"] == 0, ops
+
+
+# ---------------------------------------------------------------------------------
+# Quantized experts, lowered.
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "mxfp4", "int8"])
+@pytest.mark.parametrize(("platform", "gmm_backend", "dtype"), _PATHS)
+def test_quantized_experts_lower(platform, gmm_backend, dtype, fmt, request):
+    """A layer with quantized experts, EP8 with a slot (the slot exchange moves the
+    quantized bytes and scales), forward and backward: the same GMM path as a float
+    layer's, with the weights dequantized before the Mosaic and `ragged_dot`
+    products (no new custom call), and no weight gradient (two products fewer than
+    a float layer's backward)."""
+    _prepare(platform, gmm_backend, request)
+    layer, x = _layer(gmm_backend, dtype, **_CONFIGS["slots"])
+    layer = me.quantize_experts(layer, fmt)
+    lowered = _lower(layer, x, cpu_mesh(NUM_SHARDS), platform, backward=True)
+    ops = _ops(lowered.as_text())
+    _check_gmm(ops, gmm_backend, False, platform)
+    float_ops = _expert_parallel_ops(platform, gmm_backend, dtype, "slots", True)
+    assert ops["ragged_all_to_all"] >= 4, ops
+    if gmm_backend == "mosaic_gpu":
+        assert 4 <= _mosaic_calls(ops) < _mosaic_calls(float_ops), (ops, float_ops)
+    elif platform == "tpu":
+        assert 4 <= ops["ragged_dot"] < float_ops["ragged_dot"], (ops, float_ops)

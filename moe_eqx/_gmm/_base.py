@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._autodiff import symbolic_zeros_to_none
+from .._quant import QuantizedArray, as_float
 from .._rules import HIDDEN, remat_name
 
 GradAcc = tuple[
@@ -189,8 +190,8 @@ class AbstractGMMBackend(eqx.Module):
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"],
-        w_down: Float[Array, "groups d_ff d_model"],
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
@@ -227,8 +228,8 @@ class AbstractGMMBackend(eqx.Module):
 def gmm_ffn(
     backend: AbstractGMMBackend,
     x: Array,
-    w_gate_up: Array,
-    w_down: Array,
+    w_gate_up: Array | QuantizedArray,
+    w_down: Array | QuantizedArray,
     group_sizes: Array,
     grad_acc: GradAcc | None = None,
     activation: Activation = SWIGLU,
@@ -243,9 +244,11 @@ def gmm_ffn(
 
 def _two_products(ffn, x, w_gate_up, w_down, group_sizes):
     backend, activation = ffn
-    gate_up = remat_name(backend(x, w_gate_up.astype(x.dtype), group_sizes), HIDDEN)
+    # A quantized weight is dequantized whole here, before the products.
+    gate_up = backend(x, as_float(w_gate_up, x.dtype), group_sizes)
+    gate_up = remat_name(gate_up, HIDDEN)
     act = activation(gate_up).astype(x.dtype)
-    return backend(act, w_down.astype(x.dtype), group_sizes)
+    return backend(act, as_float(w_down, x.dtype), group_sizes)
 
 
 @jax.custom_jvp

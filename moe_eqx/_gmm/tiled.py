@@ -37,6 +37,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .._autodiff import custom_linear, fused, symbolic_zeros_to_none
+from .._quant import QuantizedArray, as_float
 from .._rules import HIDDEN, acc_dtype, cumsum, div, match_varying, remat_name
 from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, with_tangent_of
 from ._products import AbstractProducts, gmm, gmm_t, tgmm
@@ -91,6 +92,14 @@ def window_rows(num_rows: int, num_groups: int, tile_rows: int | None = None) ->
 # non-negative indices: no wrap-around select is needed.
 def _index(a, i):
     return lax.dynamic_index_in_dim(a, i, keepdims=False, allow_negative_indices=False)
+
+
+def weight_block(w, g, dtype):
+    """Group `g`'s weight `w[g]` in `dtype`; a `QuantizedArray`'s block is
+    dequantized here, so only one group's float copy exists at a time."""
+    if isinstance(w, QuantizedArray):
+        return as_float(w.map_experts(lambda a: _index(a, g)), dtype)
+    return _index(w, g).astype(dtype)
 
 
 def _for_windows(
@@ -202,7 +211,7 @@ def _gmm_forward(lhs, rhs, group_sizes, window, transpose_rhs=False):
         return out
 
     def enter(out, g):
-        w = _index(rhs, g).astype(lhs.dtype)
+        w = weight_block(rhs, g, lhs.dtype)
         return out, w.T if transpose_rhs else w
 
     def body(out, w, start, keep, first):
@@ -233,7 +242,7 @@ def _gmm_backward(lhs, rhs, group_sizes, d_out, window, want_lhs, want_rhs):
     mask_lhs = lhs.shape[1] <= d_out.shape[1]
 
     def enter(carry, g):
-        w = _index(rhs, g).astype(lhs.dtype) if want_lhs else None
+        w = weight_block(rhs, g, lhs.dtype) if want_lhs else None
         return carry, (w, _enter_blocks(carry, g, fresh=True))
 
     def body(carry, ctx, start, keep, first):
@@ -299,8 +308,8 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, keep_gate_up: b
 
     def enter(carry, g):
         return carry, (
-            _index(w_gate_up, g).astype(x.dtype),
-            _index(w_down, g).astype(x.dtype),
+            weight_block(w_gate_up, g, x.dtype),
+            weight_block(w_down, g, x.dtype),
         )
 
     def body(carry, ctx, start, keep, first):
@@ -346,7 +355,7 @@ def _ffn_tangent_fused(res: _FFNRes, t_x, t_gu, t_dn):
     def enter(out, g):
         ws = (res.w_gate_up if t_x is not None else None, t_gu, res.w_down, t_dn)
         return out, tuple(
-            None if w is None else _index(w, g).astype(x.dtype) for w in ws
+            None if w is None else weight_block(w, g, x.dtype) for w in ws
         )
 
     def body(out, ws, start, keep, first):
@@ -430,8 +439,8 @@ def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool)
         scratch = tuple(_zeros(w.shape[1:], acc, *like) for w in weights)
 
     def enter(carry, g):
-        w_gu = _index(res.w_gate_up, g).astype(x.dtype) if want_x else None
-        w_dn = _index(res.w_down, g).astype(x.dtype)
+        w_gu = weight_block(res.w_gate_up, g, x.dtype) if want_x else None
+        w_dn = weight_block(res.w_down, g, x.dtype)
         blocks = _enter_blocks(carry, g, fresh) if want_w else ()
         return carry, (w_gu, w_dn, blocks)
 
@@ -560,8 +569,8 @@ _tiled_ffn.defjvp(_tiled_ffn_jvp, symbolic_zeros=True)
 
 def tiled_ffn(
     x: Float[Array, "rows d_in"],
-    w_gate_up: Float[Array, "groups d_in two_d_ff"],
-    w_down: Float[Array, "groups d_ff d_model"],
+    w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
+    w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
     group_sizes: Int[Array, " groups"],
     *,
     tile_rows: int | None = None,
@@ -614,8 +623,8 @@ class TiledGMM(AbstractGMMBackend):
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"],
-        w_down: Float[Array, "groups d_ff d_model"],
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,

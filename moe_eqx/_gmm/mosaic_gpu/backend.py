@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..._quant import QuantizedArray
 from ..._rules import match_varying
 from .._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, gmm_ffn
 from ..tiled import TiledGMM
@@ -87,8 +88,8 @@ class MosaicGPUGMM(AbstractGMMBackend):
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"],
-        w_down: Float[Array, "groups d_ff d_model"],
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
