@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU-specific in one run (a Hopper GPU for the mosaic_gpu parts):
-#   1. the GPU tests: the mosaic_gpu backend against float32 references, and the layer on
-#      one GPU (ragged exchange, capped and fallback) against the dense oracle;
+#   1. the GPU tests: the mosaic_gpu backend against float32 references, the layer on
+#      one GPU (ragged exchange, capped and fallback) against the dense oracle, and
+#      quantized experts (FP8, MXFP4, int8) against their dequantized layer;
 #   2. benchmarks/gmm_gpu.py (< 4 min): dense, lax.ragged_dot, mosaic_gpu, torch;
 #   3. benchmarks/layer.py --gpu (bounded to 150 s): the whole layer on one GPU in
 #      bfloat16 (one device, and a one-GPU mesh with the fallback on and off) against

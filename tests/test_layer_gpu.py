@@ -85,3 +85,36 @@ def test_layer_on_one_gpu_matches_oracle(exchange, buffer_factor):
     for name in ("router.weight", "experts.w_gate_up", "experts.w_down"):
         get = lambda t, name=name: eval("t." + name)  # noqa: E731
         assert _rel(get(g_layer), get(r_layer)) < 3e-2, name
+
+
+def _quantized_vs_dequantized(fmt, backend, devices):
+    """The quantized layer on `devices[:1]` (a one-device mesh, `ragged` exchange on a
+    GPU) against the layer of its dequantized experts: outputs and `x`-gradients."""
+    cfg = me.MoEConfig(
+        d_model=256, d_ff=256, num_experts=8, top_k=2, gmm_backend=backend
+    )
+    q = me.quantize_experts(me.MoELayer(cfg, key=jr.PRNGKey(0)), fmt)
+    d = me.dequantize_experts(q)
+    x = jr.normal(jr.PRNGKey(1), (512, 256), jnp.float32).astype(jnp.bfloat16)
+    mesh = jax.sharding.Mesh(np.asarray(devices[:1]), (cfg.axis_name,))
+
+    @eqx.filter_jit
+    def run(layer, x):
+        def f(x):
+            y = layer(x, mesh=mesh)[0]
+            return loss_fn(y.astype(jnp.float32)), y
+
+        return jax.value_and_grad(f, has_aux=True)(x)
+
+    (_, y_q), g_q = run(q, x)
+    (_, y_d), g_d = run(d, x)
+    assert y_q.dtype == jnp.bfloat16
+    # Per-group dequantization (tiled, mosaic_gpu) against whole-weight: bf16 rounding.
+    assert _rel(y_q, y_d) < 2e-2
+    assert _rel(g_q, g_d) < 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "mxfp4", "int8"])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_quantized_experts_on_one_gpu(fmt, backend):
+    _quantized_vs_dequantized(fmt, backend, _gpus())
