@@ -105,6 +105,12 @@ class MoEConfig(eqx.Module):
         (0 = none; DeepSeek-V3's is `n_shared_experts * moe_intermediate_size`).
     - `shared_gate`: scale the shared expert's output by a per-token sigmoid gate
         `sigmoid(x @ gate)` (Qwen2-MoE); needs `shared_d_ff > 0`.
+    - `shared_in_norm`: `S > 0` shared experts of width `shared_d_ff / S` each that
+        the router scores too (Inkling): its weight has `S` more columns, and shared
+        expert `s` is weighted per token by its score normalised together with the
+        chosen routed experts' (`norm_topk`: one denominator, the sum of the `k`
+        chosen and the `S` shared scores), times `shared_scale`. Needs sigmoid or
+        sqrt-softplus scores, `shared_d_ff` a multiple of `S` and no `shared_gate`.
     - `buffer_factor`: receive buffer rows per shard `B = ceil(buffer_factor * T * k)`;
         `None` means the worst case, which never overflows.
     - `on_overflow`: `"fallback"` (chunked dropless path; no token ever dropped) or
@@ -239,6 +245,7 @@ class MoEConfig(eqx.Module):
     group_fill: float | int = eqx.field(static=True, default=-math.inf, converter=_real)
     bias_on_logits: bool = eqx.field(static=True, default=False, converter=_boolean)
     router_softcap: float | int = eqx.field(static=True, default=0.0, converter=_real)
+    shared_in_norm: int = eqx.field(static=True, default=0, converter=_integer)
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
@@ -331,7 +338,12 @@ class MoEConfig(eqx.Module):
                 raise ValueError(
                     f"`{name}` must be a positive finite number, got {value!r}."
                 )
-        for name in ("num_identity_experts", "shared_d_ff", "num_slots"):
+        for name in (
+            "num_identity_experts",
+            "shared_d_ff",
+            "num_slots",
+            "shared_in_norm",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
@@ -425,6 +437,19 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 "`shared_gate=True` needs a shared expert (`shared_d_ff > 0`)."
             )
+        if self.shared_in_norm:
+            s = self.shared_in_norm
+            if self.shared_d_ff == 0 or self.shared_d_ff % s or self.shared_gate:
+                raise ValueError(
+                    f"`shared_in_norm={s}` needs `shared_d_ff` a positive multiple of "
+                    f"it and no `shared_gate`, got `shared_d_ff={self.shared_d_ff}`, "
+                    f"`shared_gate={self.shared_gate}`."
+                )
+            if self.score_func == "softmax":
+                raise ValueError(
+                    f"`shared_in_norm={s}` needs per-expert scores "
+                    "(`score_func='sigmoid'` or `'sqrtsoftplus'`), got 'softmax'."
+                )
         if self.on_overflow not in ("fallback", "drop"):
             raise ValueError(
                 f"`on_overflow` must be 'fallback' or 'drop', got {self.on_overflow!r}."

@@ -192,7 +192,9 @@ def fold_biases(x, w_gate_up, w_down, b_gate_up, b_down, activation: Activation)
 class SharedExperts(eqx.Module):
     """The shared expert(s) every token goes through (DeepSeek-V3, Qwen2-MoE): one expert
     of width `shared_d_ff` with the routed experts' activation (several shared experts
-    are one wider one), optionally scaled per token by `sigmoid(x @ gate)`.
+    are one wider one), optionally scaled per token by `sigmoid(x @ gate)`, or with
+    `config.shared_in_norm = S` each of its `S` equal blocks of `shared_d_ff / S`
+    hidden units scaled per token by that shared expert's routing weight.
 
     **Fields:**
 
@@ -233,13 +235,20 @@ class SharedExperts(eqx.Module):
         return self.config.shared_activation
 
     def __call__(
-        self, x: Float[Array, "tokens d_model"]
+        self,
+        x: Float[Array, "tokens d_model"],
+        weights: Float[Array, "tokens shared"] | None = None,
     ) -> Float[Array, "tokens d_model"]:
-        """`g(x) * act(x @ W1) @ Wd`, with `g = sigmoid(x @ gate)` or 1.
+        """`g(x) * act(x @ W1) @ Wd`, with `g = sigmoid(x @ gate)` or 1; with
+        `weights`, `(act(x @ W1) * w) @ Wd` where `w` repeats shared expert `s`'s
+        weight over its block of hidden units.
 
         **Arguments:**
 
         - `x`: `[T, d_model]`.
+        - `weights`: `[T, S]` per-token weights of the `S = config.shared_in_norm`
+            shared experts (`Routing.shared_weights`); required exactly when
+            `S > 0`.
 
         **Returns:**
 
@@ -248,6 +257,16 @@ class SharedExperts(eqx.Module):
         with jax.named_scope("moe_eqx.shared_experts"):
             gate_up = jnp.dot(x, self.w_gate_up.astype(x.dtype))
             act = self.activation(gate_up)
+            num_shared = self.config.shared_in_norm
+            if (weights is None) != (num_shared == 0):
+                raise ValueError(
+                    f"`weights` must be given exactly when `config.shared_in_norm > 0`"
+                    f" (it is {num_shared}), got weights={weights!r}."
+                )
+            if weights is not None:
+                block = self.w_down.shape[0] // num_shared
+                w = jnp.repeat(weights.astype(jnp.float32), block, axis=1)
+                act = act.astype(jnp.float32) * w
             out = jnp.dot(act.astype(x.dtype), self.w_down.astype(x.dtype))
             if self.gate is not None:
                 g = jax.nn.sigmoid(

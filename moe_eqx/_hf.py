@@ -119,7 +119,14 @@ def layer_from_hf_state_dict(
       `shared_mlp.input_linear.weight [2F_s, H]` and `output_linear.weight`
       (GraniteMoE-Shared), or `shared_experts.gate_up_proj.weight [2F_s, H]`
       (gate rows first) and `down_proj.weight` (MiniMax-M3), with Qwen2-MoE's gate
-      `shared_expert_gate.weight [1, H]` when `config.shared_gate`.
+      `shared_expert_gate.weight [1, H]` when `config.shared_gate`; with
+      `config.shared_in_norm = S` (Inkling), `shared_experts.{gate,up}_proj
+      [S, F, H]` and `shared_experts.down_proj [S, H, F]`, its router `gate.weight
+      [E + S, H]` (the shared experts' rows last) and its learned scalar
+      `gate.global_scale [1]`, which multiplies every routing weight and is folded
+      into the routed and shared down projections; its checkpoints' shared experts
+      are `shared_experts.shared_w13_weight [S, 2F, H]` (gate and up rows
+      alternating) and `shared_experts.shared_w2_weight [S, H, F]`.
 
     The routing semantics come from `config`: Mixtral is `score_func="softmax"`,
     `norm_topk=True`; Qwen3-MoE `norm_topk=norm_topk_prob`; DeepSeek-V3
@@ -194,7 +201,9 @@ def _import(
     first, count = (0, e) if experts is None else (experts[0], experts[1] - experts[0])
     router_key = next((k for k in _ROUTER_KEYS if k in keys), _ROUTER_KEYS[0])
     columns = e + config.num_identity_experts  # the router scores identity experts too
-    router_weight = get(router_key, (columns, h)).T.astype(np.float32)
+    # ... and Inkling's shared experts, in its last `shared_in_norm` rows.
+    router_rows = columns + config.shared_in_norm
+    router_weight = get(router_key, (router_rows, h)).T.astype(np.float32)
     bias = None
     bias_key = next((k for k in _BIAS_KEYS if k in keys), None)
     if bias_key is not None:
@@ -238,6 +247,19 @@ def _import(
     else:
         w_gate_up, w_down = _ungated_experts(keys, get, count, h, f, first)
     shared = _shared_expert(config, keys, get, h) if config.shared_d_ff else None
+    if "gate.global_scale" in keys:
+        # Inkling's learned scalar multiplies every routing weight, routed and
+        # shared: the same as scaling both down projections.
+        scale = np.float32(get("gate.global_scale", (1,))[0])
+        if isinstance(w_down, _PerExpert):
+            raise ValueError(
+                f"{prefix}gate.global_scale with per-expert tensors is not supported "
+                "(expected the fused experts.down_proj)."
+            )
+        w_down = (w_down.astype(np.float32) * scale).astype(w_down.dtype)
+        if shared is not None:
+            down = (shared[1].astype(np.float32) * scale).astype(shared[1].dtype)
+            shared = (shared[0], down, shared[2])
 
     unused = sorted(prefix + k for k in keys if k not in used)
     if unused:
@@ -478,6 +500,20 @@ def _shared_expert(config: MoEConfig, keys, get, h):
     if "shared_experts.gate_up_proj.weight" in keys:  # MiniMax-M3: [2S, H] halves
         gate_up = get("shared_experts.gate_up_proj.weight", (2 * fs, h)).T
         return gate_up, get("shared_experts.down_proj.weight", (h, fs)).T, gate
+    if config.shared_in_norm:  # Inkling: stacked `[S, F, H]`, S experts side by side
+        n = config.shared_in_norm
+        f = fs // n
+        if "shared_experts.shared_w13_weight" in keys:  # its checkpoints: interleaved
+            w13 = get("shared_experts.shared_w13_weight", (n, 2 * f, h))
+            gate, up = w13[:, 0::2], w13[:, 1::2]
+            down = get("shared_experts.shared_w2_weight", (n, h, f))
+        else:
+            gate, up = (
+                get(f"shared_experts.{m}_proj", (n, f, h)) for m in ("gate", "up")
+            )
+            down = get("shared_experts.down_proj", (n, h, f))
+        gate_up = np.concatenate([gate.reshape(fs, h), up.reshape(fs, h)]).T
+        return gate_up, np.swapaxes(down, 1, 2).reshape(fs, h), None
     if "shared_mlp.input_linear.weight" in keys:  # GraniteMoE-Shared: [2S, H] halves
         gate_up = get("shared_mlp.input_linear.weight", (2 * fs, h)).T
         return gate_up, get("shared_mlp.output_linear.weight", (h, fs)).T, gate
@@ -1379,6 +1415,41 @@ def _inkling2_text(r: _Reader) -> dict:
     )
 
 
+def _inkling_text(r: _Reader) -> dict:
+    # Sigmoid scores, top-k of them plus a selection bias; the router scores its
+    # `n_shared_experts` shared experts too (its last rows), and one denominator, the
+    # chosen routed and all shared scores, normalises both; every weight times
+    # `route_scale` (and the learned `gate.global_scale`, folded into the down
+    # projections on import). Its code always scores the shared experts so:
+    # `shared_expert_sink` and `rms_norm_eps_moe_gate` are not read by its block.
+    act = r.require("hidden_act", tuple(_GATED_ACTIVATIONS), default="silu")
+    shared = r.get("n_shared_experts")
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 1:
+        raise ValueError(
+            f"{r.model_type} config: n_shared_experts={shared!r} is not supported "
+            "(its router needs at least one shared expert)."
+        )
+    # A checkpoint's config.json with `dense_intermediate_size` gives the experts'
+    # width as `intermediate_size` (its config class moves it).
+    if r.get("dense_intermediate_size", default=None) is not None:
+        f = int(r.get("intermediate_size"))
+    else:
+        f = int(r.get("moe_intermediate_size"))
+    scale = float(r.get("route_scale"))
+    return dict(
+        d_ff=f,
+        num_experts=r.get("n_routed_experts"),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=scale,
+        shared_scale=scale,
+        shared_d_ff=shared * f,
+        shared_in_norm=shared,
+        activation=_GATED_ACTIVATIONS[act],
+    )
+
+
 def _step3p5(r: _Reader) -> dict:
     # Step-3.7's text model (a `step3p7` config's `text_config`): MiniMax-M2's routing
     # (sigmoid, a selection bias, renormalised), then `moe_router_scaling_factor`; a
@@ -1524,6 +1595,7 @@ _FAMILIES = {
     # Inkling-2's block; its looped layers run the same block again.
     "inkling2_loop_text": _inkling2_text,
     "step3p5": _step3p5,  # a `step3p7` config's `text_config`
+    "inkling_text": _inkling_text,  # an `inkling_mm_model` config's `text_config`
     "gemma4_text": _gemma4_text,  # also a `gemma4` config's `text_config`
     "diffusion_gemma_text": _gemma4_text,  # a `diffusion_gemma` config's
 }
@@ -1557,10 +1629,6 @@ _REFUSED = {
     "(`post_expert_norm`) before it is weighted, and the experts read a projected, "
     "normalised input (`pre_expert_proj`, `pre_expert_norm`, `moe_hidden_size` wide) "
     "that the router does not: experts that are not an FFN the layer has",
-    "inkling_text": "its shared experts are weighted per token: their sigmoid scores "
-    "are normalised together with the chosen routed experts' (`shared_gammas`), so "
-    "the routed weights depend on the shared experts' logits too; the layer's shared "
-    "expert is not routed",
 }
 
 
@@ -1581,8 +1649,9 @@ def config_from_hf(hf_config, **overrides) -> MoEConfig:
     `qwen3_5_moe`, `glm4v_moe` and `qwen3_omni_moe` (its thinker's); `beam`,
     `step3p5` (`step3p7`'s text model), `gemma4_text` and `diffusion_gemma_text`
     (the layer's input is the residual's RMS norm without a weight), and the text
-    models of `glm5_next`, `hy_v4_vl`, `unlimited_ocr`, `minimax_m3_vl`, `inkling2`
-    and `inkling2_loop`; the documentation's table of models
+    models of `glm5_next`, `hy_v4_vl`, `unlimited_ocr`, `minimax_m3_vl`, `inkling2`,
+    `inkling2_loop` and `inkling_mm_model` (`inkling_text`, shared experts in the
+    routing's normalisation); the documentation's table of models
     (`docs/models.md`) lists the keys each reads (always
     `hidden_size` and `num_experts_per_tok` or its family's name for it). A config
     either maps exactly or is refused: an unknown `model_type`, or a value the layer

@@ -61,7 +61,7 @@ class MoELayer(eqx.Module):
 
     **Fields:**
 
-    - `router`: the [`moe_eqx.Router`][] (`router.weight: [d_model, E + I]`, optional
+    - `router`: the [`moe_eqx.Router`][] (`router.weight: [d_model, E + I + S]`, optional
         `bias` and `logit_bias: [E + I]`, with `I = config.num_identity_experts`).
     - `experts`: the [`moe_eqx.Experts`][] (`w_gate_up: [E, d_model, 2 d_ff]` (`d_ff`
         ungated), `w_down: [E, d_ff, d_model]`, optional biases `b_gate_up`,
@@ -401,7 +401,7 @@ def _single_device_call(
     y = combine(out, pairs, tokens)
     if cfg.num_identity_experts:
         y = add_identity(y, x, physical.experts, physical.weights, cfg.num_experts)
-    y = add_shared(cfg, y, shared, x)
+    y = add_shared(cfg, y, shared, x, routing.shared_weights)
     y = jnp.where(finite[:, None], y, jnp.nan).astype(y.dtype)
     stats = routed_stats(
         routed=jnp.sum(routing.counts),
@@ -688,7 +688,9 @@ def reference_moe(
     Uses the layer's router for the routing decision and evaluates
     `y[t] = routed_scaling_factor * sum_j w[t, j] * expert_{e[t, j]}(x[t]) +
     shared_scale * g(x[t]) * shared(x[t])` (with `config.weight_on_input`,
-    `expert_{e[t, j]}(w[t, j] * x[t])` unweighted) with dense per-expert matmuls over
+    `expert_{e[t, j]}(w[t, j] * x[t])` unweighted; with `config.shared_in_norm`, each
+    shared expert's hidden units times its routing weight instead of `g`) with dense
+    per-expert matmuls over
     all tokens (`O(T * E)` work: for tests and small sizes). The activation is
     written out here from the config's fields, not taken from the experts.
 
@@ -787,6 +789,9 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
     if shared is not None:
         gu = jnp.dot(xf, shared.w_gate_up.astype(jnp.float32), precision=hp)
         act = _reference_activation(cfg, gu, shared=True)
+        if cfg.shared_in_norm:  # block s of hidden units times shared expert s's weight
+            block = cfg.shared_d_ff // cfg.shared_in_norm
+            act = act * jnp.repeat(routing.shared_weights, block, axis=1)
         s = jnp.dot(act, shared.w_down.astype(jnp.float32), precision=hp)
         if shared.gate is not None:
             gate = jnp.dot(xf, shared.gate.astype(jnp.float32), precision=hp)

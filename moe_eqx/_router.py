@@ -27,6 +27,8 @@ class Routing(eqx.Module):
     - `router_z_loss`: scalar `mean(logsumexp(logits)^2)` over these tokens.
     - `bad_ids`: scalar int32, the forced expert ids (routing replay) that are out of
         range or repeat an earlier id of their token; 0 without forced ids.
+    - `shared_weights`: `[T, S]` float32 weights of the shared experts scored by the
+        router (`config.shared_in_norm = S`), else `None`.
     """
 
     weights: Float[Array, "tokens k"]
@@ -39,6 +41,7 @@ class Routing(eqx.Module):
     # A default, so that routings built by hand (or by a user's own router) need not
     # name it.
     bad_ids: Int[Array, ""] = eqx.field(default_factory=lambda: jnp.array(0, jnp.int32))
+    shared_weights: Float[Array, "tokens shared"] | None = None
 
 
 def bad_expert_ids(
@@ -147,7 +150,8 @@ class Router(eqx.Module):
 
     **Fields:**
 
-    - `weight`: `[d_model, E + I]` (`I = config.num_identity_experts`).
+    - `weight`: `[d_model, E + I + S]` (`I = config.num_identity_experts`; the last
+        `S = config.shared_in_norm` columns score the shared experts, Inkling).
     - `bias`: `[E + I]` selection bias with `config.use_router_bias`, else `None`.
     - `config`: the [`moe_eqx.MoEConfig`][] whose routing settings (`top_k`,
         `score_func`, `norm_topk`, `norm_topk_min`, `num_groups`, `top_groups`,
@@ -156,7 +160,7 @@ class Router(eqx.Module):
     - `logit_bias`: `[E + I]` with `config.router_logit_bias`, else `None`.
     """
 
-    weight: Float[Array, "d_model experts"]
+    weight: Float[Array, "d_model columns"]
     bias: Float[Array, " experts"] | None
     config: MoEConfig
     logit_bias: Float[Array, " experts"] | None = None
@@ -166,7 +170,9 @@ class Router(eqx.Module):
         # Identity experts (LongCat-Flash) are the last `num_identity` columns.
         columns = config.num_experts + config.num_identity_experts
         self.config = config
-        self.weight = scale * jr.normal(key, (config.d_model, columns), jnp.float32)
+        self.weight = scale * jr.normal(
+            key, (config.d_model, columns + config.shared_in_norm), jnp.float32
+        )
         self.bias = (
             jnp.zeros((columns,), jnp.float32) if config.use_router_bias else None
         )
@@ -222,9 +228,10 @@ class Router(eqx.Module):
         return jnp.repeat(group_ok, per_group, axis=1)
 
     def _scores(self, x):
-        """`(logits, scores, probs)`: float32 logits, the scores the weights come from
-        (softmax, sigmoid or sqrt-softplus), and the scores normalised over all
-        experts."""
+        """`(logits, scores, probs, shared)`: float32 logits, the scores the weights
+        come from (softmax, sigmoid or sqrt-softplus), the scores normalised over all
+        experts, and the `[T, S]` scores of the shared experts the router scores
+        (`config.shared_in_norm`; else `None`)."""
         logits = jnp.dot(
             x.astype(jnp.float32),
             self.weight.astype(jnp.float32),
@@ -235,14 +242,23 @@ class Router(eqx.Module):
         cap = self.config.router_softcap
         if cap > 0:  # Laguna's soft-capping
             logits = jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
-        if self.score_func == "softmax":
+        if self.score_func == "softmax":  # never with `shared_in_norm` (the config)
             scores = jax.nn.softmax(logits, axis=-1)
-            return logits, scores, scores
+            return logits, scores, scores, None
         if self.score_func == "sigmoid":
             scores = jax.nn.sigmoid(logits)
         else:  # "sqrtsoftplus" (DeepSeek-V4)
             scores = jnp.sqrt(jax.nn.softplus(logits))
-        return logits, scores, scores / jnp.sum(scores, axis=-1, keepdims=True)
+        shared = None
+        num_shared = self.config.shared_in_norm
+        if num_shared:  # the shared experts' columns are last
+            logits, scores, shared = (
+                logits[:, :-num_shared],
+                scores[:, :-num_shared],
+                scores[:, -num_shared:],
+            )
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        return logits, scores, probs, shared
 
     def __call__(
         self,
@@ -278,7 +294,7 @@ class Router(eqx.Module):
         A [`moe_eqx.Routing`][].
         """
         with jax.named_scope("moe_eqx.router"):
-            logits, scores, probs = self._scores(x)
+            logits, scores, probs, shared = self._scores(x)
             bad_ids = jnp.array(0, jnp.int32)
             if experts is None:
                 experts = self._select(logits, scores)
@@ -292,11 +308,16 @@ class Router(eqx.Module):
                 # In range for the gather; the token is routed nowhere below.
                 experts = jnp.where(bad, 0, experts)
             chosen = jnp.take_along_axis(scores, experts, axis=-1)
+            shared_weights = shared
             if self.norm_topk:
                 total = jnp.sum(chosen, axis=-1, keepdims=True)
+                if shared is not None:  # one denominator for routed and shared
+                    total = total + jnp.sum(shared, axis=-1, keepdims=True)
                 if self.config.norm_topk_min > 0:  # ERNIE-4.5's `moe_norm_min`
                     total = jnp.maximum(total, self.config.norm_topk_min)
                 weights = chosen / total
+                if shared is not None:
+                    shared_weights = shared / total
             else:
                 weights = chosen
             num_experts = self.num_experts
@@ -305,7 +326,8 @@ class Router(eqx.Module):
                 mean_probs = jnp.mean(probs, axis=0)
                 z = jnp.mean(z_tokens)
             else:
-                nowhere = self.weight.shape[1]  # past every expert, identity included
+                # Past every expert, identity included.
+                nowhere = num_experts + self.num_identity
                 experts = jnp.where(valid[:, None], experts, nowhere)
                 weights = jnp.where(valid[:, None], weights, 0.0)
                 n = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
@@ -325,6 +347,7 @@ class Router(eqx.Module):
                 router_z_loss=z,
                 identity_counts=identity_counts,
                 bad_ids=bad_ids,
+                shared_weights=shared_weights,
             )
 
     def _select(
@@ -374,7 +397,7 @@ def sequence_balance_loss(
     *batch, seq, d_model = x.shape
     flat = x.reshape(-1, d_model)
     experts = router(flat).experts
-    _, _, probs = router._scores(flat)
+    _, _, probs, _ = router._scores(flat)
     num_experts = router.num_experts
     chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=1)
     chosen = chosen.reshape(-1, seq, num_experts)

@@ -146,14 +146,14 @@ def _max_over_mean(load: Int[Array, " shards"]) -> Float[Array, ""]:
     return jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
 
 
-def add_shared(cfg: MoEConfig, routed, shared, x):
+def add_shared(cfg: MoEConfig, routed, shared, x, shared_weights=None):
     """`routed_scaling_factor * routed + shared_scale * shared(x)` (each shard on its
-    own tokens)."""
+    own tokens; `shared_weights`: the routing's, `config.shared_in_norm`)."""
     if shared is None and cfg.routed_scaling_factor == 1:
         return routed
     y = routed.astype(jnp.float32) * jnp.float32(cfg.routed_scaling_factor)
     if shared is not None:
-        s = shared(x).astype(jnp.float32)
+        s = shared(x, shared_weights).astype(jnp.float32)
         y = y + (s if cfg.shared_scale == 1 else s * jnp.float32(cfg.shared_scale))
     return y.astype(routed.dtype)
 
@@ -208,7 +208,7 @@ def expert_parallel_shard_body(
     if cfg.num_identity_experts:
         r = routed.routing
         y = add_identity(y, x, r.experts, r.weights, cfg.num_experts)
-    y = add_shared(cfg, y, shared, x)
+    y = add_shared(cfg, y, shared, x, routed.routing.shared_weights)
     y = jnp.where(finite[:, None], y, jnp.nan).astype(y.dtype)
     return y, _stats(setup, routed, sent, trip, nan, jnp.sum(finite))
 

@@ -335,13 +335,6 @@ def test_muse_spark_is_refused_with_its_reason():
         me.config_from_hf(CONFIG["muse_spark"]().to_dict())
 
 
-@pytest.mark.parametrize("model_type", ["inkling_text", "inkling_mm_model"])
-def test_inkling_is_refused_with_its_reason(model_type):
-    # `inkling_mm_model` wraps `inkling_text` under `text_config`.
-    with pytest.raises(ValueError, match="inkling_text.*shared_gammas"):
-        me.config_from_hf(CONFIG[model_type]().to_dict())
-
-
 # ---------------------------------------------------------------------------------
 # Gemma-4 (and DiffusionGemma): the MoE block is part of the decoder layer, whose
 # router reads the residual `x` through an RMS norm times its `scale / sqrt(H)` and
