@@ -76,12 +76,17 @@ def _minimax_m3_vl(**kw):
     return cfg, _module("minimax_m3_vl").MiniMaxM3VLSparseMoeBlock(cfg)
 
 
+_NOT_INKLING2 = ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+
+
 def _inkling2(loop=False, **kw):
     # Softcaps that bite: pre-activations are about N(0, 1.2^2) here.
     name = "inkling2_loop" if loop else "inkling2"
+    # Its config has no group or `norm_topk_prob` keys (its router has neither).
+    v3 = {k: v for k, v in _V3.items() if k not in _NOT_INKLING2}
     cfg = CONFIG[f"{name}_text"](
         **(
-            _V3
+            v3
             | dict(
                 n_routed_experts=8, route_scale=1.7, mlp_gate_softcap=0.9,
                 mlp_up_softcap=1.1,
