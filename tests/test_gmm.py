@@ -1386,3 +1386,47 @@ def test_mosaic_reverse_over_reverse_in_interpreter():
     f32 = _f32(lhs, rhs, d_out, t_lhs, t_rhs)
     _close_bf16(hvp_lhs, _numpy_grads(f32[0], f32[4], sizes, f32[2])[0])
     _close_bf16(hvp_rhs, _numpy_grads(f32[3], f32[1], sizes, f32[2])[1])
+
+
+# --- fewer rows than groups (decode steps): `TiledGMM` gathers each row's matrix ----
+
+# 5 rows in 8 groups: empty groups, a group of two, a trailing row past the groups.
+FEW_SIZES = [0, 2, 0, 1, 0, 1, 0, 0]
+FEW_M = 5
+
+
+@pytest.fixture(scope="module")
+def few_rows_args():
+    rng = np.random.default_rng(3)
+    g = len(FEW_SIZES)
+    make = lambda s: jnp.asarray(rng.standard_normal(s) / 2, jnp.float32)  # noqa: E731
+    shapes = [(FEW_M, 3), (g, 3, 4), (g, 2, 3)]
+    args = tuple(make(s) for s in shapes)
+    tangents = tuple(make(s) for s in shapes)
+    return args, tangents, jnp.asarray(FEW_SIZES, jnp.int32), make((FEW_M, 3))
+
+
+@pytest.mark.parametrize("op", ["gmm", "ffn"])
+def test_tiled_gathers_for_fewer_rows_than_groups(op, few_rows_args):
+    """With fewer rows than groups `TiledGMM` gathers each row's matrix (not the
+    loop over the groups); its values, `jax.jvp`, gradients and Hessian are the
+    reference's, and rows past the groups and empty groups get zeros."""
+    args, tangents, sizes, w = few_rows_args
+    if op == "gmm":
+        args, tangents, w = args[:2], tangents[:2], w[:, :2] @ jnp.ones((2, 4))
+    impl = me.TiledGMM()
+    lowered = jax.jit(lambda a: _op(op, impl)(*a, sizes)).lower(args)
+    text = lowered.as_text(debug_info=True)
+    assert "moe_eqx.gmm.gathered" in text and "moe_eqx.gmm.tiled" not in text
+
+    def run(impl):
+        transforms = _transforms(lambda *a: _op(op, impl)(*a, sizes), w)
+        names = ("jvp", "grad", "hessian")
+        return jax.jit(lambda a, t: {n: transforms[n](a, t) for n in names})
+
+    got = run(impl)(args, tangents)
+    _close_trees(got, run(None)(args, tangents))
+    total = sum(FEW_SIZES)
+    assert _zero(got["jvp"][0][total:]) and _zero(got["grad"][0][total:])
+    empty = np.asarray(FEW_SIZES) == 0
+    assert _zero(got["grad"][1][empty]) and not _zero(got["grad"][1][~empty])

@@ -41,6 +41,7 @@ from .._quant import QuantizedArray, as_float
 from .._rules import HIDDEN, acc_dtype, cumsum, div, match_varying, remat_name
 from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, with_tangent_of
 from ._products import AbstractProducts, gmm, gmm_t, tgmm
+from .gathered import GatheredGMM
 
 # Window rows: at most `_MAX_WINDOW`; an even count of windows per typical group where
 # they stay at least `_EVEN_WINDOW` rows; below `_POW2_WINDOW` rows a power of two
@@ -592,7 +593,9 @@ class TiledGMM(AbstractGMMBackend):
     Pure JAX (`lax.fori_loop`s whose trip counts come from the traced `group_sizes`),
     with its own derivatives (see the module): a backward loop over the same windows
     computes `d_lhs` and `d_rhs[g] = lhs_g^T @ d_out_g`, each group's block summed in
-    float32. Its `ffn` runs the whole expert FFN in one loop of windows.
+    float32. Its `ffn` runs the whole expert FFN in one loop of windows. With fewer
+    rows than groups (a static choice) both gather each row's matrix instead
+    (`GatheredGMM`): the loop would read every group's weights.
 
     **Arguments:**
 
@@ -613,6 +616,8 @@ class TiledGMM(AbstractGMMBackend):
         rhs: Float[Array, "groups k_dim n_dim"],
         group_sizes: Int[Array, " groups"],
     ) -> Float[Array, "rows n_dim"]:
+        if lhs.shape[0] < rhs.shape[0]:
+            return GatheredGMM()(lhs, rhs, group_sizes)
         with jax.named_scope("moe_eqx.gmm.tiled"):
             window = window_rows(lhs.shape[0], rhs.shape[0], self.tile_rows)
             lhs, rhs, group_sizes = match_varying(
@@ -630,6 +635,10 @@ class TiledGMM(AbstractGMMBackend):
         *,
         activation: Activation = SWIGLU,
     ):
+        if x.shape[0] < w_gate_up.shape[0]:
+            return GatheredGMM().ffn(
+                x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
+            )
         with jax.named_scope("moe_eqx.gmm.tiled"):
             return tiled_ffn(
                 x,

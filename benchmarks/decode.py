@@ -1,0 +1,156 @@
+"""Decode-step latency: the layer's forward at 1, 8 and 64 tokens per device against a
+minimal MoE that gathers each token's k experts' weights.
+
+    python3 benchmarks/decode.py            # E=64, k=8, d_model=512, d_ff=256
+    python3 benchmarks/decode.py --quick    # fewer repetitions, float32 only, no EP8
+
+Rows (every one a jitted forward, timed in this process, min over repetitions run
+round-robin with the baseline so that all see the same load; the CPU is shared):
+
+- `gather`, the baseline: for each token, its k experts' weights gathered
+  (`w_gate_up[e]`, `w_down[e]`: `[T, k, ...]`), the SwiGLU applied per (token, expert)
+  with batched matmuls, weighted by the router's weights and summed over k. The router
+  (float32 logits, softmax, top-k, renormalised) is included. It reads only the
+  weights of the experts that tokens use, so its cost shrinks with the batch.
+- `layer <backend>`: `layer(x)` on one device, `gmm_backend` "auto", "tiled",
+  "dense" and "ragged_dot"; `ratio` is its time over the baseline's (goal <= 1.5).
+- `EP8 layer`: the same per-device token count on each of 8 simulated CPU devices
+  (`layer(x, mesh=mesh)`, 8x the tokens in all), against the baseline on one device's
+  tokens. The 8 devices share the machine's cores, so this row is not a latency.
+
+Dtypes: float32 and bfloat16 (the layer's parameters and `x`). Quantized experts:
+`DTYPES` maps a name to a function that builds the layer and the baseline's weights;
+a quantized format adds an entry there.
+
+Prints a table and writes benchmarks/results/decode.json.
+"""
+
+import argparse
+import platform
+
+from _common import interleaved_min, print_table, setup_devices, write_json
+
+setup_devices(8)
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jax.random as jr  # noqa: E402
+
+import moe_eqx as me  # noqa: E402
+
+SHAPE = dict(d_model=512, d_ff=256, num_experts=64, top_k=8)
+TOKENS = (1, 8, 64)
+BACKENDS = ("auto", "tiled", "dense", "ragged_dot")
+
+
+def float_layer(dtype):
+    """A layer builder in `dtype`: `backend -> layer`."""
+
+    def build(backend):
+        cfg = me.MoEConfig(**SHAPE, gmm_backend=backend)
+        return me.MoELayer(cfg, key=jr.key(0), dtype=dtype)
+
+    return build
+
+
+# Name -> (layer builder, activation dtype). A quantized format adds a builder that
+# quantizes the experts (and a baseline that gathers the dequantized weights).
+DTYPES = {
+    "float32": (float_layer(jnp.float32), jnp.float32),
+    "bfloat16": (float_layer(jnp.bfloat16), jnp.bfloat16),
+}
+
+
+def gather_moe(layer, x):
+    """The baseline: each token's k experts' weights gathered, SwiGLU per pair."""
+    cfg = layer.config
+    logits = x.astype(jnp.float32) @ layer.router.weight.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1)
+    w, e = jax.lax.top_k(scores, cfg.top_k)
+    w = (w / jnp.sum(w, axis=-1, keepdims=True)).astype(x.dtype)
+    wgu = layer.experts.w_gate_up[e]  # [T, k, d_model, 2 d_ff]
+    wdn = layer.experts.w_down[e]  # [T, k, d_ff, d_model]
+    gu = jnp.einsum("td,tkdf->tkf", x, wgu)
+    f = cfg.d_ff
+    act = (jax.nn.silu(gu[..., :f].astype(jnp.float32)) * gu[..., f:]).astype(x.dtype)
+    out = jnp.einsum("tkf,tkfd->tkd", act, wdn)
+    return jnp.einsum("tk,tkd->td", w, out)
+
+
+def layer_fwd(layer, mesh=None):
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def fwd(p, x):
+        return eqx.combine(p, static)(x, mesh=mesh)[0]
+
+    return jax.jit(fwd), params
+
+
+def check_baseline(layer, x):
+    """The baseline computes the layer's function (against the dense oracle)."""
+    want = me.reference_moe(layer, x).astype(jnp.float32)
+    got = jax.jit(gather_moe)(layer, x).astype(jnp.float32)
+    err = float(jnp.max(jnp.abs(got - want)) / (jnp.max(jnp.abs(want)) + 1e-30))
+    tol = 1e-4 if x.dtype == jnp.float32 else 3e-2
+    assert err < tol, f"baseline differs from reference_moe: {err}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--no-ep", action="store_true")
+    args = ap.parse_args()
+    repeats = args.repeats or (5 if args.quick else 20)
+    dtypes = ("float32",) if args.quick else tuple(DTYPES)
+    ep = not (args.quick or args.no_ep) and len(jax.devices()) >= 8
+    mesh = jax.make_mesh((8,), ("expert",)) if ep else None
+
+    rows = []
+    for dname in dtypes:
+        build, act_dtype = DTYPES[dname]
+        layers = {b: build(b) for b in BACKENDS}
+        base_layer = layers["auto"]
+        for t in TOKENS:
+            x = jr.normal(jr.key(t), (t, SHAPE["d_model"]), jnp.float32)
+            x = x.astype(act_dtype)
+            check_baseline(base_layer, x)
+            cands = {"gather": (jax.jit(gather_moe), (base_layer, x))}
+            for b, layer in layers.items():
+                fn, p = layer_fwd(layer)
+                cands[f"layer {b}"] = (fn, (p, x))
+            if ep:
+                fn, p = layer_fwd(base_layer, mesh)
+                x8 = jr.normal(jr.key(t), (8 * t, SHAPE["d_model"]), jnp.float32)
+                cands["EP8 layer"] = (fn, (p, x8.astype(act_dtype)))
+            times = interleaved_min(cands, repeats)
+            for name, s in times.items():
+                rows.append(
+                    {
+                        "dtype": dname,
+                        "tokens": t,
+                        "row": name,
+                        "ms": 1e3 * s,
+                        "ratio": s / times["gather"],
+                    }
+                )
+            print(f"{dname} T={t}: done", flush=True)
+
+    print()
+    print_table(rows, ["dtype", "tokens", "row", "ms", "ratio"])
+    write_json(
+        "decode",
+        {
+            "shape": SHAPE,
+            "repeats": repeats,
+            "machine": platform.machine(),
+            "jax": jax.__version__,
+            "devices": str(jax.devices()[0].platform),
+            "rows": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
