@@ -18,9 +18,9 @@ round-robin with the baseline so that all see the same load; the CPU is shared):
   (`layer(x, mesh=mesh)`, 8x the tokens in all), against the baseline on one device's
   tokens. The 8 devices share the machine's cores, so this row is not a latency.
 
-Dtypes: float32 and bfloat16 (the layer's parameters and `x`). Quantized experts:
-`DTYPES` maps a name to a function that builds the layer and the baseline's weights;
-a quantized format adds an entry there.
+Dtypes: float32 and bfloat16 (the layer's parameters and `x`), and experts kept in
+`float8_e4m3fn`, `mxfp4` and `int8` (bfloat16 otherwise; the baseline gathers the
+quantized bytes of each token's experts and dequantizes only those).
 
 Prints a table and writes benchmarks/results/decode.json.
 """
@@ -56,10 +56,29 @@ def float_layer(dtype):
 
 # Name -> (layer builder, activation dtype). A quantized format adds a builder that
 # quantizes the experts (and a baseline that gathers the dequantized weights).
+def quantized_layer(fmt):
+    """A layer builder whose experts are kept in `fmt` (dequantizing to bfloat16)."""
+    build_float = float_layer(jnp.bfloat16)
+    return lambda backend: me.quantize_experts(build_float(backend), fmt)
+
+
 DTYPES = {
     "float32": (float_layer(jnp.float32), jnp.float32),
     "bfloat16": (float_layer(jnp.bfloat16), jnp.bfloat16),
+    **{
+        fmt: (quantized_layer(fmt), jnp.bfloat16)
+        for fmt in ("float8_e4m3fn", "mxfp4", "int8")
+    },
 }
+
+
+def gathered(w, e, dtype):
+    """Experts `e` (`[T, k]`) of `w` (`[E, ...]`) in `dtype`: `[T, k, ...]`; a quantized
+    weight's gathered experts are dequantized, the others never are."""
+    if isinstance(w, me.QuantizedArray):
+        flat = w.map_experts(lambda a: a[e.reshape(-1)]).dequantize(dtype)
+        return flat.reshape(*e.shape, *flat.shape[1:])
+    return w[e].astype(dtype)
 
 
 def gather_moe(layer, x):
@@ -69,8 +88,8 @@ def gather_moe(layer, x):
     scores = jax.nn.softmax(logits, axis=-1)
     w, e = jax.lax.top_k(scores, cfg.top_k)
     w = (w / jnp.sum(w, axis=-1, keepdims=True)).astype(x.dtype)
-    wgu = layer.experts.w_gate_up[e]  # [T, k, d_model, 2 d_ff]
-    wdn = layer.experts.w_down[e]  # [T, k, d_ff, d_model]
+    wgu = gathered(layer.experts.w_gate_up, e, x.dtype)  # [T, k, d_model, 2 d_ff]
+    wdn = gathered(layer.experts.w_down, e, x.dtype)  # [T, k, d_ff, d_model]
     gu = jnp.einsum("td,tkdf->tkf", x, wgu)
     f = cfg.d_ff
     act = (jax.nn.silu(gu[..., :f].astype(jnp.float32)) * gu[..., f:]).astype(x.dtype)
@@ -79,7 +98,9 @@ def gather_moe(layer, x):
 
 
 def layer_fwd(layer, mesh=None):
-    params, static = eqx.partition(layer, eqx.is_inexact_array)
+    # Every array an argument (a quantized weight's integer leaves too), none a
+    # constant folded into the program.
+    params, static = eqx.partition(layer, eqx.is_array)
 
     def fwd(p, x):
         return eqx.combine(p, static)(x, mesh=mesh)[0]
