@@ -680,6 +680,12 @@ _IGNORED_KEYS: dict[str, tuple[str, ...]] = {
     "qwen3_5_moe_text": ("norm_topk_prob",),
     "gpt_oss": ("hidden_act",),  # its experts' activation is their own
     "qwen3_moe": ("shared_expert_intermediate_size",),  # it has no shared expert
+    # DeepSeek-V2's block.
+    "deepseek_ocr2_text": ("norm_topk_prob", "n_group", "topk_group"),
+    "unlimited_ocr_text": ("norm_topk_prob", "n_group", "topk_group"),
+    # Their routers always renormalise.
+    "minimax_m3_vl_text": ("norm_topk_prob",),
+    "step3p5": ("norm_topk_prob",),
 }
 
 
