@@ -683,9 +683,6 @@ _IGNORED_KEYS: dict[str, tuple[str, ...]] = {
     # DeepSeek-V2's block.
     "deepseek_ocr2_text": ("norm_topk_prob", "n_group", "topk_group"),
     "unlimited_ocr_text": ("norm_topk_prob", "n_group", "topk_group"),
-    # Their routers always renormalise.
-    "minimax_m3_vl_text": ("norm_topk_prob",),
-    "step3p5": ("norm_topk_prob",),
 }
 
 

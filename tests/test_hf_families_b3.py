@@ -65,7 +65,7 @@ def _minimax_m3_vl(**kw):
     # A clamp that bites (see `_glm5_next`).
     cfg = CONFIG["minimax_m3_vl_text"](
         **(
-            _V3
+            {k: v for k, v in _V3.items() if k not in _NO_GROUPS}
             | dict(
                 num_local_experts=8, intermediate_size=12, shared_intermediate_size=20,
                 swiglu_limit=0.8, swiglu_alpha=1.5, routed_scaling_factor=2.0,
@@ -76,7 +76,10 @@ def _minimax_m3_vl(**kw):
     return cfg, _module("minimax_m3_vl").MiniMaxM3VLSparseMoeBlock(cfg)
 
 
-_NOT_INKLING2 = ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+# Keys of `_V3` that a block's config does not have (its router has no groups and
+# always renormalises).
+_NO_GROUPS = ("n_group", "topk_group", "norm_topk_prob")
+_NOT_INKLING2 = (*_NO_GROUPS, "routed_scaling_factor")
 
 
 def _inkling2(loop=False, **kw):
@@ -102,7 +105,7 @@ def _inkling2(loop=False, **kw):
 def _step3p5(**kw):
     cfg = CONFIG["step3p5"](
         **(
-            _V3
+            {k: v for k, v in _V3.items() if k not in _NOT_INKLING2}
             | dict(
                 n_routed_experts=8, share_expert_dim=20, moe_router_scaling_factor=1.5,
                 num_hidden_layers=1, mlp_layer_types=["sparse"],
