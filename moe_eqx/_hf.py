@@ -996,19 +996,27 @@ def _sarvam(r: _Reader) -> dict:
     return out
 
 
-def _v3_routing(r: _Reader) -> dict:
-    """DeepSeek-V3's routing and experts' keys (also Nemotron-H's and HY-V4's):
-    sigmoid scores with a selection bias, groups scored by their best two,
-    `norm_topk_prob`, `routed_scaling_factor`."""
-    n_group = int(r.get("n_group", default=1) or 1)
+def _v3_routing(
+    r: _Reader,
+    *,
+    experts: str = "n_routed_experts",
+    group: str = "n_group",
+    norm: str = "norm_topk_prob",
+) -> dict:
+    """DeepSeek-V3's routing and experts' keys (also Nemotron-H's and HY-V4's), under
+    a family's own names for the experts, the groups and the renormalisation:
+    sigmoid scores with a selection bias, groups (`group` of them, `topk_group` kept)
+    scored by their best two, renormalised when `norm`, then
+    `routed_scaling_factor`."""
+    n_group = int(r.get(group, default=1) or 1)
     return dict(
         d_ff=r.get("moe_intermediate_size"),
-        num_experts=r.get("n_routed_experts"),
+        num_experts=r.get(experts),
         score_func="sigmoid",
         num_groups=n_group,
         top_groups=int(r.get("topk_group", default=n_group) or n_group),
         use_router_bias=True,
-        norm_topk=bool(r.get("norm_topk_prob", default=True)),
+        norm_topk=bool(r.get(norm, default=True)),
         routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
     )
 
@@ -1178,23 +1186,14 @@ def _v3_block(
     top_k: str = "num_experts_per_tok",
     norm: str = "norm_topk_prob",
 ) -> dict:
-    """DeepSeek-V3's block under a family's own key names: sigmoid scores with a
-    selection bias, groups (`group` of them, `topk_group` kept) scored by their best
-    two, renormalised when `norm`, then `routed_scaling_factor`; a shared SwiGLU of
-    `shared` times `shared_width` (`shared=None`: the block has none)."""
+    """DeepSeek-V3's block under a family's own key names (`_v3_routing`), the top-k
+    at `top_k`; a shared SwiGLU of `shared` times `shared_width` (`shared=None`: the
+    block has none)."""
     _swiglu(r)
-    n_group = int(r.get(group, default=1) or 1)
     width = 0 if shared is None else int(r.get(shared_width))
     return dict(
-        d_ff=r.get("moe_intermediate_size"),
-        num_experts=r.get(experts),
+        _v3_routing(r, experts=experts, group=group, norm=norm),
         top_k=r.get(top_k),
-        score_func="sigmoid",
-        num_groups=n_group,
-        top_groups=int(r.get("topk_group", default=n_group) or n_group),
-        use_router_bias=True,
-        norm_topk=bool(r.get(norm, default=True)),
-        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
         shared_d_ff=0 if shared is None else _shared_width(r, shared, width),
     )
 
@@ -1349,17 +1348,8 @@ def _openai_privacy_filter(r: _Reader) -> dict:
 def _beam(r: _Reader) -> dict:
     # DeepSeek-V3's routing over gated experts of `hidden_act`; no shared expert.
     act = r.require("hidden_act", tuple(_GATED_ACTIVATIONS), default="silu")
-    n_group = int(r.get("n_group", default=1) or 1)
     return dict(
-        d_ff=r.get("moe_intermediate_size"),
-        num_experts=r.get("num_experts"),
-        score_func="sigmoid",
-        num_groups=n_group,
-        top_groups=int(r.get("topk_group", default=n_group) or n_group),
-        use_router_bias=True,
-        norm_topk=bool(r.get("norm_topk_prob", default=True)),
-        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
-        activation=_GATED_ACTIVATIONS[act],
+        _v3_routing(r, experts="num_experts"), activation=_GATED_ACTIVATIONS[act]
     )
 
 

@@ -21,6 +21,19 @@ CFG = me.MoEConfig(
 COLUMNS = CFG.num_experts + CFG.num_identity_experts
 
 
+def _assert_counts_forced(stats, ids):
+    """The stats count the forced pairs: routed experts (ids < 8) and identity
+    experts (ids 8, 9)."""
+    stats.check()
+    flat = np.asarray(ids).ravel()
+    np.testing.assert_array_equal(
+        stats.expert_counts, np.bincount(flat[flat < 8], minlength=8)
+    )
+    np.testing.assert_array_equal(
+        stats.identity_counts, np.bincount(flat[flat >= 8] - 8, minlength=2)
+    )
+
+
 def _random_ids(key, batch_shape, columns=COLUMNS, k=CFG.top_k):
     """Distinct ids per token, uniform over `columns`."""
     n = int(np.prod(batch_shape))
@@ -118,14 +131,7 @@ def test_replay_matches_the_oracle_one_device(layer, getkey):
     y_ref, grads_ref = _oracle_value_and_grad(layer, x, ids)
     np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
     _assert_trees_close(grads, grads_ref)
-    stats.check()
-    flat = np.asarray(ids).ravel()
-    np.testing.assert_array_equal(
-        stats.expert_counts, np.bincount(flat[flat < 8], minlength=8)
-    )
-    np.testing.assert_array_equal(
-        stats.identity_counts, np.bincount(flat[flat >= 8] - 8, minlength=2)
-    )
+    _assert_counts_forced(stats, ids)
     assert int(stats.identity_counts.sum()) > 0
     # The router gets its gradient from the forced pairs' weights: not zero, and not
     # the gradient of the router's own (bias-chosen) routing.
@@ -202,14 +208,7 @@ def test_replay_matches_the_oracle_ep8_fallback(layer, mesh8, getkey, skewed):
     assert bool(stats.fallback_used) == skewed
     np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
     _assert_trees_close(grads, grads_ref)
-    stats.check()
-    flat = np.asarray(ids).ravel()
-    np.testing.assert_array_equal(
-        stats.expert_counts, np.bincount(flat[flat < 8], minlength=8)
-    )
-    np.testing.assert_array_equal(
-        stats.identity_counts, np.bincount(flat[flat >= 8] - 8, minlength=2)
-    )
+    _assert_counts_forced(stats, ids)
 
 
 def test_replay_ep8_drop(layer, mesh8, getkey):
