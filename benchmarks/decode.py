@@ -3,6 +3,7 @@ minimal MoE that gathers each token's k experts' weights.
 
     python3 benchmarks/decode.py            # E=64, k=8, d_model=512, d_ff=256
     python3 benchmarks/decode.py --quick    # fewer repetitions, float32 only, no EP8
+    python3 benchmarks/decode.py --no-ep --dtypes int8,mxfp4 --backends tiled
 
 Rows (every one a jitted forward, timed in this process, min over repetitions run
 round-robin with the baseline so that all see the same load; the CPU is shared):
@@ -122,16 +123,20 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--no-ep", action="store_true")
+    ap.add_argument("--dtypes", default=None, help="comma-separated DTYPES names")
+    ap.add_argument("--backends", default=None, help="comma-separated gmm_backends")
     args = ap.parse_args()
     repeats = args.repeats or (5 if args.quick else 20)
     dtypes = ("float32",) if args.quick else tuple(DTYPES)
+    dtypes = tuple(args.dtypes.split(",")) if args.dtypes else dtypes
+    backends = tuple(args.backends.split(",")) if args.backends else BACKENDS
     ep = not (args.quick or args.no_ep) and len(jax.devices()) >= 8
     mesh = jax.make_mesh((8,), ("expert",)) if ep else None
 
     rows = []
     for dname in dtypes:
         build, act_dtype = DTYPES[dname]
-        layers = {b: build(b) for b in BACKENDS}
+        layers = {b: build(b) for b in (*backends, "auto")}
         base_layer = layers["auto"]
         for t in TOKENS:
             x = jr.normal(jr.key(t), (t, SHAPE["d_model"]), jnp.float32)
