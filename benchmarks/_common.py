@@ -204,3 +204,88 @@ def thunk_times(fn, args, repeats: int) -> tuple[dict, float]:
             for event in line.events:
                 total[event.name] += event.duration_ns / 1e6 / repeats
     return dict(total), 1e3 * wall
+
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+    "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+}  # fmt: skip
+_HLO_COLLECTIVES = (
+    "all-to-all",
+    "all-gather",
+    "reduce-scatter",
+    "ragged-all-to-all",
+    "collective-permute",
+    "all-reduce",
+)
+
+
+def _shape_bytes(shapes: str) -> list[int]:
+    """Bytes of each array shape (`f32[8,64]{1,0}`) in an HLO type, e.g. a tuple."""
+    import math
+    import re
+
+    out = []
+    for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", shapes):
+        if dtype in _DTYPE_BYTES:
+            n = math.prod(int(d) for d in dims.split(",") if d)
+            out.append(n * _DTYPE_BYTES[dtype])
+    return out
+
+
+def collective_bytes(text: str) -> dict[str, int]:
+    """Bytes per shard of each kind of collective in a compiled HLO module's text
+    (`jax.jit(f).lower(...).compile().as_text()`): for each instruction, the larger of
+    its operands' and its result's total bytes (an all-gather's result, a
+    reduce-scatter's operand, an all-to-all's buffers), summed per opcode (`-start`
+    forms under the name of their op). An instruction in a loop body counts once.
+    """
+    import re
+
+    defs = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+    shapes, ops = {}, []
+    for line in text.splitlines():
+        m = defs.match(line)
+        if not m:
+            continue
+        name, result, opcode, rest = m.groups()
+        shapes[name] = result
+        base = opcode.removesuffix("-start")
+        if base in _HLO_COLLECTIVES:
+            operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+            ops.append((base, opcode != base, result, operands))
+    total = dict.fromkeys(_HLO_COLLECTIVES, 0)
+    for base, is_start, result, operands in ops:
+        in_bytes = sum(sum(_shape_bytes(shapes.get(o, ""))) for o in operands)
+        out = _shape_bytes(result)
+        # An async start's result is a tuple (operands, result, ...): its largest
+        # element is the collective's own buffer.
+        out_bytes = max(out, default=0) if is_start else sum(out)
+        total[base] += max(in_bytes, out_bytes)
+    return total
+
+
+def ragged_all_to_all_buffers(text: str) -> list[tuple[int, int]]:
+    """`(rows, bytes)` of the larger buffer (input or output) of each
+    `ragged_all_to_all` custom call in a lowered StableHLO module's text
+    (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",)).as_text()`)."""
+    import re
+
+    pattern = re.compile(
+        r"custom_call @ragged_all_to_all\(.*?:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)"
+    )
+    out = []
+    for m in pattern.finditer(text):
+        best = (0, 0)
+        for t in m.groups():
+            dims = re.match(r"tensor<((?:\d+x)+)(\w+)>", t)
+            sizes = [int(d) for d in dims.group(1).rstrip("x").split("x")]
+            dtype = {"ui32": "u32", "i32": "s32", "i8": "s8", "ui8": "u8"}.get(
+                dims.group(2), dims.group(2)
+            )
+            n = _DTYPE_BYTES[dtype]
+            for s in sizes:
+                n *= s
+            best = max(best, (sizes[0], n), key=lambda rb: rb[1])
+        out.append(best)
+    return out
