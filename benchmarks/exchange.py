@@ -1,5 +1,5 @@
 """Exchange backends at EP8: wire bytes counted from the compiled programs, step
-time.
+time, and the `exchange="auto"` rule's choice.
 
     python3 benchmarks/exchange.py            # T = 64 ... 16384 per shard, k = 2, 8
     python3 benchmarks/exchange.py --quick    # T = 64, 1024; forward only
@@ -31,6 +31,7 @@ scalar loss with respect to every float parameter and `x`):
   the same (T, k, pass) in this process; `vs_dense` is the ratio to `dense`. Ragged:
   "n/a" (no CPU lowering). A program whose compiled temporaries over 8 devices exceed
   `--max-gib` is not run ("mem").
+- `auto_cpu`, `auto_gpu`: what `exchange="auto"` resolves to for these shapes.
 
 Prints a table and writes benchmarks/results/exchange.json.
 """
@@ -57,6 +58,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import moe_eqx as me  # noqa: E402
+import moe_eqx.internal as mi  # noqa: E402
 
 R = 8
 SHAPE = dict(d_model=64, d_ff=64, num_experts=32)
@@ -94,6 +96,20 @@ def ragged_bytes(layer, x, mesh, backward: bool) -> list[tuple[int, int]]:
     fn = jax.grad(loss, argnums=(0, 1)) if backward else fwd
     lowered = jax.jit(fn).trace(params, x).lower(lowering_platforms=("cuda",))
     return ragged_all_to_all_buffers(lowered.as_text())
+
+
+def auto_choice(tokens: int, k: int, platform: str) -> str:
+    cfg = me.MoEConfig(**SHAPE, top_k=k)
+    return mi.choose_exchange(
+        platform=platform,
+        tokens=tokens,
+        d_model=cfg.d_model,
+        top_k=k,
+        num_shards=R,
+        local_groups=cfg.num_experts // R,
+        dedup=cfg.dedup,
+        buffer_factor=cfg.buffer_factor,
+    )
 
 
 def run_shape(tokens, k, exchanges, passes, mesh, args) -> list[dict]:
@@ -142,6 +158,8 @@ def run_shape(tokens, k, exchanges, passes, mesh, args) -> list[dict]:
                 continue
             if isinstance(row.get("ms"), float) and isinstance(dense.get("ms"), float):
                 row["vs_dense"] = row["ms"] / dense["ms"]
+            row["auto_cpu"] = auto_choice(tokens, k, "cpu")
+            row["auto_gpu"] = auto_choice(tokens, k, "gpu")
     return rows
 
 
@@ -191,6 +209,8 @@ def main():
             "temp_mib",
             "ms",
             "vs_dense",
+            "auto_cpu",
+            "auto_gpu",
         ],
     )
     write_json(

@@ -9,6 +9,7 @@ They are documented and tested, but they change more freely than the top level.
     `SortedPairs`, `scatter_to_tokens`, and the gathers with their own transposes
     (`permute_rows`, `unpermute_sum`, `sum_rows`, `inverse_permutation`).
 - Exchange: `ExchangePlan`, `make_exchange_plan`, `exchange_name`, `make_exchange`,
+    `choose_exchange` (the `"auto"` rule), `expected_wire_rows`,
     `emulate_ragged_all_to_all` (the semantics of `lax.ragged_all_to_all`, for CPU
     tests).
 - Experts and grouped matmuls: `expert_ffn`, `gmm_ffn`, `DenseGMM` (the tests'
@@ -35,8 +36,10 @@ from ._dispatch import (
 )
 from ._exchange import (
     ExchangePlan as ExchangePlan,
+    choose_exchange as choose_exchange,
     emulate_ragged_all_to_all as emulate_ragged_all_to_all,
     exchange_name as exchange_name,
+    expected_wire_rows as expected_wire_rows,
     make_exchange as make_exchange,
     make_exchange_plan as make_exchange_plan,
 )

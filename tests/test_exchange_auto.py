@@ -1,5 +1,5 @@
-"""The benchmarks' collective byte counter against programs whose collective sizes
-are known exactly."""
+"""The `exchange="auto"` rule at edge shapes, and the benchmarks' collective byte
+counter against programs whose collective sizes are known exactly."""
 
 import functools as ft
 import importlib.util
@@ -11,6 +11,8 @@ import pytest
 from helpers import auto_mesh
 from jax.sharding import PartitionSpec as P
 
+import moe_eqx.internal as mi
+
 
 @ft.cache
 def _common():
@@ -19,6 +21,84 @@ def _common():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _choose(platform, tokens, *, k=2, r=8, d=64, dedup=True, bf=2.0, experts=32):
+    return mi.choose_exchange(
+        platform=platform,
+        tokens=tokens,
+        d_model=d,
+        top_k=k,
+        num_shards=r,
+        local_groups=experts // r,
+        dedup=dedup,
+        buffer_factor=bf,
+    )
+
+
+HUGE = 2**20  # tokens per shard
+
+
+def test_one_shard_is_dense_everywhere():
+    # Nothing crosses a wire: a plain local copy, on every platform.
+    for platform in ("cpu", "gpu", "tpu"):
+        for tokens in (1, HUGE):
+            assert _choose(platform, tokens, r=1) == "dense"
+    # ... while the same shapes over 8 shards are not dense on a GPU.
+    assert _choose("gpu", 1, r=8) == "allgather"
+
+
+def test_cpu_never_ragged():
+    # XLA:CPU cannot compile ragged_all_to_all: every CPU choice must lower there.
+    for tokens in (1, 64, 4096, HUGE):
+        for k in (1, 2, 8):
+            for dedup in (True, False):
+                for bf in (0.25, 2.0, None):
+                    choice = _choose("cpu", tokens, k=k, dedup=dedup, bf=bf)
+                    assert choice in ("dense", "allgather")
+
+
+def test_cpu_allgather_only_when_it_moves_fewer_rows():
+    # With dedup, dense blocks hold one row per token and destination, as many as
+    # allgather gathers: dense. Without dedup a token's k pairs are k rows: allgather.
+    for tokens in (1, 1024, HUGE):
+        assert _choose("cpu", tokens, k=2) == "dense"
+        assert _choose("cpu", tokens, k=2, dedup=False) == "allgather"
+    # k = 1: one row per token either way.
+    assert _choose("cpu", 1024, k=1, dedup=False) == "dense"
+
+
+def test_gpu_small_exchange_is_allgather_at_any_k():
+    # T = 1: latency-bound; even k = 1, whose gathered rows are 4x the buffer.
+    for k in (1, 2, 8):
+        assert _choose("gpu", 1, k=k) == "allgather"
+        assert _choose("tpu", 1, k=k) == "allgather"
+    # The same k = 1 at a large T is refused allgather's memory.
+    assert _choose("gpu", HUGE, k=1, r=16, experts=64) == "ragged"
+
+
+def test_gpu_large_exchange_by_dedup_factor():
+    # k = 2 over 8 shards: ragged sends 1.875 rows per token, allgather 8: ragged.
+    assert _choose("gpu", HUGE, k=2) == "ragged"
+    # k = 8 over 8 shards: 5.25 rows against 8, under 2x saved: allgather.
+    assert _choose("gpu", HUGE, k=8) == "allgather"
+    # k = 8 over 64 shards: 7.6 rows against 64: ragged.
+    assert _choose("gpu", HUGE, k=8, r=64, experts=256) == "ragged"
+
+
+def test_gpu_allgather_refused_above_the_memory_ratio():
+    # Gathered rows R*T = 8T; capped buffer B = buffer_factor * T * k.
+    assert _choose("gpu", HUGE, k=8, bf=0.25) == "allgather"  # B = 2T: 8T <= 4B
+    assert _choose("gpu", HUGE, k=8, bf=0.125) == "ragged"  # B = T: 8T > 4B
+
+
+def test_expected_wire_rows():
+    rows = mi.expected_wire_rows
+    assert rows(top_k=2, num_shards=8, dedup=True) == pytest.approx(1.875)
+    assert rows(top_k=8, num_shards=8, dedup=True) == pytest.approx(8 * (1 - 0.875**8))
+    assert rows(top_k=1, num_shards=8, dedup=True) == pytest.approx(1.0)
+    assert rows(top_k=4, num_shards=1, dedup=True) == pytest.approx(1.0)
+    assert rows(top_k=4, num_shards=8, dedup=False) == 4.0
 
 
 def test_collective_bytes_counts_known_program():

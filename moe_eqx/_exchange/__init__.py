@@ -9,6 +9,10 @@ from ._base import (
     dispatch_rows as dispatch_rows,
     make_exchange_plan as make_exchange_plan,
 )
+from .auto import (
+    choose_exchange as choose_exchange,
+    expected_wire_rows as expected_wire_rows,
+)
 from .dense import DenseExchange as DenseExchange
 from .emulator import emulate_ragged_all_to_all as emulate_ragged_all_to_all
 from .ragged import RaggedExchange as RaggedExchange
