@@ -13,6 +13,8 @@ from ._config import MoEConfig as MoEConfig
 from ._dispatch import sort_by_expert as sort_by_expert
 from ._exchange import (
     AbstractExchange as AbstractExchange,
+    AbstractRowExchange as AbstractRowExchange,
+    AllGatherExchange as AllGatherExchange,
     DenseExchange as DenseExchange,
     RaggedExchange as RaggedExchange,
 )

@@ -12,7 +12,7 @@ from ._gmm._base import ACTIVATIONS, Activation
 from ._slots import SLOT_BACKWARDS
 
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "dense", "mosaic_gpu")
-EXCHANGES = ("auto", "dense", "ragged")
+EXCHANGES = ("auto", "dense", "ragged", "allgather")
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 # How a layer is parallelised and buffered, as opposed to what it computes: the fields
 # that no model's config sets (`config_from_hf`'s overrides).
@@ -128,7 +128,8 @@ class MoEConfig(eqx.Module):
     - `gmm_backend`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"` or `"mosaic_gpu"`,
         or a backend instance (e.g. a tuned `TiledGMM(tile_rows=...)` or
         `MosaicGPUGMM(...)`), as optimistix and lineax take solver objects.
-    - `exchange`: all-to-all backend, `"auto"`, `"dense"` or `"ragged"`, or an
+    - `exchange`: exchange backend, `"auto"`, `"dense"`, `"ragged"` or `"allgather"`
+        (tokens all-gathered, outputs reduce-scattered), or an
         [`moe_eqx.AbstractExchange`][] instance (a `DenseExchange` gets the layer's
         `axis_name` and block size; other instances are used as given).
     - `axis_name`: the expert-parallel mesh axis.

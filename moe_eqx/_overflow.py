@@ -38,12 +38,16 @@ def buffer_sizes(
     local_groups: int,
     dedup: bool,
     buffer_factor: float | None,
+    gather: bool = False,
 ) -> BufferSizes:
     """Receive buffers for `tokens` local tokens per shard.
 
     `B = ceil(buffer_factor * tokens * top_k)` rows and pairs, never more than the worst
     case (every token of every shard sending all the pairs it can to one shard: one wire
     row and `min(k, G)` pairs per token when deduplicating). `None` = the worst case.
+    With `gather` (the all-gather exchange) every shard holds all `R * T` tokens of
+    its group, so `rows` is `R * T` and cannot overflow; only the pair buffer bounds
+    what a shard computes.
 
     **Arguments:**
 
@@ -55,13 +59,14 @@ def buffer_sizes(
         (routing groups).
     - `dedup`: one wire row per (token, shard) or per pair.
     - `buffer_factor`: the config's factor, or None.
+    - `gather`: the buffers of the all-gather exchange (`dedup` is then ignored).
 
     **Returns:**
 
     A [`moe_eqx.internal.BufferSizes`][].
     """
     per_token_pairs, per_token_rows = per_token_counts(
-        top_k=top_k, local_groups=local_groups, dedup=dedup
+        top_k=top_k, local_groups=local_groups, dedup=dedup or gather
     )
     worst_pairs = num_shards * tokens * per_token_pairs
     worst_rows = num_shards * tokens * per_token_rows
@@ -70,6 +75,14 @@ def buffer_sizes(
     else:
         b = math.ceil(buffer_factor * tokens * top_k)
         rows, pairs = min(b, worst_rows), min(b, worst_pairs)
+    if gather:
+        return BufferSizes(
+            rows=worst_rows,
+            pairs=pairs,
+            block_rows=0,
+            send_rows=tokens,
+            worst_case=pairs == worst_pairs,
+        )
     return BufferSizes(
         rows=rows,
         pairs=pairs,

@@ -12,7 +12,13 @@ from ._combine import add_identity, add_output_bias, norm_output
 from ._compat import abstract_mesh_platform
 from ._config import MoEConfig
 from ._dispatch import send_counts
-from ._exchange import AbstractExchange, exchange_name, is_dense, is_ragged
+from ._exchange import (
+    AbstractExchange,
+    exchange_name,
+    is_allgather,
+    is_dense,
+    is_ragged,
+)
 from ._experts import Experts, SharedExperts, expert_arrays
 from ._fallback import chunked_dropless, fallback_chunking
 from ._fsdp import gather_experts
@@ -234,14 +240,17 @@ class _ShardSetup(eqx.Module):
         )
         # Duplication needs somewhere else to put a copy.
         num_slots = cfg.num_slots if num_shards > 1 else 0
+        exchange = exchange_name(cfg.exchange, platform)
+        gather = is_allgather(exchange)
         sizes = dict(
             tokens=tokens,
             top_k=cfg.top_k,
             num_shards=num_shards,
             local_groups=num_local + num_slots,
-            dedup=cfg.dedup,
+            # A gathered token is one row on every shard, whatever `dedup` says.
+            dedup=cfg.dedup or gather,
         )
-        buffers = buffer_sizes(**sizes, buffer_factor=cfg.buffer_factor)
+        buffers = buffer_sizes(**sizes, buffer_factor=cfg.buffer_factor, gather=gather)
         num_chunks = 1
         if cfg.on_overflow == "fallback" and not buffers.worst_case:
             num_chunks, buffers = fallback_chunking(**sizes, capped=buffers)
@@ -252,7 +261,7 @@ class _ShardSetup(eqx.Module):
             tokens=tokens,
             num_local=num_local,
             num_slots=num_slots,
-            exchange=exchange_name(cfg.exchange, platform),
+            exchange=exchange,
             gmm_backend=resolve_backend(cfg.gmm_backend, platform),
             buffers=buffers,
             num_chunks=num_chunks,
@@ -357,8 +366,11 @@ def _send(setup: _ShardSetup, inputs: TripInputs) -> _Sent:
     """Steps 4-5: the rows and pairs each shard will dispatch to each other, and the
     exact overflow predicate on them (combined over the data axes)."""
     num_shards = setup.num_shards
+    # With the all-gather exchange, a shard's rows are the gathered tokens with a pair
+    # there; they never exceed `buffers.rows` (`R * T`), so only pairs can overflow.
+    dedup = setup.cfg.dedup or is_allgather(setup.exchange)
     rows = send_counts(
-        inputs.dest_shard, inputs.valid, num_shards=num_shards, dedup=setup.cfg.dedup
+        inputs.dest_shard, inputs.valid, num_shards=num_shards, dedup=dedup
     )
     pairs = send_counts(
         inputs.dest_shard, inputs.valid, num_shards=num_shards, dedup=False

@@ -1,6 +1,9 @@
 """One expert-parallel round trip on one shard, the capped path (the documentation's
 "How it works"): dedup dispatch -> exchange -> expand to pairs -> expert GMM -> combine
-per wire row -> exchange back -> sum per token. Runs inside `shard_map`.
+per wire row -> exchange back -> sum per token. With an exchange that gathers tokens
+(`exchange="allgather"`): all-gather the tokens -> keep this shard's pairs -> expand to
+pairs -> expert GMM -> combine per gathered token -> reduce-scatter. Runs inside
+`shard_map`.
 """
 
 import functools as ft
@@ -26,7 +29,7 @@ from ._gmm._base import SWIGLU, Activation
 from ._overflow import BufferSizes
 from ._permute import sum_rows
 from ._quant import QuantizedArray
-from ._rules import count_at_or_below
+from ._rules import acc_dtype, count_at_or_below
 
 
 class TripSpec(eqx.Module):
@@ -40,7 +43,8 @@ class TripSpec(eqx.Module):
         (routing groups).
     - `buffers`: the [`moe_eqx.internal.BufferSizes`][] of the trip.
     - `dedup`: one wire row per (token, shard) or one per pair.
-    - `exchange`: `"dense"`, `"ragged"` or an exchange instance (resolved: see
+    - `exchange`: `"dense"`, `"ragged"`, `"allgather"` or an exchange instance
+        (resolved: see
         `moe_eqx.internal.exchange_name` for the config's `"auto"`).
     - `gmm_backend`: a GMM backend name or instance, as in [`moe_eqx.MoEConfig`][].
     - `axis_name`: the expert-parallel mesh axis.
@@ -68,7 +72,8 @@ class TripStats(eqx.Module):
 
     - `computed_pairs`: pairs this shard's grouped matmul processed (its group sizes
         after expanding the received rows).
-    - `recv_rows`: wire rows this shard received that carry at least one pair.
+    - `recv_rows`: wire rows this shard received that carry at least one pair (with
+        the all-gather exchange: gathered tokens with at least one pair here).
     - `dropped_pairs`: pairs of this shard's tokens not sent because their receiver
         was full, plus pairs this shard received but could not fit in its pair buffer.
     """
@@ -122,6 +127,20 @@ def expert_parallel_trip(
     zero and are counted in `stats.dropped_pairs`.
     """
     bufs = spec.buffers
+    exchange = make_exchange(
+        spec.exchange, axis_name=spec.axis_name, block_rows=bufs.block_rows
+    )
+    # The one place the two kinds of exchange part ways.
+    trip = _gather_trip if exchange.gathers_tokens else _row_trip
+    y, stats, grad_acc = trip(inputs, spec, exchange, grad_acc)
+    return (y, stats) if grad_acc is None else (y, stats, grad_acc)
+
+
+def _row_trip(inputs: TripInputs, spec: TripSpec, exchange, grad_acc):
+    """The round trip of an exchange that moves wire rows
+    ([`moe_eqx.AbstractRowExchange`][]): dedup dispatch, exchange, the receiver's
+    pairs, the return trip. Returns `(y, stats, grad_acc)`."""
+    bufs = spec.buffers
     wire = dedup_rows(
         inputs.dest_shard,
         inputs.dest_group,
@@ -133,17 +152,34 @@ def expert_parallel_trip(
     counts = jax.lax.all_gather(wire.send_counts, spec.axis_name)  # [R, R]
     shard = jax.lax.axis_index(spec.axis_name).astype(jnp.int32)
     plan = make_exchange_plan(counts, bufs.rows, shard)
-    exchange = make_exchange(
-        spec.exchange, axis_name=spec.axis_name, block_rows=bufs.block_rows
-    )
     recv_x, recv_groups, recv_weights = send_rows(inputs.x, wire, plan, exchange, bufs)
-    recv_rows = recv_x.shape[0]  # the exchange's unpacked layout: B rows or more
-    pairs, dropped_at_receiver = expand_rows(
+    # `recv_x` is the exchange's unpacked layout: B rows or more.
+    y_rows, pairs, dropped_at_receiver, grad_acc = _compute_pairs(
+        recv_x, recv_groups, recv_weights, inputs, spec, grad_acc
+    )
+    y = return_rows(y_rows, wire, plan, exchange, bufs)
+    stats = TripStats(
+        computed_pairs=jnp.sum(pairs.group_sizes).astype(jnp.int32),
+        recv_rows=jnp.sum(jnp.any(recv_groups >= 0, axis=1)).astype(jnp.int32),
+        dropped_pairs=(
+            _unsent_pairs(wire, plan, bufs.send_rows) + dropped_at_receiver
+        ).astype(jnp.int32),
+    )
+    return y, stats, grad_acc
+
+
+def _compute_pairs(recv_x, recv_groups, recv_weights, inputs, spec, grad_acc):
+    """The receiver's work, whichever exchange delivered its rows: expand the rows'
+    `(group, weight)` entries (group -1: none) to pairs grouped by local group, at
+    most `spec.buffers.pairs` of them, run the experts and sum each row's pairs.
+    Returns `(y_rows, pairs, dropped, grad_acc)`."""
+    num_rows = recv_x.shape[0]
+    pairs, dropped = expand_rows(
         recv_groups,
         recv_weights,
-        jnp.asarray(recv_rows, jnp.int32),
+        jnp.asarray(num_rows, jnp.int32),
         local_groups=spec.local_groups,
-        capacity=bufs.pairs,
+        capacity=spec.buffers.pairs,
     )
     expert_in = recv_x[pairs.row]  # see `_sort_pairs` for why not `permute_rows`
     if spec.weight_on_input:
@@ -159,16 +195,64 @@ def expert_parallel_trip(
     )
     if grad_acc is not None:
         expert_out, grad_acc = expert_out
-    y_rows = combine(expert_out, pairs, recv_rows)
-    y = return_rows(y_rows, wire, plan, exchange, bufs)
+    return combine(expert_out, pairs, num_rows), pairs, dropped, grad_acc
+
+
+def _gather_trip(inputs: TripInputs, spec: TripSpec, exchange, grad_acc):
+    """The round trip of an exchange that gathers tokens
+    ([`moe_eqx.AllGatherExchange`][]): every shard receives all `R * T` tokens of its
+    group with their pairs' destinations, keeps the pairs of its own groups, computes
+    them, and one reduce-scatter sums each token's outputs on its own shard.
+    Returns `(y, stats, grad_acc)`."""
+    groups = spec.local_groups
+    # One int per pair: its physical destination `shard * G + group`, -1 for none.
+    dest = jnp.where(
+        inputs.valid, inputs.dest_shard * groups + inputs.dest_group, -1
+    ).astype(jnp.int32)
+    with jax.named_scope("moe_eqx.exchange"):
+        g_x, g_weights, g_dest = _gather_tokens(
+            exchange, inputs.x, inputs.weights, dest
+        )
+    shard = jax.lax.axis_index(spec.axis_name).astype(jnp.int32)
+    mine = (g_dest >= shard * groups) & (g_dest < (shard + 1) * groups)
+    g_groups = jnp.where(mine, g_dest - shard * groups, -1)
+    g_weights = jnp.where(mine, g_weights, jnp.zeros((), g_weights.dtype))
+    y_rows, pairs, dropped, grad_acc = _compute_pairs(
+        g_x, g_groups, g_weights, inputs, spec, grad_acc
+    )
+    with jax.named_scope("moe_eqx.exchange"):
+        # Summed in float32, as the row exchanges sum a token's returned rows.
+        acc = acc_dtype(y_rows.dtype)
+        y = exchange.scatter(y_rows.astype(acc)).astype(y_rows.dtype)
     stats = TripStats(
         computed_pairs=jnp.sum(pairs.group_sizes).astype(jnp.int32),
-        recv_rows=jnp.sum(jnp.any(recv_groups >= 0, axis=1)).astype(jnp.int32),
-        dropped_pairs=(
-            _unsent_pairs(wire, plan, bufs.send_rows) + dropped_at_receiver
-        ).astype(jnp.int32),
+        recv_rows=jnp.sum(jnp.any(mine, axis=1)).astype(jnp.int32),
+        dropped_pairs=dropped.astype(jnp.int32),
     )
-    return (y, stats) if grad_acc is None else (y, stats, grad_acc)
+    return y, stats, grad_acc
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _gather_tokens(exchange, x, weights, dest):
+    # The activations and the pairs' metadata in one collective: the same bits.
+    packed = exchange.gather(_pack(x, (weights, dest)))
+    return _unpack(packed, x.shape[1], (weights, dest), x.dtype)
+
+
+def _gather_tokens_jvp(exchange, primals, tangents):
+    x, weights, dest = primals
+    t_x, t_weights, _ = symbolic_zeros_to_none(tangents)
+    out = _gather_tokens(exchange, x, weights, dest)
+    # The tangents travel through the gather itself, a linear collective that JAX
+    # transposes to the reduce-scatter (and back, for higher orders).
+    t_out = [
+        jnp.zeros(o.shape, o.dtype) if t is None else exchange.gather(t)
+        for o, t in zip(out[:2], (t_x, t_weights), strict=True)
+    ]
+    return out, (*t_out, np.zeros(out[2].shape, jax.dtypes.float0))
+
+
+_gather_tokens.defjvp(_gather_tokens_jvp, symbolic_zeros=True)
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}

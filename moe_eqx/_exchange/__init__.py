@@ -4,11 +4,13 @@ import jax
 
 from ._base import (
     AbstractExchange as AbstractExchange,
+    AbstractRowExchange as AbstractRowExchange,
     ExchangePlan as ExchangePlan,
     combine_rows as combine_rows,
     dispatch_rows as dispatch_rows,
     make_exchange_plan as make_exchange_plan,
 )
+from .allgather import AllGatherExchange as AllGatherExchange
 from .auto import (
     choose_exchange as choose_exchange,
     expected_wire_rows as expected_wire_rows,
@@ -23,15 +25,16 @@ def exchange_name(
 ) -> "str | AbstractExchange":
     """The exchange `name` resolves to on `platform` (default: the default backend):
     `"auto"` picks `ragged` on GPU/TPU and `dense` on CPU, where XLA has no lowering of
-    `ragged_all_to_all`."""
+    `ragged_all_to_all`; `"dense"` and `"allgather"` run on every platform."""
     if isinstance(name, AbstractExchange):
         return name
     platform = jax.default_backend() if platform is None else platform
     if name == "auto":
         return "dense" if platform == "cpu" else "ragged"
-    if name not in ("dense", "ragged"):
+    if name not in ("dense", "ragged", "allgather"):
         raise ValueError(
-            f"Unknown `exchange` {name!r}; expected 'auto', 'dense' or 'ragged'."
+            f"Unknown `exchange` {name!r}; expected 'auto', 'dense', 'ragged' or "
+            "'allgather'."
         )
     if name == "ragged" and platform == "cpu":
         raise ValueError(
@@ -56,6 +59,14 @@ def is_ragged(exchange: "str | AbstractExchange") -> bool:
     )
 
 
+def is_allgather(exchange: "str | AbstractExchange") -> bool:
+    """Whether `exchange` (a resolved name or an instance) gathers tokens instead of
+    moving wire rows (see [`moe_eqx.AbstractExchange`][]`.gathers_tokens`)."""
+    if isinstance(exchange, AbstractExchange):
+        return exchange.gathers_tokens
+    return exchange == "allgather"
+
+
 def resolve_exchange(
     name: "str | AbstractExchange",
     *,
@@ -74,10 +85,12 @@ def resolve_exchange(
 def make_exchange(
     name: "str | AbstractExchange", *, axis_name: str, block_rows: int
 ) -> AbstractExchange:
-    """The exchange instance for an already resolved `name` (`"dense"`, `"ragged"` or
-    an instance, see [`exchange_name`][]), with no platform check."""
+    """The exchange instance for an already resolved `name` (`"dense"`, `"ragged"`,
+    `"allgather"` or an instance, see [`exchange_name`][]), with no platform check."""
     if is_dense(name):
         return DenseExchange(axis_name=axis_name, block_rows=block_rows)
     if isinstance(name, AbstractExchange):
         return name
+    if name == "allgather":
+        return AllGatherExchange(axis_name=axis_name)
     return RaggedExchange(axis_name=axis_name)

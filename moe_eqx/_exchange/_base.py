@@ -1,6 +1,11 @@
-"""The all-to-all exchange interface and the offsets shared by every backend.
+"""The exchange interface, and the offsets shared by every backend that moves rows.
 
-Layout (identical for every backend): the sender's rows are sorted by destination
+An exchange either moves wire rows (one per (token, destination shard)) to other shards
+and back ([`moe_eqx.AbstractRowExchange`][]: `dense`, `ragged`), or gathers every
+token over the axis and reduce-scatters the outputs ([`moe_eqx.AllGatherExchange`][]):
+`AbstractExchange.gathers_tokens` says which, and the trip branches on it once.
+
+Row layout (identical for every row backend): the sender's rows are sorted by destination
 shard; rows for shard `d` start at `send_offsets[d]`. On receiver `d` the rows from
 source `s` land at `recv_offsets[s, d] = sum_{s' < s} sizes[s', d]`, so the receive
 buffer holds the rows of source 0, then source 1, ... and its first
@@ -8,6 +13,7 @@ buffer holds the rows of source 0, then source 1, ... and its first
 """
 
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -67,9 +73,25 @@ def make_exchange_plan(
 
 
 class AbstractExchange(eqx.Module):
-    """One all-to-all exchange of variable-sized row blocks, and its return trip."""
+    """How a token's activation reaches the shards holding its experts, and their
+    outputs come back.
+
+    **Fields:**
+
+    - `axis_name`: the expert-parallel mesh axis the exchange runs over.
+    - `gathers_tokens` (class variable): False for an exchange that moves wire rows
+        ([`moe_eqx.AbstractRowExchange`][]); True for one that gathers every token on
+        every shard and reduce-scatters the outputs ([`moe_eqx.AllGatherExchange`][]).
+    """
 
     axis_name: eqx.AbstractVar[str]
+    gathers_tokens: eqx.AbstractClassVar[bool]
+
+
+class AbstractRowExchange(AbstractExchange):
+    """One all-to-all exchange of variable-sized row blocks, and its return trip."""
+
+    gathers_tokens: ClassVar[bool] = False
 
     @abc.abstractmethod
     def dispatch(
@@ -157,7 +179,7 @@ def _dispatch_t(res, ct):
 
 
 def dispatch_rows(
-    exchange: AbstractExchange,
+    exchange: AbstractRowExchange,
     send: Shaped[Array, "send_rows ..."],
     plan: ExchangePlan,
     capacity: int,
@@ -167,7 +189,7 @@ def dispatch_rows(
 
     **Arguments:**
 
-    - `exchange`: the [`moe_eqx.AbstractExchange`][] backend.
+    - `exchange`: the [`moe_eqx.AbstractRowExchange`][] backend.
     - `send`: rows sorted by destination (see the module docstring).
     - `plan`: the [`ExchangePlan`][].
     - `capacity`: receive buffer rows `B`.
@@ -181,7 +203,7 @@ def dispatch_rows(
 
 
 def combine_rows(
-    exchange: AbstractExchange,
+    exchange: AbstractRowExchange,
     recv: Shaped[Array, "recv_rows ..."],
     plan: ExchangePlan,
     send_rows: int,
@@ -192,7 +214,7 @@ def combine_rows(
 
     **Arguments:**
 
-    - `exchange`: the [`moe_eqx.AbstractExchange`][] backend.
+    - `exchange`: the [`moe_eqx.AbstractRowExchange`][] backend.
     - `recv`: rows in the layout of `exchange.dispatch_unpacked`.
     - `plan`: the same [`ExchangePlan`][].
     - `send_rows`: rows of the sender's layout.

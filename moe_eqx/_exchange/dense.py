@@ -10,10 +10,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
 from .._rules import all_to_all, count_at_or_below
-from ._base import AbstractExchange, ExchangePlan
+from ._base import AbstractRowExchange, ExchangePlan
 
 
-class DenseExchange(AbstractExchange):
+class DenseExchange(AbstractRowExchange):
     """All-to-all through dense `[R, block_rows, ...]` blocks.
 
     **Fields:**

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, Shaped
 
-from ._base import AbstractExchange, ExchangePlan
+from ._base import AbstractRowExchange, ExchangePlan
 
 RaggedArgs = tuple[
     Int[Array, " shards"],
@@ -42,7 +42,7 @@ def combine_args(plan: ExchangePlan) -> RaggedArgs:
     )
 
 
-class RaggedExchange(AbstractExchange):
+class RaggedExchange(AbstractRowExchange):
     """All-to-all through `lax.ragged_all_to_all` (GPU and TPU only).
 
     **Fields:**
