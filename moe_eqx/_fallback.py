@@ -125,8 +125,18 @@ def _pieces(overflow, num_chunks: int):
     return jnp.where(overflow, num_chunks, 1).astype(jnp.int32)
 
 
+def _per_piece(a, p):
+    """`a`, made to depend on the piece `p`: what a trip computes from `a` alone (the
+    all-gather exchange's gathered tokens, or of the output's cotangent in the
+    backward) is then not hoisted out of the loop by XLA, where it would stay alive
+    beside every piece's buffers: one piece at a time is the fallback's memory
+    bound."""
+    return jax.lax.optimization_barrier((a, p))[0]
+
+
 def _piece(inputs: TripInputs, p, overflow, num_chunks: int) -> TripInputs:
     """`inputs` with only piece `p`'s tokens valid: every token, or chunk `p`."""
+    inputs = eqx.tree_at(lambda i: i.x, inputs, _per_piece(inputs.x, p))
     tokens = inputs.x.shape[0]
     chunk = math.ceil(tokens / num_chunks)
     lo = jnp.where(overflow, p * chunk, 0)
@@ -290,9 +300,10 @@ def _backward(res: _Res, dy, bounded: bool):
 
     def body(p, grads):
         pullback = _piece_pullback(res, p)
+        dy_p = _per_piece(dy, p)
         if not want.experts:
-            return _add(grads, pullback(dy))
-        *rows, acc = pullback((dy, grads[-1]))  # `acc` already holds the sum
+            return _add(grads, pullback(dy_p))
+        *rows, acc = pullback((dy_p, grads[-1]))  # `acc` already holds the sum
         return (*_add(tuple(grads[:-1]), tuple(rows)), acc)
 
     grads = [jnp.zeros_like(inputs.x)] if want.x else []

@@ -4,6 +4,7 @@ and every gradient equal the dense oracle `me.reference_moe` and the dense excha
 (EP8 and a 2x4 mesh); stats equal the dense exchange's where they count the same
 things. Small shapes; each layer/mesh pair compiles once per module."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -80,3 +81,137 @@ def test_instance_exchange_matches_oracle(worst_case):
     ag, _ = worst_case
     layer = ag.with_config(exchange=me.AllGatherExchange(axis_name="expert"))
     assert_matches_oracle(layer, tokens(jr.key(4), T), mesh(8))
+
+
+# ---------------------------------------------------------------------------------
+# Overflow: buffer_factor=0.5 holds 8 pairs per shard; every token picks among shard
+# 0's experts (L = 1: expert 0 and another), so shard 0's gathered pairs overflow.
+
+CAP = 8  # ceil(0.5 * (T / 8) * k)
+
+
+@pytest.fixture(scope="module")
+def overflowing():
+    bias = routing_bias("one_shard", 8, 2, 8)
+    return {
+        mode: with_bias(
+            make_layer(
+                jr.key(0),
+                mesh_size=8,
+                exchange="allgather",
+                buffer_factor=0.5,
+                on_overflow=mode,
+                use_router_bias=True,
+            ),
+            bias,
+        )
+        for mode in ("drop", "fallback")
+    }
+
+
+def _expected_after_drops(layer, x):
+    """The oracle with only the pairs the documented drop rule keeps: on each shard,
+    the gathered pairs of its experts in (local group, token, j) order, the first
+    `CAP`. Returns `(y, dropped)`."""
+    routing = layer.router(x)
+    experts, weights = np.asarray(routing.experts), np.asarray(routing.weights)
+    tokens_, k = experts.shape
+    keep = np.zeros_like(weights, bool)
+    for shard in range(8):  # L = 1: shard d holds expert d, its group 0
+        mine = [
+            (t, j) for t in range(tokens_) for j in range(k) if experts[t, j] == shard
+        ]
+        for t, j in mine[:CAP]:
+            keep[t, j] = True
+    wgu, wdn = layer.experts.w_gate_up, layer.experts.w_down
+    d_ff = wdn.shape[1]
+    y = np.zeros(x.shape, np.float32)
+    for t in range(tokens_):
+        for j in range(k):
+            if keep[t, j]:
+                h = x[t] @ wgu[experts[t, j]]
+                a = jax.nn.silu(h[:d_ff]) * h[d_ff:]
+                y[t] += weights[t, j] * np.asarray(a @ wdn[experts[t, j]])
+    return y, int((~keep).sum())
+
+
+def test_drop_counts_exactly_the_pairs_lost(overflowing):
+    layer = overflowing["drop"]
+    x = tokens(jr.key(5), T)
+    y, stats, _, _ = layer_value_and_grad(layer, x, mesh(8))
+    want, dropped = _expected_after_drops(layer, x)
+    assert bool(stats.overflow) and not bool(stats.fallback_used)
+    assert dropped > 0 and int(stats.dropped_pairs) == dropped
+    assert int(stats.lost_pairs) == 0
+    assert int(jnp.max(stats.recv_pairs)) == CAP
+    np.testing.assert_allclose(y, want, atol=2e-5, rtol=2e-5)
+
+
+@eqx.filter_jit
+def _forced(layer, x, ids):
+    return layer(x, mesh=mesh(8), experts=ids)
+
+
+def test_predicate_is_exact_at_the_bound():
+    """Overflow iff some shard's gathered pairs exceed its pair buffer: with
+    `buffer_factor=1` each shard holds 16 pairs; forced routing puts exactly 16 on
+    every shard (no overflow), then 17 on shard 0 (overflow, one pair dropped)."""
+    layer = make_layer(
+        jr.key(0),
+        mesh_size=8,
+        exchange="allgather",
+        buffer_factor=1.0,
+        on_overflow="drop",
+    )
+    x = tokens(jr.key(6), T)
+    t = np.arange(T)
+    balanced = np.stack([t % 8, (t + 3) % 8], axis=1)
+    heavier = balanced.copy()
+    heavier[1, 0] = 0  # token 1: experts (1, 4) -> (0, 4)
+    for ids, overflow in ((balanced, False), (heavier, True)):
+        _, stats = _forced(layer, x, jnp.asarray(ids, jnp.int32))
+        load = np.bincount(ids.ravel(), minlength=8)
+        np.testing.assert_array_equal(stats.expert_counts, load)
+        assert bool(stats.overflow) == overflow
+        assert int(stats.dropped_pairs) == int(overflow)
+        np.testing.assert_allclose(stats.required_buffer_factor, load.max() / 16)
+
+
+def test_fallback_loses_nothing_and_matches_oracle(overflowing):
+    stats = assert_matches_oracle(
+        overflowing["fallback"], tokens(jr.key(7), T), mesh(8)
+    )
+    assert bool(stats.overflow) and bool(stats.fallback_used)
+    assert int(stats.num_chunks) > 1
+
+
+@pytest.mark.parametrize("pass_", ["forward", "fwd+bwd"])
+def test_fallback_peak_memory_within_capped(pass_):
+    """As `tests/test_fallback.py`: the fallback compiles to no more memory than the
+    capped-only layer plus one `[T, d_model]` buffer, forward and backward."""
+    x = tokens(jr.key(1), 8 * 32, d_model=64)
+    peaks = {}
+    for on_overflow in ("drop", "fallback"):
+        layer = make_layer(
+            jr.key(0),
+            d_model=64,
+            d_ff=256,
+            num_experts=16,
+            top_k=2,
+            buffer_factor=2.0,
+            on_overflow=on_overflow,
+            exchange="allgather",
+        )
+        params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+        def forward(p, x, static=static):
+            return eqx.combine(p, static)(x, mesh=mesh(8))[0]
+
+        def step(p, x, static=static):
+            return jax.grad(lambda p: jnp.sum(forward(p, x) ** 2))(p)
+
+        fn = forward if pass_ == "forward" else step
+        ma = jax.jit(fn).lower(params, x).compile().memory_analysis()
+        peaks[on_overflow] = ma.temp_size_in_bytes + ma.output_size_in_bytes
+    one_buffer = 32 * 64 * 4
+    assert peaks["fallback"] <= peaks["drop"] + one_buffer + 8 * 1024, peaks
