@@ -240,16 +240,18 @@ class _ShardSetup(eqx.Module):
         )
         # Duplication needs somewhere else to put a copy.
         num_slots = cfg.num_slots if num_shards > 1 else 0
-        exchange = exchange_name(cfg.exchange, platform)
-        gather = is_allgather(exchange)
         sizes = dict(
             tokens=tokens,
             top_k=cfg.top_k,
             num_shards=num_shards,
             local_groups=num_local + num_slots,
-            # A gathered token is one row on every shard, whatever `dedup` says.
-            dedup=cfg.dedup or gather,
+            dedup=cfg.dedup,
         )
+        shapes = dict(sizes, d_model=cfg.d_model, buffer_factor=cfg.buffer_factor)
+        exchange = exchange_name(cfg.exchange, platform, shapes=shapes)
+        gather = is_allgather(exchange)
+        # A gathered token is one row on every shard, whatever `dedup` says.
+        sizes["dedup"] = cfg.dedup or gather
         buffers = buffer_sizes(**sizes, buffer_factor=cfg.buffer_factor, gather=gather)
         num_chunks = 1
         if cfg.on_overflow == "fallback" and not buffers.worst_case:

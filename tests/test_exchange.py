@@ -1,6 +1,8 @@
 """Exchange backends: the ragged offsets against an emulator of ragged_all_to_all, and
 the dense backend (which runs on CPU) against the same expected layout."""
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,9 +121,13 @@ def test_dense_exchange_layout(r, capacity):
 def test_auto_exchange_is_dense_on_cpu():
     from moe_eqx._exchange import resolve_exchange
 
-    assert isinstance(
-        resolve_exchange("auto", axis_name="expert", block_rows=4), me.DenseExchange
+    shapes = dict(
+        tokens=16, d_model=8, top_k=2, num_shards=8, local_groups=2, dedup=True
     )
+    auto = ft.partial(resolve_exchange, "auto", axis_name="expert", block_rows=4)
+    assert isinstance(auto(shapes=dict(shapes, buffer_factor=2.0)), me.DenseExchange)
+    with pytest.raises(ValueError, match="shapes"):
+        auto()
     with pytest.raises(ValueError, match="exchange"):
         resolve_exchange("nccl", axis_name="expert", block_rows=4)
 

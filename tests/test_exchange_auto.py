@@ -5,12 +5,15 @@ import functools as ft
 import importlib.util
 import pathlib
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import pytest
-from helpers import auto_mesh
+from helpers import auto_mesh, mesh as cpu_mesh
 from jax.sharding import PartitionSpec as P
 
+import moe_eqx as me
 import moe_eqx.internal as mi
 
 
@@ -154,3 +157,40 @@ def test_ragged_buffers_counted_from_cuda_lowering():
         pytest.skip(f"cannot lower ragged_all_to_all for cuda: {e}"[:300])
     # Input 8 x 16 (512 B) against output 12 x 16 (768 B) f32: the output.
     assert _common().ragged_all_to_all_buffers(lowered.as_text()) == [(12, 768)]
+
+
+def _lowered_ops(platform: str, tokens: int, **overrides) -> dict[str, int]:
+    """Exchange collectives of the EP8 layer's forward (`tokens` per shard, E=32,
+    d_model=64, k=2, exchange "auto") lowered for `platform`."""
+    cfg = me.MoEConfig(d_model=64, d_ff=32, num_experts=32, top_k=2, **overrides)
+    layer = me.MoELayer(cfg, key=jr.key(0))
+    x = jnp.zeros((8 * tokens, cfg.d_model), jnp.float32)
+    arrays, static = eqx.partition(layer, eqx.is_array)
+    mesh = cpu_mesh(8)
+
+    def forward(arrays, x):
+        return eqx.combine(arrays, static)(x, mesh=mesh, platform=platform)[0]
+
+    traced = jax.jit(forward).trace(arrays, x)
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    names = ("ragged_all_to_all", "stablehlo.all_to_all", "stablehlo.reduce_scatter")
+    return {name.removeprefix("stablehlo."): text.count(name) for name in names}
+
+
+@pytest.mark.lowering_only
+def test_layer_uses_the_rule_for_its_shapes_and_platform():
+    # cuda, T=16 per shard: 8 * 16 * 64 gathered elements, small: allgather (its
+    # outputs reduce-scattered, no all-to-all); T=1024: ragged.
+    try:
+        small = _lowered_ops("cuda", 16)
+    except Exception as e:  # this jax cannot lower for cuda here
+        pytest.skip(f"cannot lower the layer for cuda: {e}"[:300])
+    assert small["reduce_scatter"] >= 1, small
+    assert small["ragged_all_to_all"] == small["all_to_all"] == 0, small
+    large = _lowered_ops("cuda", 1024)
+    assert large["ragged_all_to_all"] >= 2 and large["reduce_scatter"] == 0, large
+    # cpu: dense with dedup, allgather without.
+    dense = _lowered_ops("cpu", 16)
+    assert dense["all_to_all"] >= 2 and dense["reduce_scatter"] == 0, dense
+    gathered = _lowered_ops("cpu", 16, dedup=False)
+    assert gathered["all_to_all"] == 0 and gathered["reduce_scatter"] >= 1, gathered

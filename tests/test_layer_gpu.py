@@ -88,10 +88,15 @@ def test_layer_on_one_gpu_matches_oracle(exchange, buffer_factor):
 
 
 def _quantized_vs_dequantized(fmt, backend, devices):
-    """The quantized layer on `devices[:1]` (a one-device mesh, `ragged` exchange on a
-    GPU) against the layer of its dequantized experts: outputs and `x`-gradients."""
+    """The quantized layer on `devices[:1]` (a one-device mesh, the `ragged` exchange)
+    against the layer of its dequantized experts: outputs and `x`-gradients."""
     cfg = me.MoEConfig(
-        d_model=256, d_ff=256, num_experts=8, top_k=2, gmm_backend=backend
+        d_model=256,
+        d_ff=256,
+        num_experts=8,
+        top_k=2,
+        gmm_backend=backend,
+        exchange="ragged",
     )
     q = me.quantize_experts(me.MoELayer(cfg, key=jr.PRNGKey(0)), fmt)
     d = me.dequantize_experts(q)

@@ -10,7 +10,8 @@ XLA only rejects when compiling (e.g. XLA:CPU has no `ragged-all-to-all` and say
 at compile time, while its lowering succeeds for every platform).
 
 What each platform's users get: the layer is called with `platform=` (what `"auto"`
-resolves for), and the exchange is `"auto"`:
+resolves for), and the exchange is `"ragged"`, named explicitly (at these small shapes
+`"auto"` picks `allgather`: `tests/test_exchange_auto.py` lowers that choice):
 
 - `cuda`: the ragged exchange (`lax.ragged_all_to_all`, a `@ragged_all_to_all` custom
     call) with the `mosaic_gpu` GMM (Hopper, bfloat16 activations; `@mosaic_gpu*`
@@ -235,6 +236,7 @@ def _layer(gmm_backend: str, dtype, **overrides):
         num_experts=16,
         top_k=2,
         gmm_backend=gmm_backend,
+        exchange="ragged",
         axis_name=AXIS,
         **overrides,
     )
@@ -347,9 +349,9 @@ def test_platform_is_checked():
 
 
 def test_expert_parallel_shard_platform_argument():
-    """Inside a user's own `shard_map`, `platform=` resolves "auto" as the layer's
-    call does (the ragged exchange for a GPU, with no check against the CPU the
-    program is traced on)."""
+    """Inside a user's own `shard_map`, `platform=` reaches the exchange as the
+    layer's call does (the ragged exchange accepted for a GPU, with no check against
+    the CPU the program is traced on)."""
     _require_platform("cuda")
     layer, x = _layer("tiled", jnp.float32)
     mesh = jax.make_mesh(

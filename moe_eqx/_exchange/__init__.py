@@ -1,5 +1,7 @@
 """All-to-all exchange backends with one receive layout."""
 
+from collections.abc import Mapping
+
 import jax
 
 from ._base import (
@@ -21,16 +23,25 @@ from .ragged import RaggedExchange as RaggedExchange
 
 
 def exchange_name(
-    name: "str | AbstractExchange", platform: str | None = None
+    name: "str | AbstractExchange",
+    platform: str | None = None,
+    *,
+    shapes: Mapping[str, int | float | bool | None] | None = None,
 ) -> "str | AbstractExchange":
-    """The exchange `name` resolves to on `platform` (default: the default backend):
-    `"auto"` picks `ragged` on GPU/TPU and `dense` on CPU, where XLA has no lowering of
-    `ragged_all_to_all`; `"dense"` and `"allgather"` run on every platform."""
+    """The exchange `name` resolves to on `platform` (default: the default backend).
+    `"auto"` is [`moe_eqx.internal.choose_exchange`][] for `shapes` (the call's static
+    shapes: its keyword arguments but `platform`), which it then needs; `"dense"` and
+    `"allgather"` run on every platform, `"ragged"` on GPU and TPU."""
     if isinstance(name, AbstractExchange):
         return name
     platform = jax.default_backend() if platform is None else platform
     if name == "auto":
-        return "dense" if platform == "cpu" else "ragged"
+        if shapes is None:
+            raise ValueError(
+                "`exchange='auto'` is chosen from the call's static shapes: pass "
+                "`shapes` (the keyword arguments of `choose_exchange`)."
+            )
+        return choose_exchange(platform=platform, **shapes)
     if name not in ("dense", "ragged", "allgather"):
         raise ValueError(
             f"Unknown `exchange` {name!r}; expected 'auto', 'dense', 'ragged' or "
@@ -73,12 +84,15 @@ def resolve_exchange(
     axis_name: str,
     block_rows: int,
     platform: str | None = None,
+    shapes: Mapping[str, int | float | bool | None] | None = None,
 ) -> AbstractExchange:
-    """The exchange backend for `name` (see [`exchange_name`][] for `"auto"`). A
-    `DenseExchange` instance is rebuilt with this trip's `axis_name` and `block_rows`;
-    any other instance is used as given."""
+    """The exchange backend for `name` (see [`exchange_name`][] for `"auto"` and
+    `shapes`). A `DenseExchange` instance is rebuilt with this trip's `axis_name` and
+    `block_rows`; any other instance is used as given."""
     return make_exchange(
-        exchange_name(name, platform), axis_name=axis_name, block_rows=block_rows
+        exchange_name(name, platform, shapes=shapes),
+        axis_name=axis_name,
+        block_rows=block_rows,
     )
 
 
