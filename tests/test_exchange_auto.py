@@ -51,24 +51,16 @@ def test_one_shard_is_dense_everywhere():
     assert _choose("gpu", 1, r=8) == "allgather"
 
 
-def test_cpu_never_ragged():
-    # XLA:CPU cannot compile ragged_all_to_all: every CPU choice must lower there.
+def test_cpu_is_dense():
+    # XLA:CPU cannot compile ragged_all_to_all; allgather is chosen by name there.
     for tokens in (1, 64, 4096, HUGE):
         for k in (1, 2, 8):
             for dedup in (True, False):
                 for bf in (0.25, 2.0, None):
-                    choice = _choose("cpu", tokens, k=k, dedup=dedup, bf=bf)
-                    assert choice in ("dense", "allgather")
-
-
-def test_cpu_allgather_only_when_it_moves_fewer_rows():
-    # With dedup, dense blocks hold one row per token and destination, as many as
-    # allgather gathers: dense. Without dedup a token's k pairs are k rows: allgather.
-    for tokens in (1, 1024, HUGE):
-        assert _choose("cpu", tokens, k=2) == "dense"
-        assert _choose("cpu", tokens, k=2, dedup=False) == "allgather"
-    # k = 1: one row per token either way.
-    assert _choose("cpu", 1024, k=1, dedup=False) == "dense"
+                    assert _choose("cpu", tokens, k=k, dedup=dedup, bf=bf) == "dense"
+    # ... while the same shapes on a GPU are not.
+    assert _choose("gpu", 1, dedup=False) == "allgather"
+    assert _choose("gpu", HUGE, k=2) == "ragged"
 
 
 def test_gpu_small_exchange_is_allgather_at_any_k():
@@ -189,8 +181,6 @@ def test_layer_uses_the_rule_for_its_shapes_and_platform():
     assert small["ragged_all_to_all"] == small["all_to_all"] == 0, small
     large = _lowered_ops("cuda", 1024)
     assert large["ragged_all_to_all"] >= 2 and large["reduce_scatter"] == 0, large
-    # cpu: dense with dedup, allgather without.
+    # cpu: dense.
     dense = _lowered_ops("cpu", 16)
     assert dense["all_to_all"] >= 2 and dense["reduce_scatter"] == 0, dense
-    gathered = _lowered_ops("cpu", 16, dedup=False)
-    assert gathered["all_to_all"] == 0 and gathered["reduce_scatter"] >= 1, gathered

@@ -62,8 +62,10 @@ def choose_exchange(
     2. `allgather` fits when its `R * T` gathered rows are at most
         `ALLGATHER_MEMORY_RATIO` times the capped receive buffer `B`, or when
         `R * T * d_model <= SMALL_EXCHANGE_ELEMENTS`.
-    3. CPU (no `ragged`): `"allgather"` if it fits and moves fewer rows than
-        `dense` (`R * T < R * block_rows`, e.g. without dedup), else `"dense"`.
+    3. CPU: `"dense"`. It lowers there (`ragged` does not), and it shares the
+        receive layout, buffers and overflow predicate of `ragged`, the GPU/TPU
+        choice at large `T`, so the CPU tests and notebooks run that path;
+        `allgather` is chosen by name.
     4. GPU/TPU: `"allgather"` if it fits and either the exchange is small (as in
         2.) or `ragged` would move more than `RAGGED_MAX_FRACTION` of its rows
         (`D / R`), else `"ragged"`.
@@ -83,7 +85,7 @@ def choose_exchange(
 
     `"dense"`, `"ragged"` or `"allgather"`.
     """
-    if num_shards == 1:
+    if num_shards == 1 or platform == "cpu":
         return "dense"
     bufs = buffer_sizes(
         tokens=tokens,
@@ -96,9 +98,6 @@ def choose_exchange(
     gathered = num_shards * tokens
     small = gathered * d_model <= SMALL_EXCHANGE_ELEMENTS
     fits = small or gathered <= ALLGATHER_MEMORY_RATIO * bufs.rows
-    if platform == "cpu":
-        fewer = gathered < num_shards * bufs.block_rows
-        return "allgather" if fits and fewer else "dense"
     rows = expected_wire_rows(top_k=top_k, num_shards=num_shards, dedup=dedup)
     ragged_saves = rows / num_shards <= RAGGED_MAX_FRACTION
     if fits and (small or not ragged_saves):
