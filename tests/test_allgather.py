@@ -1,7 +1,7 @@
 """The all-gather exchange (`exchange="allgather"`): tokens all-gathered over the expert
 axis, each shard computing its own experts' pairs, outputs reduce-scattered. Output
-and every gradient equal the dense oracle `me.reference_moe` and the dense exchange
-(EP8 and a 2x4 mesh); stats equal the dense exchange's where they count the same
+and every gradient equal the dense oracle `me.reference_moe` (EP8, and a 2x4 mesh with
+the experts split over `data` too); stats equal the dense exchange's where they count the same
 things. Small shapes; each layer/mesh pair compiles once per module."""
 
 import equinox as eqx
@@ -15,6 +15,7 @@ from helpers import (
     layer_value_and_grad,
     make_layer,
     mesh,
+    oracle_value_and_grad,
     routing_bias,
     tokens,
     with_bias,
@@ -51,6 +52,7 @@ def test_ep8_matches_oracle_and_dense_stats(worst_case, kind):
     stats = assert_matches_oracle(ag, x, mesh(8))
     _, ref, _, _ = layer_value_and_grad(dense, x, mesh(8))
     assert not bool(stats.overflow) and int(stats.dropped_pairs) == 0
+    assert int(stats.block_rows) == 0  # no dense blocks
     for name in ("recv_pairs", "wire_rows", "expert_counts", "max_over_mean"):
         np.testing.assert_array_equal(
             getattr(stats, name), getattr(ref, name), err_msg=name
@@ -59,28 +61,19 @@ def test_ep8_matches_oracle_and_dense_stats(worst_case, kind):
     assert int(jnp.sum(stats.wire_rows)) < 8 * T
 
 
-def test_block_rows_is_zero_and_exchange_resolves():
+def test_exchange_names_resolve():
     assert isinstance(
         me.internal.make_exchange("allgather", axis_name="expert", block_rows=0),
         me.AllGatherExchange,
     )
     for platform in ("cpu", "gpu", "tpu"):
         assert me.internal.exchange_name("allgather", platform) == "allgather"
+    instance = me.AllGatherExchange(axis_name="expert")
+    assert me.internal.make_exchange(instance, axis_name="expert", block_rows=0) is (
+        instance
+    )
     with pytest.raises(ValueError, match="exchange"):
         me.MoEConfig(d_model=8, d_ff=8, num_experts=8, top_k=2, exchange="gather")
-
-
-def test_mesh_2x4_matches_oracle():
-    layer = make_layer(jr.key(0), mesh_size=4, exchange="allgather", buffer_factor=None)
-    m = jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices("cpu")[:8])
-    assert_matches_oracle(layer, tokens(jr.key(3), T), m)
-
-
-def test_instance_exchange_matches_oracle(worst_case):
-    """An `AllGatherExchange` instance in the config runs the same path."""
-    ag, _ = worst_case
-    layer = ag.with_config(exchange=me.AllGatherExchange(axis_name="expert"))
-    assert_matches_oracle(layer, tokens(jr.key(4), T), mesh(8))
 
 
 # ---------------------------------------------------------------------------------
@@ -215,3 +208,141 @@ def test_fallback_peak_memory_within_capped(pass_):
         peaks[on_overflow] = ma.temp_size_in_bytes + ma.output_size_in_bytes
     one_buffer = 32 * 64 * 4
     assert peaks["fallback"] <= peaks["drop"] + one_buffer + 8 * 1024, peaks
+
+
+# ---------------------------------------------------------------------------------
+# Derivatives beyond the gradient: forward mode and second order, through the capped
+# path and through the fallback (its derivatives re-run the gathering trip).
+
+
+def _tangents(tree, seed):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jr.split(jr.key(seed), len(leaves))
+    return jax.tree.unflatten(
+        treedef, [jr.normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves)]
+    )
+
+
+def _close(got, want, tol=2e-4):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("which", ["capped", "fallback"])
+def test_forward_mode_matches_oracle(worst_case, overflowing, which):
+    layer = worst_case[0] if which == "capped" else overflowing["fallback"]
+    x = tokens(jr.key(8), T)
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+    t_params, t_x = _tangents(params, 9), jr.normal(jr.key(10), x.shape)
+
+    def f(params, x):
+        y, stats = eqx.combine(params, static)(x, mesh=mesh(8))
+        return y, stats.fallback_used
+
+    def f_ref(params, x):
+        return me.reference_moe(eqx.combine(params, static), x)
+
+    (y, fallback), (t_y, _) = jax.jit(lambda p, x: jax.jvp(f, (p, x), (t_params, t_x)))(
+        params, x
+    )
+    assert bool(fallback) == (which == "fallback")
+    want = jax.jit(lambda p, x: jax.jvp(f_ref, (p, x), (t_params, t_x)))(params, x)
+    _close((y, t_y), want)
+
+
+def test_second_order_matches_oracle(overflowing):
+    """The gradient of a gradient penalty plus a Hessian-vector product in the
+    parameters (reverse over reverse, reverse over forward), through the fallback."""
+    layer = overflowing["fallback"]
+    x = tokens(jr.key(11), T)
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+    v_params, v_x = _tangents(params, 12), jr.normal(jr.key(13), x.shape)
+
+    def outer(forward):
+        def loss(params, x):
+            return jnp.sum(jnp.sin(forward(eqx.combine(params, static), x)))
+
+        def penalty(params, x):
+            g_params, g_x = jax.grad(loss, argnums=(0, 1))(params, x)
+            leaves = zip(jax.tree.leaves(g_params), jax.tree.leaves(v_params))
+            hvp = sum(jnp.vdot(a, b) for a, b in leaves)
+            directional = jax.jvp(loss, (params, x), (v_params, v_x))[1]
+            return jnp.sum(jnp.square(g_x)) + hvp + directional
+
+        return jax.jit(jax.grad(penalty, argnums=(0, 1)))(params, x)
+
+    got = outer(lambda layer, x: layer(x, mesh=mesh(8))[0])
+    _close(got, outer(me.reference_moe))
+
+
+# ---------------------------------------------------------------------------------
+# The layer's other features with the all-gather exchange.
+
+
+def test_slots_divert_pairs_and_match_oracle():
+    layer = make_layer(
+        jr.key(0),
+        mesh_size=8,
+        bias_kind="one_expert",
+        num_slots=2,
+        exchange="allgather",
+        buffer_factor=None,
+    )
+    stats = assert_matches_oracle(layer, tokens(jr.key(14), T), mesh(8))
+    # The plan really moves pairs off the hot shard: its replicas compute them.
+    assert float(stats.max_over_mean) < float(stats.max_over_mean_before) - 0.2
+
+
+def test_fsdp_fallback_matches_oracle():
+    """Experts split over `data` too (2 x 4 mesh), the capped buffers overflowing."""
+    m = jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices("cpu")[:8])
+    layer = make_layer(
+        jr.key(0),
+        mesh_size=4,
+        bias_kind="one_expert",
+        exchange="allgather",
+        buffer_factor=1.0,
+        fsdp_axes=("data",),
+    )
+    x = tokens(jr.key(15), T)
+    y, stats, grads, gx = layer_value_and_grad(me.shard_model(layer, m), x, m)
+    assert bool(stats.fallback_used) and int(stats.lost_pairs) == 0
+    y_ref, grads_ref, gx_ref = oracle_value_and_grad(layer, x)
+    _close((y, gx, grads), (y_ref, gx_ref, grads_ref), tol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(num_identity_experts=3, top_k=3, shared_d_ff=8),
+        dict(weight_on_input=True, score_func="sigmoid", norm_topk=False),
+    ],
+    ids=["identity+shared", "weight_on_input"],
+)
+def test_model_variants_match_oracle(overrides):
+    """Identity experts, shared experts and input-side routing weights, with a token
+    count the mesh does not divide (padded inside the layer)."""
+    layer = make_layer(
+        jr.key(0), mesh_size=8, exchange="allgather", buffer_factor=1.0, **overrides
+    )
+    x = tokens(jr.key(16), T - 4)
+    y, stats, grads, gx = layer_value_and_grad(layer, x, mesh(8))
+    assert int(stats.lost_pairs) == 0 and int(stats.dropped_pairs) == 0
+    # Identity experts' pairs are computed on the token's own shard, not exchanged.
+    identity = int(jnp.sum(stats.identity_counts))
+    assert int(jnp.sum(stats.recv_pairs)) == (T - 4) * layer.config.top_k - identity
+    y_ref, grads_ref, gx_ref = oracle_value_and_grad(layer, x)
+    _close((y, gx, grads), (y_ref, gx_ref, grads_ref), tol=2e-5)
+
+
+def test_quantized_experts_equal_dequantized_layer(worst_case):
+    q = me.quantize_experts(worst_case[0], "int8")
+    x = tokens(jr.key(17), T)
+    run = eqx.filter_jit(lambda layer, x: layer(x, mesh=mesh(8)))
+    y_q, stats = run(q, x)
+    y_d, _ = run(me.dequantize_experts(q), x)
+    assert int(stats.lost_pairs) == 0
+    np.testing.assert_allclose(y_q, y_d, rtol=1e-5, atol=1e-5)
+    # And equal to the dense exchange's on the same quantized experts.
+    y_dense, _ = run(q.with_config(exchange="dense"), x)
+    np.testing.assert_allclose(y_q, y_dense, rtol=1e-5, atol=1e-5)

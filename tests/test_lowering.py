@@ -19,6 +19,8 @@ resolves for), and the exchange is `"ragged"`, named explicitly (at these small 
     with the `tiled` GMM (what "auto" picks on other GPUs, float32).
 - `tpu`: the ragged exchange with the `ragged_dot` GMM (`chlo.ragged_dot`).
 
+The all-gather exchange (`exchange="allgather"`) is lowered for each of these too.
+
 The assertions count collectives and custom calls in `lowered.as_text()`, so that a
 silently different path (the dense exchange, another GMM, a missing fallback) fails.
 """
@@ -315,6 +317,24 @@ def test_expert_parallel_lowers(
     if config != "drop":
         drop = _expert_parallel_ops(platform, gmm_backend, dtype, "drop", backward)
         assert _collectives(ops) > _collectives(drop), (ops, drop)
+
+
+@pytest.mark.parametrize("config", ["drop", "fallback"])
+@pytest.mark.parametrize(("platform", "gmm_backend", "dtype"), _PATHS)
+def test_allgather_exchange_lowers(platform, gmm_backend, dtype, config, request):
+    """`exchange="allgather"`, forward and backward: tokens all-gathered and outputs
+    reduce-scattered (the gather's transpose is a reduce-scatter, and back), no
+    all-to-all of either kind."""
+    _prepare(platform, gmm_backend, request)
+    layer, x = _layer(gmm_backend, dtype, exchange="allgather", **_CONFIGS[config])
+    lowered = _lower(layer, x, cpu_mesh(NUM_SHARDS), platform, backward=True)
+    ops = _ops(lowered.as_text())
+    _check_gmm(ops, gmm_backend, True, platform)
+    assert ops["all_to_all"] == 0 and ops["ragged_all_to_all"] == 0, ops
+    # The counts and the tokens gathered; the outputs reduce-scattered, and in the
+    # backward the tokens' gather transposed to a reduce-scatter of their gradient
+    # (a module's text holds each distinct call once).
+    assert ops["all_gather"] >= 2 and ops["reduce_scatter"] >= 2, ops
 
 
 @pytest.mark.parametrize(("platform", "gmm_backend", "dtype"), _PATHS)
