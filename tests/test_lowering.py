@@ -238,9 +238,8 @@ def _layer(gmm_backend: str, dtype, **overrides):
         num_experts=16,
         top_k=2,
         gmm_backend=gmm_backend,
-        exchange="ragged",
         axis_name=AXIS,
-        **overrides,
+        **{"exchange": "ragged", **overrides},
     )
     layer = me.MoELayer(cfg, key=jr.key(0))
     x = jr.normal(jr.key(1), (TOKENS, cfg.d_model), jnp.float32).astype(dtype)
