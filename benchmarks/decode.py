@@ -4,6 +4,7 @@ minimal MoE that gathers each token's k experts' weights.
     python3 benchmarks/decode.py            # E=64, k=8, d_model=512, d_ff=256
     python3 benchmarks/decode.py --quick    # fewer repetitions, float32 only, no EP8
     python3 benchmarks/decode.py --no-ep --dtypes int8,mxfp4 --backends tiled
+    python3 benchmarks/decode.py --dtypes float32 --backends auto --exchanges allgather
 
 Rows (every one a jitted forward, timed in this process, min over repetitions run
 round-robin with the baseline so that all see the same load; the CPU is shared):
@@ -15,9 +16,11 @@ round-robin with the baseline so that all see the same load; the CPU is shared):
   weights of the experts that tokens use, so its cost shrinks with the batch.
 - `layer <backend>`: `layer(x)` on one device, `gmm_backend` "auto", "tiled",
   "dense" and "ragged_dot"; `ratio` is its time over the baseline's (goal <= 1.5).
-- `EP8 layer`: the same per-device token count on each of 8 simulated CPU devices
-  (`layer(x, mesh=mesh)`, 8x the tokens in all), against the baseline on one device's
-  tokens. The 8 devices share the machine's cores, so this row is not a latency.
+- `EP8 layer <exchange>`: the same per-device token count on each of 8 simulated CPU
+  devices (`layer(x, mesh=mesh)`, 8x the tokens in all), with each exchange of
+  `--exchanges` (default `dense` and `allgather`), against the baseline on one
+  device's tokens. The 8 devices share the machine's cores, so this row is not a
+  latency.
 
 Dtypes: float32 and bfloat16 (the layer's parameters and `x`), and experts kept in
 `float8_e4m3fn`, `mxfp4` and `int8` (bfloat16 otherwise; the baseline gathers the
@@ -48,8 +51,8 @@ BACKENDS = ("auto", "tiled", "dense", "ragged_dot")
 def float_layer(dtype):
     """A layer builder in `dtype`: `backend -> layer`."""
 
-    def build(backend):
-        cfg = me.MoEConfig(**SHAPE, gmm_backend=backend)
+    def build(backend, **overrides):
+        cfg = me.MoEConfig(**SHAPE, gmm_backend=backend, **overrides)
         return me.MoELayer(cfg, key=jr.key(0), dtype=dtype)
 
     return build
@@ -60,7 +63,9 @@ def float_layer(dtype):
 def quantized_layer(fmt):
     """A layer builder whose experts are kept in `fmt` (dequantizing to bfloat16)."""
     build_float = float_layer(jnp.bfloat16)
-    return lambda backend: me.quantize_experts(build_float(backend), fmt)
+    return lambda backend, **overrides: me.quantize_experts(
+        build_float(backend, **overrides), fmt
+    )
 
 
 DTYPES = {
@@ -125,6 +130,9 @@ def main():
     ap.add_argument("--no-ep", action="store_true")
     ap.add_argument("--dtypes", default=None, help="comma-separated DTYPES names")
     ap.add_argument("--backends", default=None, help="comma-separated gmm_backends")
+    ap.add_argument(
+        "--exchanges", default="dense,allgather", help="comma-separated, EP8 rows"
+    )
     args = ap.parse_args()
     repeats = args.repeats or (5 if args.quick else 20)
     dtypes = ("float32",) if args.quick else tuple(DTYPES)
@@ -132,12 +140,14 @@ def main():
     backends = tuple(args.backends.split(",")) if args.backends else BACKENDS
     ep = not (args.quick or args.no_ep) and len(jax.devices()) >= 8
     mesh = jax.make_mesh((8,), ("expert",)) if ep else None
+    exchanges = tuple(args.exchanges.split(",")) if ep else ()
 
     rows = []
     for dname in dtypes:
         build, act_dtype = DTYPES[dname]
         layers = {b: build(b) for b in (*backends, "auto")}
         base_layer = layers["auto"]
+        ep_layers = {e: build("auto", exchange=e) for e in exchanges}
         for t in TOKENS:
             x = jr.normal(jr.key(t), (t, SHAPE["d_model"]), jnp.float32)
             x = x.astype(act_dtype)
@@ -146,10 +156,10 @@ def main():
             for b, layer in layers.items():
                 fn, p = layer_fwd(layer)
                 cands[f"layer {b}"] = (fn, (p, x))
-            if ep:
-                fn, p = layer_fwd(base_layer, mesh)
-                x8 = jr.normal(jr.key(t), (8 * t, SHAPE["d_model"]), jnp.float32)
-                cands["EP8 layer"] = (fn, (p, x8.astype(act_dtype)))
+            x8 = jr.normal(jr.key(t), (8 * t, SHAPE["d_model"]), jnp.float32)
+            for exchange in exchanges:
+                fn, p = layer_fwd(ep_layers[exchange], mesh)
+                cands[f"EP8 layer {exchange}"] = (fn, (p, x8.astype(act_dtype)))
             times = interleaved_min(cands, repeats)
             for name, s in times.items():
                 rows.append(
