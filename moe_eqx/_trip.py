@@ -42,7 +42,8 @@ class TripSpec(eqx.Module):
         home experts, then its `S` slots). Not [`moe_eqx.MoEConfig`][]`.num_groups`
         (routing groups).
     - `buffers`: the [`moe_eqx.internal.BufferSizes`][] of the trip.
-    - `dedup`: one wire row per (token, shard) or one per pair.
+    - `dedup`: one wire row per (token, shard) or one per pair (a row exchange
+        only: the all-gather exchange gathers each token once).
     - `exchange`: `"dense"`, `"ragged"`, `"allgather"` or an exchange instance
         (resolved: see
         `moe_eqx.internal.exchange_name` for the config's `"auto"`).

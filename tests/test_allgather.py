@@ -148,7 +148,8 @@ def _forced(layer, x, ids):
 def test_predicate_is_exact_at_the_bound():
     """Overflow iff some shard's gathered pairs exceed its pair buffer: with
     `buffer_factor=1` each shard holds 16 pairs; forced routing puts exactly 16 on
-    every shard (no overflow), then 17 on shard 0 (overflow, one pair dropped)."""
+    every shard (no overflow; the output is the oracle's with those experts), then
+    17 on shard 0 (overflow, one pair dropped)."""
     layer = make_layer(
         jr.key(0),
         mesh_size=8,
@@ -162,7 +163,10 @@ def test_predicate_is_exact_at_the_bound():
     heavier = balanced.copy()
     heavier[1, 0] = 0  # token 1: experts (1, 4) -> (0, 4)
     for ids, overflow in ((balanced, False), (heavier, True)):
-        _, stats = _forced(layer, x, jnp.asarray(ids, jnp.int32))
+        y, stats = _forced(layer, x, jnp.asarray(ids, jnp.int32))
+        if not overflow:  # routing replay: the forced experts, nothing dropped
+            want = me.reference_moe(layer, x, experts=jnp.asarray(ids, jnp.int32))
+            np.testing.assert_allclose(y, want, rtol=2e-5, atol=2e-5)
         load = np.bincount(ids.ravel(), minlength=8)
         np.testing.assert_array_equal(stats.expert_counts, load)
         assert bool(stats.overflow) == overflow

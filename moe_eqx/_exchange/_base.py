@@ -5,10 +5,10 @@ and back ([`moe_eqx.AbstractRowExchange`][]: `dense`, `ragged`), or gathers ever
 token over the axis and reduce-scatters the outputs ([`moe_eqx.AllGatherExchange`][]):
 `AbstractExchange.gathers_tokens` says which, and the trip branches on it once.
 
-Row layout (identical for every row backend): the sender's rows are sorted by destination
-shard; rows for shard `d` start at `send_offsets[d]`. On receiver `d` the rows from
-source `s` land at `recv_offsets[s, d] = sum_{s' < s} sizes[s', d]`, so the receive
-buffer holds the rows of source 0, then source 1, ... and its first
+Row layout (identical for every row backend): the sender's rows are sorted by
+destination shard; rows for shard `d` start at `send_offsets[d]`. On receiver `d` the
+rows from source `s` land at `recv_offsets[s, d] = sum_{s' < s} sizes[s', d]`, so the
+receive buffer holds the rows of source 0, then source 1, ... and its first
 `sum_s sizes[s, d]` rows are valid.
 """
 

@@ -40,7 +40,7 @@ class AllGatherExchange(AbstractExchange):
         **Returns:**
 
         `[R * T, ...]`: shard 0's rows, then shard 1's, ... (its transpose is
-        [`AllGatherExchange.scatter`][]).
+        [`moe_eqx.AllGatherExchange.scatter`][]).
         """
         return jax.lax.all_gather(rows, self.axis_name, tiled=True)
 
@@ -51,7 +51,8 @@ class AllGatherExchange(AbstractExchange):
 
         **Arguments:**
 
-        - `rows`: `[R * T, ...]` in the layout of [`AllGatherExchange.gather`][].
+        - `rows`: `[R * T, ...]` in the layout of
+            [`moe_eqx.AllGatherExchange.gather`][].
 
         **Returns:**
 
