@@ -44,11 +44,11 @@ HUGE = 2**20  # tokens per shard
 
 def test_one_shard_is_dense_everywhere():
     # Nothing crosses a wire: a plain local copy, on every platform.
-    for platform in ("cpu", "gpu", "tpu"):
+    for platform in ("cpu", "cuda", "gpu", "tpu"):
         for tokens in (1, HUGE):
             assert _choose(platform, tokens, r=1) == "dense"
     # ... while the same shapes over 8 shards are not dense on a GPU.
-    assert _choose("gpu", 1, r=8) == "allgather"
+    assert _choose("cuda", 1, r=8) == "allgather"
 
 
 def test_cpu_is_dense():
