@@ -131,7 +131,9 @@ class MoEConfig(eqx.Module):
     - `exchange`: exchange backend, `"auto"`, `"dense"`, `"ragged"` or `"allgather"`
         (tokens all-gathered, outputs reduce-scattered), or an
         [`moe_eqx.AbstractExchange`][] instance (a `DenseExchange` gets the layer's
-        `axis_name` and block size; other instances are used as given).
+        `axis_name` and block size; other instances are used as given). `"auto"`
+        chooses from the call's static shapes and platform
+        ([`moe_eqx.internal.choose_exchange`][]).
     - `axis_name`: the expert-parallel mesh axis.
     - `fsdp_axes`: data-parallel mesh axes that the experts are split over too
         (FSDP / ZeRO-3): [`moe_eqx.shard_model`][] places them so, and the layer
