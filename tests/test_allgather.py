@@ -175,11 +175,24 @@ def test_predicate_is_exact_at_the_bound():
 
 
 def test_fallback_loses_nothing_and_matches_oracle(overflowing):
-    stats = assert_matches_oracle(
-        overflowing["fallback"], tokens(jr.key(7), T), mesh(8)
-    )
+    layer = overflowing["fallback"]
+    x = tokens(jr.key(7), T)
+    stats = assert_matches_oracle(layer, x, mesh(8))
     assert bool(stats.overflow) and bool(stats.fallback_used)
     assert int(stats.num_chunks) > 1
+    # The same decision, chunks and counts as the dense exchange's fallback.
+    dense = layer.with_config(exchange="dense")
+    ref = layer_value_and_grad(dense, x, mesh(8))[1]
+    for name in (
+        "overflow",
+        "num_chunks",
+        "recv_pairs",
+        "wire_rows",
+        "required_buffer_factor",
+    ):
+        np.testing.assert_array_equal(
+            getattr(stats, name), getattr(ref, name), err_msg=name
+        )
 
 
 @pytest.mark.parametrize("pass_", ["forward", "fwd+bwd"])
