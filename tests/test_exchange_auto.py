@@ -171,10 +171,11 @@ def _lowered_ops(platform: str, tokens: int, **overrides) -> dict[str, int]:
 
 @pytest.mark.lowering_only
 def test_layer_uses_the_rule_for_its_shapes_and_platform():
-    # cuda, T=16 per shard: 8 * 16 * 64 gathered elements, small: allgather (its
-    # outputs reduce-scattered, no all-to-all); T=1024: ragged.
+    # cuda, T=256 per shard: 8 * 256 * 64 gathered elements, small: allgather (its
+    # outputs reduce-scattered, no all-to-all); were T the global 2048 tokens, it
+    # would not be small, and k=2 would pick ragged. T=1024 per shard: ragged.
     try:
-        small = _lowered_ops("cuda", 16)
+        small = _lowered_ops("cuda", 256)
     except Exception as e:  # this jax cannot lower for cuda here
         pytest.skip(f"cannot lower the layer for cuda: {e}"[:300])
     assert small["reduce_scatter"] >= 1, small
