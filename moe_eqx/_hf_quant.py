@@ -8,6 +8,7 @@ import math
 import pathlib
 from collections.abc import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -300,8 +301,11 @@ def stored_experts(
     num_experts: int,
     dtype,
     expert_names,
+    experts: tuple[int, int] | None = None,
+    device=None,
 ) -> tuple[QuantizedArray, QuantizedArray]:
-    """A layer's routed experts as the checkpoint stores them, in the layer's layout.
+    """A layer's routed experts as the checkpoint stores them, in the layer's layout:
+    their bytes and scales only, never a float copy.
 
     **Arguments:**
 
@@ -311,28 +315,35 @@ def stored_experts(
     - `num_experts`: `E`.
     - `dtype`: the dtype the weights dequantize to.
     - `expert_names`: the per-expert `(gate, up, down)` names to look for (FP8).
+    - `experts`: `(start, stop)`: only those experts, read alone (MXFP4: those rows
+        of the fused tensors); `None`: all `E`.
+    - `device`: where the arrays go (default: JAX's default device).
 
     **Returns:**
 
     `(w_gate_up, w_down)`, [`moe_eqx.QuantizedArray`][]s `[E, d_model, 2 d_ff]` and
-    `[E, d_ff, d_model]`. A layout other than per-expert FP8 weights (DeepSeek-V3)
+    `[E, d_ff, d_model]` (`stop - start` experts with `experts`). A layout other than per-expert FP8 weights (DeepSeek-V3)
     or GPT-OSS's fused MXFP4 tensors, or FP8 blocks other than 128 x 128, is a
     `ValueError`.
     """
     opened: dict[pathlib.Path, _File] = {}
+    start, stop = (0, num_experts) if experts is None else experts
 
-    def read(name):
+    def read(name, rows=None):
         if name not in files:
             raise ValueError(f"{name} is missing (`keep_quantized=True`).")
         path = files[name]
         if path not in opened:
             opened[path] = _File(path)
-        return opened[path].read(name)
+        return opened[path].read(name, *(rows or ()))
+
+    def a(x):
+        return jnp.asarray(x) if device is None else jax.device_put(x, device)
 
     if quant.method == "mxfp4":
         base = prefix + "experts."
         gu_blocks, gu_scales, dn_blocks, dn_scales = (
-            read(f"{base}{proj}_{part}")
+            read(f"{base}{proj}_{part}", (start, stop))
             for proj in ("gate_up_proj", "down_proj")
             for part in ("blocks", "scales")
         )
@@ -340,7 +351,6 @@ def stored_experts(
         # gates, then all ups.
         rows = gu_blocks.shape[1]
         order = np.concatenate([np.arange(0, rows, 2), np.arange(1, rows, 2)])
-        a = jnp.asarray
         return (
             QuantizedArray(
                 a(gu_blocks[:, order]), a(gu_scales[:, order]), "mxfp4", dtype
@@ -370,7 +380,7 @@ def stored_experts(
         return values, scales
 
     gate_up, down = [], []
-    for i in range(num_experts):
+    for i in range(start, stop):
         (gv, gs), (uv, us), dn = (expert(i, proj) for proj in names)
         gate_up.append((np.concatenate([gv, uv], 1), np.concatenate([gs, us], 1)))
         down.append(dn)
@@ -378,9 +388,7 @@ def stored_experts(
     def stacked(pieces, parts):
         values = np.stack([p[0] for p in pieces])
         scales = np.ascontiguousarray(np.stack([p[1] for p in pieces]))
-        scales = jnp.asarray(scales.view(np.uint32))
-        return QuantizedArray(
-            jnp.asarray(values), scales, "float8_e4m3fn", dtype, parts=parts
-        )
+        scales = a(scales.view(np.uint32))
+        return QuantizedArray(a(values), scales, "float8_e4m3fn", dtype, parts=parts)
 
     return stacked(gate_up, 2), stacked(down, 1)
