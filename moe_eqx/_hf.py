@@ -4,7 +4,6 @@ state dict of NumPy arrays (`layer_from_hf_state_dict`); nothing is downloaded."
 import dataclasses
 import difflib
 import json
-import math
 import os
 import pathlib
 import re
@@ -20,6 +19,7 @@ import numpy as np
 from ._config import PARALLEL_FIELDS, MoEConfig
 from ._hf_quant import (
     Stored,
+    aligned_empty,
     checkpoint_dtype,
     quant_format,
     quantized_tensors,
@@ -480,7 +480,7 @@ class _PerExpert:
         return self.layout(self.pieces[i])
 
     def to_device(self, dtype):
-        out = _aligned_empty(self.shape, dtype)
+        out = aligned_empty(self.shape, dtype)
         for i in range(self.shape[0]):
             out[i] = self.piece(i)
         # The CPU runtime aliases an aligned host buffer instead of copying it;
@@ -494,15 +494,6 @@ def _transposed(p):
     if isinstance(p, tuple):
         return np.concatenate([np.asarray(q).T for q in p], axis=1)
     return np.asarray(p).T
-
-
-def _aligned_empty(shape, dtype, alignment=64):
-    """An uninitialised host array whose data starts on an `alignment`-byte boundary
-    (the CPU runtime aliases only such buffers)."""
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.empty(size + alignment, np.uint8)
-    start = -raw.ctypes.data % alignment
-    return raw[start : start + size].view(dtype).reshape(shape)
 
 
 def _shared_expert(config: MoEConfig, keys, get, h):

@@ -337,25 +337,38 @@ def stored_experts(
             opened[path] = _File(path)
         return opened[path].read(name, *(rows or ()))
 
-    def a(x):
-        return jnp.asarray(x) if device is None else jax.device_put(x, device)
+    n = stop - start
+
+    def put(out):
+        # An aligned host buffer is aliased by the CPU runtime (another device
+        # gets one copy).
+        return jax.device_put(out, device, may_alias=True)
+
+    def stacked(pieces):
+        """The block's experts, `pieces(i)` each, written one at a time into one
+        host buffer: the import holds the result and one expert's tensors."""
+        out = None
+        for j, i in enumerate(range(start, stop)):
+            piece = pieces(i)
+            if out is None:
+                out = aligned_empty((n, *piece.shape), piece.dtype)
+            out[j] = piece
+        return put(out)
 
     if quant.method == "mxfp4":
         base = prefix + "experts."
-        gu_blocks, gu_scales, dn_blocks, dn_scales = (
-            read(f"{base}{proj}_{part}", (start, stop))
+
+        def fused(proj, part):
+            name = f"{base}{proj}_{part}"
+            if proj == "down_proj":
+                return stacked(lambda i: read(name, (i, i + 1))[0])
+            # GPT-OSS interleaves gate and up outputs (even, odd); the layer puts
+            # all gates, then all ups.
+            return stacked(lambda i: _gates_then_ups(read(name, (i, i + 1))[0]))
+
+        return tuple(
+            QuantizedArray(fused(proj, "blocks"), fused(proj, "scales"), "mxfp4", dtype)
             for proj in ("gate_up_proj", "down_proj")
-            for part in ("blocks", "scales")
-        )
-        # GPT-OSS interleaves gate and up outputs (even, odd); the layer puts all
-        # gates, then all ups.
-        rows = gu_blocks.shape[1]
-        order = np.concatenate([np.arange(0, rows, 2), np.arange(1, rows, 2)])
-        return (
-            QuantizedArray(
-                a(gu_blocks[:, order]), a(gu_scales[:, order]), "mxfp4", dtype
-            ),
-            QuantizedArray(a(dn_blocks), a(dn_scales), "mxfp4", dtype),
         )
     if quant.block != FP8_BLOCK:
         raise ValueError(
@@ -372,23 +385,41 @@ def stored_experts(
             f"and projection ({prefix}experts.0.gate_proj.weight, ...): not found."
         )
 
-    def expert(i, proj):
-        name = f"{prefix}experts.{i}.{proj}.weight"
-        # `[out, in]` -> `[in, out]`: the bytes and the scale grid transposed.
-        values = read(name).view(np.uint8).T
-        scales = _float32_scales(read(name + _FP8_SCALE)).T
-        return values, scales
+    def side_by_side(i, projs, scales):
+        """Expert `i`'s projections `projs`, `[out, in]` each, transposed to
+        `[in, out]` and put side by side: their bytes, or their scale grids (as
+        float32 bits)."""
+        pieces = []
+        for proj in projs:
+            name = f"{prefix}experts.{i}.{proj}.weight"
+            if scales:
+                pieces.append(_float32_scales(read(name + _FP8_SCALE)).T)
+            else:
+                pieces.append(read(name).view(np.uint8).T)
+        out = np.concatenate(pieces, 1)
+        return out.view(np.uint32) if scales else out
 
-    gate_up, down = [], []
-    for i in range(start, stop):
-        (gv, gs), (uv, us), dn = (expert(i, proj) for proj in names)
-        gate_up.append((np.concatenate([gv, uv], 1), np.concatenate([gs, us], 1)))
-        down.append(dn)
+    return tuple(
+        QuantizedArray(
+            stacked(lambda i, p=projs: side_by_side(i, p, False)),
+            stacked(lambda i, p=projs: side_by_side(i, p, True)),
+            "float8_e4m3fn",
+            dtype,
+            parts=len(projs),
+        )
+        for projs in (names[:2], names[2:])
+    )
 
-    def stacked(pieces, parts):
-        values = np.stack([p[0] for p in pieces])
-        scales = np.ascontiguousarray(np.stack([p[1] for p in pieces]))
-        scales = a(scales.view(np.uint32))
-        return QuantizedArray(a(values), scales, "float8_e4m3fn", dtype, parts=parts)
 
-    return stacked(gate_up, 2), stacked(down, 1)
+def _gates_then_ups(a: np.ndarray) -> np.ndarray:
+    """Rows `0, 2, 4, ...` then `1, 3, 5, ...` of `a`."""
+    return np.concatenate([a[0::2], a[1::2]])
+
+
+def aligned_empty(shape, dtype, alignment=64):
+    """An uninitialised host array whose data starts on an `alignment`-byte boundary
+    (the CPU runtime aliases only such buffers)."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(size + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + size].view(dtype).reshape(shape)
