@@ -4,6 +4,7 @@ with the outputs and gradients of dequantizing every expert first."""
 
 import dataclasses
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -141,3 +142,28 @@ def test_no_float_copy_of_all_experts(fmt):
             assert {(1, H, 2 * F), (1, F, H)} <= shapes
             assert not whole & shapes, whole & shapes
     assert whole <= float_shapes(forward(_old))
+
+
+def test_layer_decode_step_gathers_quantized_experts():
+    """A layer's decode step on one device (3 tokens, top-2 of 16 experts: 6 rows):
+    its grouped matmuls gather, and the quantized layer's output and `x`-gradient
+    are the dequantized layer's."""
+    cfg = me.MoEConfig(d_model=H, d_ff=F, num_experts=16, top_k=2)
+    q = me.quantize_experts(me.MoELayer(cfg, key=jr.key(5)), "mxfp4")
+    d = me.dequantize_experts(q)
+    x = jr.normal(jr.key(6), (3, H), jnp.float32)
+
+    def compiled(layer):
+        arrays, static = eqx.partition(layer, eqx.is_array)
+
+        def value_and_grad(arrays, x):
+            model = eqx.combine(arrays, static)
+            return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(model(x)[0])))(x)
+
+        lowered = jax.jit(value_and_grad).lower(arrays, x)
+        return lowered.as_text(debug_info=True), lowered.compile()(arrays, x)
+
+    (text, (v_q, g_q)), (_, (v_d, g_d)) = compiled(q), compiled(d)
+    assert "moe_eqx.gmm.gathered" in text and "moe_eqx.gmm.tiled" not in text
+    np.testing.assert_allclose(v_q, v_d, rtol=1e-6)
+    np.testing.assert_allclose(g_q, g_d, rtol=1e-5, atol=1e-6)
