@@ -322,9 +322,9 @@ def stored_experts(
     **Returns:**
 
     `(w_gate_up, w_down)`, [`moe_eqx.QuantizedArray`][]s `[E, d_model, 2 d_ff]` and
-    `[E, d_ff, d_model]` (`stop - start` experts with `experts`). A layout other than per-expert FP8 weights (DeepSeek-V3)
-    or GPT-OSS's fused MXFP4 tensors, or FP8 blocks other than 128 x 128, is a
-    `ValueError`.
+    `[E, d_ff, d_model]` (`stop - start` experts with `experts`). A layout other
+    than per-expert FP8 weights (DeepSeek-V3) or GPT-OSS's fused MXFP4 tensors, or
+    FP8 blocks other than 128 x 128, is a `ValueError`.
     """
     opened: dict[pathlib.Path, _File] = {}
     start, stop = (0, num_experts) if experts is None else experts
