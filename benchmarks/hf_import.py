@@ -14,12 +14,14 @@ the growth of the peak over the layer's own bytes (float32). Goal: <= 1.2x.
 Quantized checkpoints go through `me.layers_from_hf` from a model directory written
 beforehand by this script: FP8 with 128 x 128 block scales (Qwen3-MoE's per-expert
 layout, as the FP8 releases store it) and MXFP4 (GPT-OSS's fused blocks and scales),
-each dequantized to the config's bfloat16 one expert at a time. Goal: the peak grows
-by at most 1.2x the layer plus one expert's quantized tensors. Writes
+each dequantized to the config's bfloat16 one expert at a time, and with
+`keep_quantized=True` (the routed experts as stored). Goal: the peak grows by at most
+1.2x the layer plus one expert's quantized tensors. Writes
 benchmarks/results/hf_import.json.
 """
 
 import argparse
+import itertools
 import json
 import pathlib
 import subprocess
@@ -68,7 +70,7 @@ gc.collect()
 with open("/proc/self/statm") as f:
     current = int(f.read().split()[1]) * 4096
 before = max(current, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-layers = me.layers_from_hf(sys.argv[1])
+layers = me.layers_from_hf(sys.argv[1], keep_quantized=sys.argv[2] == "keep")
 jax.block_until_ready(layers)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 size = sum(a.nbytes for l in layers.values() for a in jax.tree.leaves(l))
@@ -171,10 +173,10 @@ def write_quantized(directory, experts, d_model, d_ff, method):
     return quantized // e
 
 
-def measure_quantized(experts, d_model, d_ff, method):
+def measure_quantized(experts, d_model, d_ff, method, keep=False):
     with tempfile.TemporaryDirectory() as directory:
         expert = write_quantized(directory, experts, d_model, d_ff, method)
-        m = _run(_QUANTIZED_CHILD, directory)
+        m = _run(_QUANTIZED_CHILD, directory, "keep" if keep else "dequantize")
     return m | {"expert_bytes": expert}
 
 
@@ -196,12 +198,13 @@ def main(argv=None):
             }
         )
         rows[-1]["met"] = rows[-1]["ratio"] <= 1.2
-    for method in ("fp8", "mxfp4"):
-        m = measure_quantized(*shape, method)
+    for method, keep in itertools.product(("fp8", "mxfp4"), (False, True)):
+        m = measure_quantized(*shape, method, keep)
         layer, expert = m["layer_bytes"], m["expert_bytes"]
+        how = "keep_quantized=True" if keep else "dequantized"
         rows.append(
             {
-                "layout": f"{method} (layers_from_hf)",
+                "layout": f"{method} (layers_from_hf, {how})",
                 "layer_mib": layer / 2**20,
                 "expert_mib": expert / 2**20,
                 "peak_growth_mib": m["growth_bytes"] / 2**20,

@@ -4,7 +4,6 @@ state dict of NumPy arrays (`layer_from_hf_state_dict`); nothing is downloaded."
 import dataclasses
 import difflib
 import json
-import math
 import os
 import pathlib
 import re
@@ -20,6 +19,7 @@ import numpy as np
 from ._config import PARALLEL_FIELDS, MoEConfig
 from ._hf_quant import (
     Stored,
+    aligned_empty,
     checkpoint_dtype,
     quant_format,
     quantized_tensors,
@@ -171,11 +171,15 @@ def _import(
     experts=None,
     *,
     interleaved=True,
+    routed=None,
 ):
     """`layer_from_hf_state_dict`; with `experts=(start, stop)` the state dict holds
     only those experts (per-expert keys numbered as in the model, fused tensors
     sliced to their rows), and so do the result's expert arrays (a building block for
-    `layers_from_hf` with a mesh, not a layer to call)."""
+    `layers_from_hf` with a mesh, not a layer to call). With `routed`, a pair of
+    `QuantizedArray`s (`w_gate_up`, `w_down`) shaped as the routed experts: the
+    layer's routed experts, and the state dict's routed expert tensors (quantized
+    ones stand unread) are checked and left unread."""
     state_dict = _gemma4_folded(state_dict, prefix, experts)
     keys = {k[len(prefix) :]: k for k in state_dict if k.startswith(prefix)}
     used: set[str] = set()
@@ -279,10 +283,21 @@ def _import(
 
     if config.use_router_bias and bias is None:
         bias = np.zeros((columns,), np.float32)
+    if routed is None:
+        w_gate_up = arr(w_gate_up, layer.experts.w_gate_up)
+        w_down = arr(w_down, layer.experts.w_down)
+    else:
+        for kept, stand_in in zip(routed, (w_gate_up, w_down), strict=True):
+            if tuple(kept.shape) != tuple(stand_in.shape):
+                raise ValueError(
+                    f"{prefix}: the stored quantized experts have shape "
+                    f"{tuple(kept.shape)}, expected {tuple(stand_in.shape)}."
+                )
+        w_gate_up, w_down = routed
     new = {
         (lambda l: l.router.weight): jnp.asarray(router_weight),
-        (lambda l: l.experts.w_gate_up): arr(w_gate_up, layer.experts.w_gate_up),
-        (lambda l: l.experts.w_down): arr(w_down, layer.experts.w_down),
+        (lambda l: l.experts.w_gate_up): w_gate_up,
+        (lambda l: l.experts.w_down): w_down,
         (lambda l: l.expert_ids): jnp.arange(e, dtype=jnp.int32),
     }
     if bias is not None:
@@ -465,7 +480,7 @@ class _PerExpert:
         return self.layout(self.pieces[i])
 
     def to_device(self, dtype):
-        out = _aligned_empty(self.shape, dtype)
+        out = aligned_empty(self.shape, dtype)
         for i in range(self.shape[0]):
             out[i] = self.piece(i)
         # The CPU runtime aliases an aligned host buffer instead of copying it;
@@ -479,15 +494,6 @@ def _transposed(p):
     if isinstance(p, tuple):
         return np.concatenate([np.asarray(q).T for q in p], axis=1)
     return np.asarray(p).T
-
-
-def _aligned_empty(shape, dtype, alignment=64):
-    """An uninitialised host array whose data starts on an `alignment`-byte boundary
-    (the CPU runtime aliases only such buffers)."""
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.empty(size + alignment, np.uint8)
-    start = -raw.ctypes.data % alignment
-    return raw[start : start + size].view(dtype).reshape(shape)
 
 
 def _shared_expert(config: MoEConfig, keys, get, h):
@@ -1954,10 +1960,12 @@ def layers_from_hf(
         bytes and their float32 block scales, per-expert `[out, in]` tensors
         transposed to `[in, out]`, gate and up side by side; MXFP4: GPT-OSS's
         `*_blocks` and `*_scales`, gate and up rows in the layer's order); they
-        dequantize to `dtype`. The import builds each layer dequantized first, then
-        replaces its experts (it holds one layer's float experts meanwhile); with a
-        `mesh`, the layers are then placed by [`moe_eqx.shard_model`][]. A
-        checkpoint without a `quantization_config` is a `ValueError`.
+        dequantize to `dtype`. The routed experts are read as stored and never
+        dequantized on import (the other weights, a quantized shared expert
+        included, load as above); with a `mesh`, each process reads only its
+        devices' experts (MXFP4: their rows of the fused tensors) and each device
+        gets only its own experts' bytes and scales. A checkpoint without a
+        `quantization_config` is a `ValueError`.
     - `overrides`: the library's own config fields, as for `config_from_hf`.
 
     **Returns:**
@@ -1966,8 +1974,6 @@ def layers_from_hf(
     """
     from safetensors import safe_open
 
-    if keep_quantized:
-        return _kept_quantized(directory, layers, dtype, mesh, overrides)
     directory = pathlib.Path(directory)
     hf = _read_config_json(directory / "config.json")
     text = _text_config(hf)
@@ -1975,6 +1981,11 @@ def layers_from_hf(
     config_of = _per_layer_configs(hf, text, overrides)
     config = config_of(0)  # what the layers share: widths, experts, parallelism
     quant = quant_format(hf)
+    if keep_quantized and quant is None:
+        raise ValueError(
+            "`keep_quantized=True` needs a quantized checkpoint: the config has no "
+            "`quantization_config`."
+        )
     if quant is not None and dtype is None:
         dtype = checkpoint_dtype(hf)
     transposed = model_type in _TRANSPOSED_EXPERTS
@@ -2082,15 +2093,33 @@ def layers_from_hf(
             c = configs[i]
             module = (2 * c.d_ff, c.d_model)
             layout[i] = stored is not None and tuple(stored.shape[1:]) != module
+
+    def kept_of(i):
+        """Layer `i`'s routed experts as stored, by block of experts: `None` unless
+        `keep_quantized`."""
+        if not keep_quantized:
+            return lambda block=None, device=None: None
+        return lambda block=None, device=None: stored_experts(
+            quant,
+            prefixes[i],
+            files,
+            configs[i].num_experts,
+            dtype,
+            _EXPERT_NAMES,
+            experts=block,
+            device=device,
+        )
+
     if blocks is None:
         return {
-            i: layer_from_hf_state_dict(
+            i: _import(
                 configs[i],
                 {as_name: tensors[n] for n, as_name in names[i].items()},
-                prefix=prefixes[i],
-                dtype=dtype,
-                transposed_experts=layout[i],
-                interleaved_gate_up=interleaved,
+                prefixes[i],
+                dtype,
+                layout[i],
+                interleaved=interleaved,
+                routed=kept_of(i)(),
             )
             for i in wanted
         }
@@ -2105,37 +2134,10 @@ def layers_from_hf(
             dtype,
             layout[i],
             interleaved,
+            kept_of(i),
         )
         for i in wanted
     }
-
-
-def _kept_quantized(directory, layers, dtype, mesh, overrides):
-    """`layers_from_hf(..., keep_quantized=True)`: the layers loaded as usual, their
-    routed experts then replaced by the checkpoint's own quantized tensors."""
-    directory = pathlib.Path(directory)
-    hf = _read_config_json(directory / "config.json")
-    quant = quant_format(hf)
-    if quant is None:
-        raise ValueError(
-            "`keep_quantized=True` needs a quantized checkpoint: the config has no "
-            "`quantization_config`."
-        )
-    dtype = checkpoint_dtype(hf) if dtype is None else dtype
-    loaded = layers_from_hf(directory, layers, dtype=dtype, **overrides)
-    files = _tensor_files(directory)
-    within = _NESTED_TEXT.get(hf.get("model_type"), (None, ""))[1]
-    prefixes = _moe_prefixes(n for n in files if n.startswith(within))
-    out = {}
-    for i, layer in loaded.items():
-        kept = stored_experts(
-            quant, prefixes[i], files, layer.config.num_experts, dtype, _EXPERT_NAMES
-        )
-        layer = eqx.tree_at(
-            lambda m: (m.experts.w_gate_up, m.experts.w_down), layer, kept
-        )
-        out[i] = layer if mesh is None else shard_model(layer, mesh)
-    return out
 
 
 def _per_layer_configs(hf, text, overrides):
@@ -2164,10 +2166,22 @@ def _per_layer_configs(hf, text, overrides):
 
 
 def _placed_layer(
-    config, mesh, blocks, names, tensors, prefix, dtype, transposed, interleaved=True
+    config,
+    mesh,
+    blocks,
+    names,
+    tensors,
+    prefix,
+    dtype,
+    transposed,
+    interleaved=True,
+    kept=None,
 ):
     """One layer on `mesh` from this process's experts: each of its expert blocks
-    imported alone (`_import(..., experts=block)`), assembled into global arrays."""
+    imported alone (`_import(..., experts=block)`), assembled into global arrays.
+    `kept(block, device)`, if given, is the block's routed experts as stored
+    (`QuantizedArray`s, put on `device`, one of the devices holding the block), or
+    `None` to import them as floats."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     by_block = {}
@@ -2190,8 +2204,16 @@ def _placed_layer(
                 )
                 value = part[a * unit - start : b * unit - start]
             state[as_name] = value
+        holder = next(d for d, held in blocks.items() if held == block)
         by_block[block] = _import(
-            config, state, prefix, dtype, transposed, block, interleaved=interleaved
+            config,
+            state,
+            prefix,
+            dtype,
+            transposed,
+            block,
+            interleaved=interleaved,
+            routed=None if kept is None else kept(block, holder),
         )
     first = next(iter(by_block.values()))
     devices = list(blocks)

@@ -8,6 +8,7 @@ import math
 import pathlib
 from collections.abc import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -300,8 +301,11 @@ def stored_experts(
     num_experts: int,
     dtype,
     expert_names,
+    experts: tuple[int, int] | None = None,
+    device=None,
 ) -> tuple[QuantizedArray, QuantizedArray]:
-    """A layer's routed experts as the checkpoint stores them, in the layer's layout.
+    """A layer's routed experts as the checkpoint stores them, in the layer's layout:
+    their bytes and scales only, never a float copy.
 
     **Arguments:**
 
@@ -311,41 +315,60 @@ def stored_experts(
     - `num_experts`: `E`.
     - `dtype`: the dtype the weights dequantize to.
     - `expert_names`: the per-expert `(gate, up, down)` names to look for (FP8).
+    - `experts`: `(start, stop)`: only those experts, read alone (MXFP4: those rows
+        of the fused tensors); `None`: all `E`.
+    - `device`: where the arrays go (default: JAX's default device).
 
     **Returns:**
 
     `(w_gate_up, w_down)`, [`moe_eqx.QuantizedArray`][]s `[E, d_model, 2 d_ff]` and
-    `[E, d_ff, d_model]`. A layout other than per-expert FP8 weights (DeepSeek-V3)
-    or GPT-OSS's fused MXFP4 tensors, or FP8 blocks other than 128 x 128, is a
-    `ValueError`.
+    `[E, d_ff, d_model]` (`stop - start` experts with `experts`). A layout other
+    than per-expert FP8 weights (DeepSeek-V3) or GPT-OSS's fused MXFP4 tensors, or
+    FP8 blocks other than 128 x 128, is a `ValueError`.
     """
     opened: dict[pathlib.Path, _File] = {}
+    start, stop = (0, num_experts) if experts is None else experts
 
-    def read(name):
+    def read(name, rows=None):
         if name not in files:
             raise ValueError(f"{name} is missing (`keep_quantized=True`).")
         path = files[name]
         if path not in opened:
             opened[path] = _File(path)
-        return opened[path].read(name)
+        return opened[path].read(name, *(rows or ()))
+
+    n = stop - start
+
+    def put(out):
+        # An aligned host buffer is aliased by the CPU runtime (another device
+        # gets one copy).
+        return jax.device_put(out, device, may_alias=True)
+
+    def stacked(pieces):
+        """The block's experts, `pieces(i)` each, written one at a time into one
+        host buffer: the import holds the result and one expert's tensors."""
+        out = None
+        for j, i in enumerate(range(start, stop)):
+            piece = pieces(i)
+            if out is None:
+                out = aligned_empty((n, *piece.shape), piece.dtype)
+            out[j] = piece
+        return put(out)
 
     if quant.method == "mxfp4":
         base = prefix + "experts."
-        gu_blocks, gu_scales, dn_blocks, dn_scales = (
-            read(f"{base}{proj}_{part}")
+
+        def fused(proj, part):
+            name = f"{base}{proj}_{part}"
+            if proj == "down_proj":
+                return stacked(lambda i: read(name, (i, i + 1))[0])
+            # GPT-OSS interleaves gate and up outputs (even, odd); the layer puts
+            # all gates, then all ups.
+            return stacked(lambda i: _gates_then_ups(read(name, (i, i + 1))[0]))
+
+        return tuple(
+            QuantizedArray(fused(proj, "blocks"), fused(proj, "scales"), "mxfp4", dtype)
             for proj in ("gate_up_proj", "down_proj")
-            for part in ("blocks", "scales")
-        )
-        # GPT-OSS interleaves gate and up outputs (even, odd); the layer puts all
-        # gates, then all ups.
-        rows = gu_blocks.shape[1]
-        order = np.concatenate([np.arange(0, rows, 2), np.arange(1, rows, 2)])
-        a = jnp.asarray
-        return (
-            QuantizedArray(
-                a(gu_blocks[:, order]), a(gu_scales[:, order]), "mxfp4", dtype
-            ),
-            QuantizedArray(a(dn_blocks), a(dn_scales), "mxfp4", dtype),
         )
     if quant.block != FP8_BLOCK:
         raise ValueError(
@@ -362,25 +385,41 @@ def stored_experts(
             f"and projection ({prefix}experts.0.gate_proj.weight, ...): not found."
         )
 
-    def expert(i, proj):
-        name = f"{prefix}experts.{i}.{proj}.weight"
-        # `[out, in]` -> `[in, out]`: the bytes and the scale grid transposed.
-        values = read(name).view(np.uint8).T
-        scales = _float32_scales(read(name + _FP8_SCALE)).T
-        return values, scales
+    def side_by_side(i, projs, scales):
+        """Expert `i`'s projections `projs`, `[out, in]` each, transposed to
+        `[in, out]` and put side by side: their bytes, or their scale grids (as
+        float32 bits)."""
+        pieces = []
+        for proj in projs:
+            name = f"{prefix}experts.{i}.{proj}.weight"
+            if scales:
+                pieces.append(_float32_scales(read(name + _FP8_SCALE)).T)
+            else:
+                pieces.append(read(name).view(np.uint8).T)
+        out = np.concatenate(pieces, 1)
+        return out.view(np.uint32) if scales else out
 
-    gate_up, down = [], []
-    for i in range(num_experts):
-        (gv, gs), (uv, us), dn = (expert(i, proj) for proj in names)
-        gate_up.append((np.concatenate([gv, uv], 1), np.concatenate([gs, us], 1)))
-        down.append(dn)
-
-    def stacked(pieces, parts):
-        values = np.stack([p[0] for p in pieces])
-        scales = np.ascontiguousarray(np.stack([p[1] for p in pieces]))
-        scales = jnp.asarray(scales.view(np.uint32))
-        return QuantizedArray(
-            jnp.asarray(values), scales, "float8_e4m3fn", dtype, parts=parts
+    return tuple(
+        QuantizedArray(
+            stacked(lambda i, p=projs: side_by_side(i, p, False)),
+            stacked(lambda i, p=projs: side_by_side(i, p, True)),
+            "float8_e4m3fn",
+            dtype,
+            parts=len(projs),
         )
+        for projs in (names[:2], names[2:])
+    )
 
-    return stacked(gate_up, 2), stacked(down, 1)
+
+def _gates_then_ups(a: np.ndarray) -> np.ndarray:
+    """Rows `0, 2, 4, ...` then `1, 3, 5, ...` of `a`."""
+    return np.concatenate([a[0::2], a[1::2]])
+
+
+def aligned_empty(shape, dtype, alignment=64):
+    """An uninitialised host array whose data starts on an `alignment`-byte boundary
+    (the CPU runtime aliases only such buffers)."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(size + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + size].view(dtype).reshape(shape)

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import moe_eqx as me
 import moe_eqx.internal as mi
 from moe_eqx._gmm import mosaic_gpu as mosaic
+from moe_eqx._gmm.gathered import GatheredGMM
 from moe_eqx._gmm.mosaic_gpu.derivatives import mosaic_gmm
 from moe_eqx._gmm.tiled import window_rows
 
@@ -214,14 +215,26 @@ def test_matches_autodiff_of_dense():
 D_MODEL, D_FF = 6, 5
 
 
-# `mosaic_f32` is `MosaicGPUGMM`'s float32 fallback, `TiledGMM()`.
-@pytest.mark.parametrize("backend", ["tiled_odd", "dense", "ragged_dot", "mosaic_f32"])
+def _ffn_backend(name):
+    """`BACKENDS[name]`; `mosaic_f32` is `MosaicGPUGMM`'s float32 fallback,
+    `TiledGMM()`; `gathered` the gathering backend `TiledGMM` uses below `G` rows,
+    here at any row count."""
+    if name == "mosaic_f32":
+        return me.MosaicGPUGMM()
+    if name == "gathered":
+        return GatheredGMM()
+    return BACKENDS[name]
+
+
+@pytest.mark.parametrize(
+    "backend", ["tiled_odd", "dense", "ragged_dot", "mosaic_f32", "gathered"]
+)
 def test_ffn_grad_acc(backend):
     """`backend.ffn`: the SwiGLU FFN of each group, the same with `grad_acc` (which
     passes through); under `jax.vjp` the accumulators' cotangent is theirs plus the
     weights' gradient, and the rows get their usual gradient (as the fallback's
     backward uses it, the weights closed over)."""
-    impl = me.MosaicGPUGMM() if backend == "mosaic_f32" else BACKENDS[backend]
+    impl = _ffn_backend(backend)
 
     @jax.jit
     def run(x, w_gate_up, w_down, sizes, dy, acc, acc_ct):
@@ -264,14 +277,14 @@ def test_ffn_grad_acc(backend):
     assert run._cache_size() == 1
 
 
-@pytest.mark.parametrize("backend", ["tiled", "dense"])
+@pytest.mark.parametrize("backend", ["tiled", "dense", "gathered"])
 def test_ffn_grad_acc_is_a_true_transpose(backend):
     """`ffn` with `grad_acc` is `(ffn(x, w + acc - acc'), acc)` (`acc'` a constant):
     differentiated with respect to the weights too, they get their gradient and the
     accumulators theirs plus the output accumulators' cotangent (the weights got a
     zero cotangent before, which was not the transpose of the tangent); in forward
     mode the accumulators' tangent adds to the weights'."""
-    impl = BACKENDS[backend]
+    impl = _ffn_backend(backend)
     x, w_gu, w_dn, sizes, dy = _ffn_data(M, D_MODEL, D_FF, CASES["skewed"], seed=2)
     acc = _acc((w_gu, w_dn), 2)
     acc_ct = _acc((w_gu, w_dn), 3)

@@ -13,7 +13,7 @@ import pytest
 from helpers import cpu_devices
 
 import moe_eqx as me
-from moe_eqx import _hf_quant, _quant
+from moe_eqx import _hf, _hf_quant, _quant
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -490,3 +490,60 @@ def test_keep_quantized_needs_a_quantized_checkpoint(model, tmp_path):
     (tmp_path / "model.safetensors").symlink_to(model["dir"] / "model.safetensors")
     with pytest.raises(ValueError, match="keep_quantized=True.*quantization_config"):
         me.layers_from_hf(tmp_path, keep_quantized=True)
+
+
+def test_keep_quantized_builds_no_float_experts(model, float32_layer, monkeypatch):
+    """`keep_quantized=True` reads the routed experts' bytes and scales and never
+    dequantizes them: no float `[E, ...]` expert buffer is built and the host
+    dequantizers run only for the shared expert's FP8 tensors (gate, up, down), on
+    one device and on EP4. On EP4 each device holds only its two experts' bytes and
+    scales, each read once (MXFP4: by its rows `i:i+1` of the fused tensors), equal to
+    the one-device load's; in float32 the output is the dequantizing import's."""
+    built, dequantized, reads = [], [], []
+    real_to_device = _hf._PerExpert.to_device
+    real_read = _hf_quant._File.read
+
+    def to_device(self, dtype):
+        built.append(self.shape)
+        return real_to_device(self, dtype)
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            dequantized.append(out.shape)
+            return out
+
+        return wrapped
+
+    def read(self, name, start=0, stop=None):
+        reads.append((name, start, stop))
+        return real_read(self, name, start, stop)
+
+    monkeypatch.setattr(_hf._PerExpert, "to_device", to_device)
+    monkeypatch.setattr(_hf_quant._File, "read", read)
+    for name in ("dequantize_fp8_blocks", "dequantize_mxfp4"):
+        monkeypatch.setattr(_hf_quant, name, spy(getattr(_hf_quant, name)))
+    shared = 3 if model["kind"] == "fp8" else 0
+    (kept,) = me.layers_from_hf(model["dir"], keep_quantized=True).values()
+    assert built == [] and len(dequantized) == shared, (built, dequantized)
+    m = jax.make_mesh((4,), ("expert",), devices=cpu_devices()[:4])
+    reads.clear()
+    (placed,) = me.layers_from_hf(
+        model["dir"], keep_quantized=True, mesh=m, dtype=jnp.float32
+    ).values()
+    assert built == [] and len(dequantized) == 2 * shared, (built, dequantized)
+    for name in ("w_gate_up", "w_down"):
+        q, want = getattr(placed.experts, name), getattr(kept.experts, name)
+        assert isinstance(q, me.QuantizedArray)
+        for leaf, want_leaf in zip(jax.tree.leaves(q), jax.tree.leaves(want)):
+            assert leaf.sharding.spec == jax.P("expert")
+            assert {s.data.shape[0] for s in leaf.addressable_shards} == {E // 4}
+            np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want_leaf))
+    assert len(reads) == len(set(reads))
+    if model["kind"] == "mxfp4":
+        fused = [n for n in model["tensors"] if n.endswith(("_blocks", "_scales"))]
+        assert sorted(reads) == sorted((n, i, i + 1) for n in fused for i in range(E))
+    x = jax.random.normal(jax.random.key(3), (32, model["d_model"]))
+    got, _ = jax.jit(lambda l, x: l(x, mesh=m))(placed, x)
+    want, _ = float32_layer(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -4,16 +4,40 @@ The tiled loop visits every group and slices its weights, so its cost has a floo
 reading all `G` matrices however few rows there are. Gathering row `i`'s matrix
 `rhs[g(i)]` reads `M` of them instead: cheaper whenever `M < G` (decode steps). The
 products are plain JAX (a gather and a batched product), so JAX differentiates them
-to every order.
+to every order. A quantized weight is gathered as stored (its bytes and the scales
+of their blocks) and only the `M` gathered matrices are dequantized.
 """
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._rules import acc_dtype, match_varying
-from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, gmm_ffn
+from .._quant import QuantizedArray
+from .._rules import HIDDEN, acc_dtype, match_varying, remat_name
+from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, with_tangent_of
 from .dense import group_ids
+
+
+def _row_weights(w, gid, dtype):
+    """`w[g(i)]` for each row `i`, `[M, K, N]` in `dtype`. Rows past
+    `sum(group_sizes)` read the last group's matrix (any valid index); their products
+    are zeroed by `_row_products`."""
+    index = jnp.minimum(gid, w.shape[0] - 1)
+    if isinstance(w, QuantizedArray):
+        # Values and block scales alike are indexed by their leading (expert) axis,
+        # so each row gets its own expert's bytes and scales before dequantizing.
+        return w.map_experts(lambda a: a[index]).dequantize(dtype)
+    return w.astype(dtype)[index]
+
+
+def _row_products(lhs, weights, gid, num_groups):
+    """`lhs[i] @ weights[i]` accumulated in float32, zero past the last group, in
+    `lhs.dtype`."""
+    out = jnp.einsum(
+        "mk,mkn->mn", lhs, weights, preferred_element_type=acc_dtype(lhs.dtype)
+    )
+    out = jnp.where((gid < num_groups)[:, None], out, jnp.zeros((), out.dtype))
+    return out.astype(lhs.dtype)
 
 
 class GatheredGMM(AbstractGMMBackend):
@@ -22,7 +46,9 @@ class GatheredGMM(AbstractGMMBackend):
     Builds `[M, K, N]` (`rhs[g(i)]` for each row `i`): `M / G` times the weights'
     memory, so only for `M` at most a small multiple of `G`; `TiledGMM` uses it when
     `M < G`. Gradients come from JAX's autodiff (the weights' is a scatter-add into
-    `[G, K, N]`).
+    `[G, K, N]`). Its `ffn` gathers a [`moe_eqx.QuantizedArray`][]'s stored bytes
+    and scales per row and dequantizes only those `M` matrices: no float copy of all
+    `G` is built.
     """
 
     def __call__(
@@ -35,25 +61,35 @@ class GatheredGMM(AbstractGMMBackend):
             lhs, rhs, group_sizes = match_varying(
                 lhs, rhs, group_sizes.astype(jnp.int32)
             )
-            num_groups = rhs.shape[0]
             gid = group_ids(group_sizes, lhs.shape[0])
-            # Rows past `sum(group_sizes)` read the last group's matrix (any valid
-            # index) and are zeroed below.
-            weights = rhs[jnp.minimum(gid, num_groups - 1)]
-            out = jnp.einsum(
-                "mk,mkn->mn", lhs, weights, preferred_element_type=acc_dtype(lhs.dtype)
-            )
-            out = jnp.where((gid < num_groups)[:, None], out, jnp.zeros((), out.dtype))
-            return out.astype(lhs.dtype)
+            weights = _row_weights(rhs, gid, rhs.dtype)
+            return _row_products(lhs, weights, gid, rhs.shape[0])
 
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"],
-        w_down: Float[Array, "groups d_ff d_model"],
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
         activation: Activation = SWIGLU,
     ):
-        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)
+        with jax.named_scope("moe_eqx.gmm.gathered"):
+            if grad_acc is not None:  # see `AbstractGMMBackend.ffn`
+                w_gate_up = with_tangent_of(w_gate_up, grad_acc[0])
+                w_down = with_tangent_of(w_down, grad_acc[1])
+            x, w_gate_up, w_down, group_sizes = match_varying(
+                x, w_gate_up, w_down, group_sizes.astype(jnp.int32)
+            )
+            gid = group_ids(group_sizes, x.shape[0])
+            num_groups = w_gate_up.shape[0]
+            gate_up = _row_products(
+                x, _row_weights(w_gate_up, gid, x.dtype), gid, num_groups
+            )
+            gate_up = remat_name(gate_up, HIDDEN)
+            act = activation(gate_up).astype(x.dtype)
+            out = _row_products(
+                act, _row_weights(w_down, gid, x.dtype), gid, num_groups
+            )
+            return out if grad_acc is None else (out, grad_acc)
