@@ -1262,13 +1262,18 @@ def test_mosaic_quantized_ffn_has_no_float_weights(fmt):
 def test_fit_to_scales():
     """FP8 weight tiles stay inside one 128-row scale block: a 192-wide `d_lhs`
     tile (its `block_n` runs along `K`) narrows to 64, a forward `block_k` of 128
-    stays; int8 (one scale row for all of `K`) keeps them."""
+    stays; int8 (one scale row for all of `K`) keeps them. Pipeline stages drop
+    until the quantized kernel's tiles fit in shared memory."""
     from moe_eqx._gmm.mosaic_gpu.quantized import fit_to_scales
 
     wide = mi.MosaicTileConfig(64, 192, 128, 2, 1)
     assert fit_to_scales(wide, 128, True).block_n == 64
     assert fit_to_scales(wide, 128, False) == wide
     assert fit_to_scales(wide, 384, True) == wide
+    # 6 stages of 128 x 64 activations and 64 x 256 bytes, plus the dequantized and
+    # output tiles, exceed 227 KiB of shared memory; 3 stages fit.
+    deep = mi.MosaicTileConfig(128, 256, 64, 6, 1)
+    assert fit_to_scales(deep, 128, False).max_concurrent_steps == 3
 
 
 # K and N unaligned (padding), several FP8 blocks along K, FP8 parts narrower than
