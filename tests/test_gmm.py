@@ -1324,7 +1324,8 @@ def test_mosaic_quantized_gmm_in_interpreter(fmt):
 @_INTERPRETER_RUNS_DERIVATIVES
 def test_mosaic_quantized_ffn_in_interpreter():
     """`MosaicGPUGMM.ffn` with FP8 experts (the kernels dequantize tile by tile)
-    against the same backend's FFN on the dequantized weights: output and `d_x`."""
+    against the same backend's FFN on the dequantized weights: output, `d_x` and a
+    Hessian-vector product in `x` (forward over reverse through the kernels)."""
     x, _, _, sizes, dy = _ffn_data(100, 128, 64, [0, 40, 0, 50], jnp.bfloat16, seed=5)
     w_gu = _quantized_weight("float8_e4m3fn", 4, 128, 128, seed=6)
     w_dn = _quantized_weight("float8_e4m3fn", 4, 64, 128, seed=7)
@@ -1333,14 +1334,16 @@ def test_mosaic_quantized_ffn_in_interpreter():
 
     @jax.jit
     def run(x, dy, w_gu, w_dn):
-        y, vjp = jax.vjp(lambda x: backend.ffn(x, w_gu, w_dn, sizes), x)
-        return y, vjp(dy)[0]
+        ffn = lambda x: backend.ffn(x, w_gu, w_dn, sizes)  # noqa: E731
+        y, vjp = jax.vjp(ffn, x)
+        loss = lambda x: jnp.sum(ffn(x).astype(jnp.float32) ** 2)  # noqa: E731
+        return y, vjp(dy)[0], jax.jvp(jax.grad(loss), (x,), (dy,))[1]
 
     with _interpreted():
-        y, d_x = run(x, dy, w_gu, w_dn)
+        y, d_x, hvp = run(x, dy, w_gu, w_dn)
         floats = (w.dequantize(jnp.bfloat16) for w in (w_gu, w_dn))
-        ref_y, ref_d_x = run(x, dy, *floats)
-    for got, want in ((y, ref_y), (d_x, ref_d_x)):
+        ref_y, ref_d_x, ref_hvp = run(x, dy, *floats)
+    for got, want in ((y, ref_y), (d_x, ref_d_x), (hvp, ref_hvp)):
         want = np.asarray(want.astype(jnp.float32))
         np.testing.assert_allclose(
             np.asarray(got.astype(jnp.float32)), want, rtol=2**-8, atol=0
