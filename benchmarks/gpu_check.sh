@@ -2,7 +2,9 @@
 # Everything GPU-specific in one run (a Hopper GPU for the mosaic_gpu parts):
 #   1. the GPU tests: the mosaic_gpu backend against float32 references, the layer on
 #      one GPU (ragged exchange, capped and fallback) against the dense oracle, and
-#      quantized experts (FP8, MXFP4, int8) against their dequantized layer;
+#      quantized experts (FP8, MXFP4, int8) against their dequantized layer, and the
+#      mosaic_gpu kernels that dequantize FP8/int8 weight tiles in the kernel
+#      (tests/test_gmm_gpu.py -k quantized, tests/test_layer_gpu.py -k mosaic_gpu);
 #   2. benchmarks/gmm_gpu.py (< 4 min): dense, lax.ragged_dot, mosaic_gpu, torch;
 #   3. benchmarks/layer.py --gpu (bounded to 150 s): the whole layer on one GPU in
 #      bfloat16 (one device, and a one-GPU mesh with the fallback on and off) against

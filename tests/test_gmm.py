@@ -8,6 +8,7 @@ import os
 import runpy
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jaxtyping
 import numpy as np
@@ -21,6 +22,7 @@ from moe_eqx._gmm import mosaic_gpu as mosaic
 from moe_eqx._gmm.gathered import GatheredGMM
 from moe_eqx._gmm.mosaic_gpu.derivatives import mosaic_gmm
 from moe_eqx._gmm.tiled import window_rows
+from moe_eqx._quant import quantize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -1204,6 +1206,162 @@ def test_mosaic_ffn_grad_acc_in_interpreter():
     assert d_acc[0].dtype == d_acc[1].dtype == jnp.float32
     _close_bf16(d_acc[0] - acc_ct[0], ref_gu)
     _close_bf16(d_acc[1] - acc_ct[1], ref_dn)
+
+
+# --- quantized weights in the Mosaic GPU kernels -------------------------------------
+
+
+def _quantized_weight(fmt, g, k, n, seed, parts=1):
+    """A `QuantizedArray` `[g, k, n]` in bfloat16 whose 64 x 64 tiles differ in
+    magnitude by up to 4^6, so that a scale applied to another tile than its own
+    (another FP8 block or part, another int8 column) changes the products. FP8 with
+    `parts` has each part quantized apart, blocked from its own first column."""
+    rng = np.random.default_rng(seed)
+    mag = 4.0 ** rng.integers(-3, 4, size=(g, -(-k // 64), -(-n // 64)))
+    mag = mag.repeat(64, 1)[:, :k].repeat(64, 2)[:, :, :n]
+    w = jnp.asarray(rng.standard_normal((g, k, n)) * mag, jnp.bfloat16)
+    pieces = [quantize(p, fmt) for p in jnp.split(w, parts, axis=-1)]
+    return me.QuantizedArray(
+        jnp.concatenate([q.values for q in pieces], -1),
+        jnp.concatenate([q.scales for q in pieces], -1),
+        fmt,
+        jnp.bfloat16,
+        parts=parts,
+    )
+
+
+def _float_weight_copies(fn, *args, shapes):
+    """The arrays of 16- or 32-bit floats of the weights' shapes (`[G, K, N]`,
+    unpadded or padded) in `fn`'s jaxpr, its sub-jaxprs included."""
+    found = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                aval = var.aval
+                shape = getattr(aval, "shape", None)
+                # Floats of 16 bits or more: FP8 bytes are the stored format.
+                if shape in shapes and jnp.issubdtype(aval.dtype, jnp.floating):
+                    if aval.dtype.itemsize < 2:
+                        continue
+                    found.append((eqn.primitive.name, aval))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8", "mxfp4"])
+def test_mosaic_quantized_ffn_has_no_float_weights(fmt):
+    """The Mosaic GPU backend's FFN, forward and `d_x`, on FP8 and int8 weights:
+    no float `[G, K, N]` array (padded or not) in its program, the kernels take the
+    quantized bytes. MXFP4 is dequantized before the kernels, which the same search
+    finds (so the search can fail)."""
+    x, _, _, sizes, dy = _ffn_data(100, 96, 64, [0, 40, 0, 50], jnp.bfloat16)
+    w_gu = _quantized_weight(fmt, 4, 96, 128, seed=1)
+    w_dn = _quantized_weight(fmt, 4, 64, 96, seed=2)
+    backend = me.MosaicGPUGMM()
+
+    def run(x, dy):
+        y, vjp = jax.vjp(lambda x: backend.ffn(x, w_gu, w_dn, sizes), x)
+        return y, vjp(dy)
+
+    shapes = {(4, 96, 128), (4, 128, 128), (4, 64, 96), (4, 64, 128)}
+    found = _float_weight_copies(run, x, dy, shapes=shapes)
+    assert bool(found) == (fmt == "mxfp4"), found
+
+
+def test_fit_to_scales():
+    """FP8 weight tiles stay inside one 128-row scale block: a 192-wide `d_lhs`
+    tile (its `block_n` runs along `K`) narrows to 64, a forward `block_k` of 128
+    stays; int8 (one scale row for all of `K`) keeps them. Pipeline stages drop
+    until the quantized kernel's tiles fit in shared memory."""
+    from moe_eqx._gmm.mosaic_gpu.quantized import fit_to_scales
+
+    wide = mi.MosaicTileConfig(64, 192, 128, 2, 1)
+    assert fit_to_scales(wide, 128, True).block_n == 64
+    assert fit_to_scales(wide, 128, False) == wide
+    assert fit_to_scales(wide, 384, True) == wide
+    # 6 stages of 128 x 64 activations and 64 x 256 bytes, plus the dequantized and
+    # output tiles, exceed 227 KiB of shared memory; 3 stages fit.
+    deep = mi.MosaicTileConfig(128, 256, 64, 6, 1)
+    assert fit_to_scales(deep, 128, False).max_concurrent_steps == 3
+
+
+# K and N unaligned (padding), several FP8 blocks along K, FP8 parts narrower than
+# a block (gate and up blocked apart).
+QUANTIZED_INTERPRETED = {
+    "float8_e4m3fn": (256, 192, 2, mi.MosaicTileConfig(64, 64, 64, 2, 1)),
+    "int8": (200, 72, 1, mi.MosaicTileConfig(128, 64, 64, 3, 2)),
+}
+
+
+@_INTERPRETER_RUNS_DERIVATIVES
+@pytest.mark.parametrize("fmt", list(QUANTIZED_INTERPRETED))
+def test_mosaic_quantized_gmm_in_interpreter(fmt):
+    """The kernels that dequantize each weight tile, in the interpreter: the output
+    and `d_lhs` equal the float kernels' on the dequantized weight (one bfloat16
+    rounding apart at most) and the float64 product, with empty groups and rows past
+    the groups; a scale applied to another tile would be off by powers of 4."""
+    k, n, parts, config = QUANTIZED_INTERPRETED[fmt]
+    lhs, _, sizes, d_out = _bf16_data(100, k, n, [0, 40, 0, 50], seed=3)
+    w = _quantized_weight(fmt, 4, k, n, seed=4, parts=parts)
+    w_float = w.dequantize(jnp.bfloat16)
+    backend = me.MosaicGPUGMM(fwd_config=config, dlhs_config=config, drhs_config=config)
+
+    @jax.jit
+    def run(a, d):
+        quantized = lambda x: backend._quantized_gmm(x, w, sizes)  # noqa: E731
+        dequantized = lambda x: me.gmm(x, w_float, sizes, backend=backend)  # noqa: E731
+        out = []
+        for f in (quantized, dequantized):
+            y, vjp = jax.vjp(f, a)
+            out.append((y, vjp(d)[0]))
+        return out
+
+    with _interpreted():
+        (out, d_lhs), (ref_out, ref_d_lhs) = run(lhs, d_out)
+    for got, want in ((out, ref_out), (d_lhs, ref_d_lhs)):
+        want = np.asarray(want.astype(jnp.float32))
+        np.testing.assert_allclose(
+            np.asarray(got.astype(jnp.float32)), want, rtol=2**-8, atol=0
+        )
+    f32 = _f32(lhs, w_float, d_out)
+    _close_bf16(out, _numpy_gmm(*f32[:2], sizes))
+    _close_bf16(d_lhs, _numpy_grads(*f32[:2], sizes, f32[2])[0])
+    for rows in (out, d_lhs):
+        assert _zero(np.asarray(rows.astype(jnp.float32))[90:])
+
+
+@_INTERPRETER_RUNS_DERIVATIVES
+def test_mosaic_quantized_ffn_in_interpreter():
+    """`MosaicGPUGMM.ffn` with FP8 experts (the kernels dequantize tile by tile)
+    against the same backend's FFN on the dequantized weights: output, `d_x` and a
+    Hessian-vector product in `x` (forward over reverse through the kernels)."""
+    x, _, _, sizes, dy = _ffn_data(100, 128, 64, [0, 40, 0, 50], jnp.bfloat16, seed=5)
+    w_gu = _quantized_weight("float8_e4m3fn", 4, 128, 128, seed=6)
+    w_dn = _quantized_weight("float8_e4m3fn", 4, 64, 128, seed=7)
+    config = mi.MosaicTileConfig(64, 64, 64, 2, 1)
+    backend = me.MosaicGPUGMM(fwd_config=config, dlhs_config=config, drhs_config=config)
+
+    @jax.jit
+    def run(x, dy, w_gu, w_dn):
+        ffn = lambda x: backend.ffn(x, w_gu, w_dn, sizes)  # noqa: E731
+        y, vjp = jax.vjp(ffn, x)
+        loss = lambda x: jnp.sum(ffn(x).astype(jnp.float32) ** 2)  # noqa: E731
+        return y, vjp(dy)[0], jax.jvp(jax.grad(loss), (x,), (dy,))[1]
+
+    with _interpreted():
+        y, d_x, hvp = run(x, dy, w_gu, w_dn)
+        floats = (w.dequantize(jnp.bfloat16) for w in (w_gu, w_dn))
+        ref_y, ref_d_x, ref_hvp = run(x, dy, *floats)
+    for got, want in ((y, ref_y), (d_x, ref_d_x), (hvp, ref_hvp)):
+        want = np.asarray(want.astype(jnp.float32))
+        np.testing.assert_allclose(
+            np.asarray(got.astype(jnp.float32)), want, rtol=2**-8, atol=0
+        )
+    assert float(jnp.max(jnp.abs(y.astype(jnp.float32)))) > 0
 
 
 # --- benchmarks' smoke runs -----------------------------------------------------------

@@ -16,7 +16,8 @@ import pytest
 from jax import lax
 
 import moe_eqx.internal as mi
-from moe_eqx import MosaicGPUGMM, gmm
+from moe_eqx import MosaicGPUGMM, QuantizedArray, gmm
+from moe_eqx._quant import quantize
 from moe_eqx.internal import MosaicTileConfig
 
 
@@ -324,3 +325,52 @@ def test_ffn_grad_acc():
     total = int(sizes.sum())
     assert np.all(np.asarray(y.astype(jnp.float32))[total:] == 0)
     assert np.all(np.asarray(d_x.astype(jnp.float32))[total:] == 0)
+
+
+# Quantized weights, dequantized tile by tile in the kernels: FP8 with parts narrower
+# than a block (unaligned K/N, empty groups, rows past the groups), int8 aligned, and
+# a tuned-size case whose `d_lhs` tiling is narrowed to the FP8 scale blocks.
+QUANTIZED = {
+    "fp8_parts_unaligned": ("float8_e4m3fn", "unaligned_empty", 2),
+    "fp8_aligned": ("float8_e4m3fn", "aligned", 1),
+    "int8_zipf": ("int8", "zipf", 1),
+}
+
+
+@pytest.mark.parametrize("case", list(QUANTIZED))
+def test_quantized_weights_in_kernel(case):
+    """The kernels that dequantize each weight tile against the float kernels on
+    the dequantized weight (the same products: equal to a few bfloat16 roundings)
+    and the float64 product: output and `d_lhs`."""
+    fmt, data_case, parts = QUANTIZED[case]
+    lhs, rhs, sizes, d_out = _data(data_case, jnp.bfloat16, seed=7)
+    pieces = [quantize(p, fmt) for p in jnp.split(rhs, parts, axis=-1)]
+    w = QuantizedArray(
+        jnp.concatenate([q.values for q in pieces], -1),
+        jnp.concatenate([q.scales for q in pieces], -1),
+        fmt,
+        jnp.bfloat16,
+        parts=parts,
+    )
+    w_float = w.dequantize(jnp.bfloat16)
+    backend = MosaicGPUGMM()
+    s = jnp.asarray(sizes)
+
+    @jax.jit
+    def run(a, d):
+        out = []
+        for f in (
+            lambda x: backend._quantized_gmm(x, w, s),
+            lambda x: gmm(x, w_float, s, backend=backend),
+        ):
+            y, vjp = jax.vjp(f, a)
+            out.append((y, vjp(d)[0]))
+        return out
+
+    (out, d_lhs), (ref_out, ref_d_lhs) = run(lhs, d_out)
+    for got, want in ((out, ref_out), (d_lhs, ref_d_lhs)):
+        got, want = (np.asarray(a.astype(jnp.float32), np.float64) for a in (got, want))
+        assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want) + 1e-6
+    ref = _reference(lhs, w_float, sizes, d_out)
+    _check(out, ref[0])
+    _check(d_lhs, ref[1])

@@ -21,6 +21,7 @@ import pytest
 from helpers import loss_fn
 
 import moe_eqx as me
+import moe_eqx.internal as mi
 
 
 def _gpus():
@@ -114,12 +115,18 @@ def _quantized_vs_dequantized(fmt, backend, devices):
     (_, y_q), g_q = run(q, x)
     (_, y_d), g_d = run(d, x)
     assert y_q.dtype == jnp.bfloat16
-    # Per-group dequantization (tiled, mosaic_gpu) against whole-weight: bf16 rounding.
-    assert _rel(y_q, y_d) < 2e-2
-    assert _rel(g_q, g_d) < 2e-2
+    # The mosaic_gpu kernels dequantize FP8 and int8 tiles to the values the
+    # dequantized layer holds and multiply them as its kernels do: the same products.
+    in_kernel = backend == "mosaic_gpu" and fmt != "mxfp4"
+    # Per-group dequantization (tiled) against whole-weight: bf16 rounding.
+    tol = 1e-3 if in_kernel else 2e-2
+    assert _rel(y_q, y_d) < tol
+    assert _rel(g_q, g_d) < tol
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "mxfp4", "int8"])
-@pytest.mark.parametrize("backend", ["auto", "tiled"])
+@pytest.mark.parametrize("backend", ["auto", "tiled", "mosaic_gpu"])
 def test_quantized_experts_on_one_gpu(fmt, backend):
+    if backend == "mosaic_gpu" and not mi.mosaic_gpu_available():
+        pytest.skip("the mosaic_gpu backend needs a Hopper (sm_90) GPU")
     _quantized_vs_dequantized(fmt, backend, _gpus())

@@ -267,6 +267,17 @@ def _check_gmm(ops: Counter, gmm_backend: str, backward: bool, platform: str) ->
         assert ops["ragged_dot"] == 0 and _mosaic_calls(ops) == 0, ops
 
 
+def _float_weight_tensors(text: str, groups: int, cfg) -> list[str]:
+    """The 16-bit float tensors shaped like the experts' weights of `groups` groups
+    (`[groups, d_model, 2 d_ff]`, `[groups, d_ff, d_model]`) in a module's text."""
+    shapes = (
+        (groups, cfg.d_model, 2 * cfg.d_ff),
+        (groups, cfg.d_ff, cfg.d_model),
+    )
+    pattern = "|".join("x".join(map(str, shape)) for shape in shapes)
+    return re.findall(rf"tensor<(?:{pattern})x(?:bf16|f16)>", text)
+
+
 def _prepare(platform, gmm_backend, request):
     _require_platform(platform)
     if gmm_backend == "mosaic_gpu":
@@ -413,5 +424,10 @@ def test_quantized_experts_lower(platform, gmm_backend, dtype, fmt, request):
     assert ops["ragged_all_to_all"] >= 4, ops
     if gmm_backend == "mosaic_gpu":
         assert 4 <= _mosaic_calls(ops) < _mosaic_calls(float_ops), (ops, float_ops)
+        # FP8 and int8 weights go into the kernels quantized (dequantized tile by
+        # tile there); MXFP4 is dequantized before them, a bfloat16 copy of the
+        # weights of each shard's groups (2 home experts and 1 slot).
+        copies = _float_weight_tensors(lowered.as_text(), groups=3, cfg=layer.config)
+        assert bool(copies) == (fmt == "mxfp4"), copies
     elif platform == "tpu":
         assert 4 <= ops["ragged_dot"] < float_ops["ragged_dot"], (ops, float_ops)

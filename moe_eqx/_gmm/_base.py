@@ -244,11 +244,22 @@ def gmm_ffn(
 
 def _two_products(ffn, x, w_gate_up, w_down, group_sizes):
     backend, activation = ffn
-    # A quantized weight is dequantized whole here, before the products.
-    gate_up = backend(x, as_float(w_gate_up, x.dtype), group_sizes)
+
+    def product(lhs, w, sizes):
+        # A quantized weight is dequantized whole here, before the product.
+        return backend(lhs, as_float(w, lhs.dtype), sizes)
+
+    return two_products(product, x, w_gate_up, w_down, group_sizes, activation)
+
+
+def two_products(product, x, w_gate_up, w_down, group_sizes, activation):
+    """The expert FFN as `product(act(product(x, w_gate_up)), w_down)`, with the
+    hidden product named for remat; `product(lhs, w, group_sizes)` is a grouped
+    matmul in `lhs.dtype` that takes the weights as given (float or quantized)."""
+    gate_up = product(x, w_gate_up, group_sizes)
     gate_up = remat_name(gate_up, HIDDEN)
     act = activation(gate_up).astype(x.dtype)
-    return backend(act, as_float(w_down, x.dtype), group_sizes)
+    return product(act, w_down, group_sizes)
 
 
 @jax.custom_jvp

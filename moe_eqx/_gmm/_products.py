@@ -27,6 +27,7 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from .._autodiff import custom_linear, fused, symbolic_zeros_to_none
+from .._quant import QuantizedArray
 
 
 class AbstractProducts(eqx.Module):
@@ -142,17 +143,18 @@ _product.defjvp(_product_jvp, symbolic_zeros=True)
 def gmm(
     products: AbstractProducts,
     a: Float[Array, "rows k_dim"],
-    b: Float[Array, "groups k_dim n_dim"],
+    b: Float[Array, "groups k_dim n_dim"] | QuantizedArray,
     group_sizes: Int[Array, " groups"],
 ) -> Float[Array, "rows n_dim"]:
-    """`products.gmm(a, b, group_sizes)`, differentiable to every order."""
+    """`products.gmm(a, b, group_sizes)`, differentiable to every order (a
+    `QuantizedArray` `b`, for products that take one, is a constant)."""
     return _product("gmm", products, a, b, group_sizes)
 
 
 def gmm_t(
     products: AbstractProducts,
     a: Float[Array, "rows n_dim"],
-    b: Float[Array, "groups k_dim n_dim"],
+    b: Float[Array, "groups k_dim n_dim"] | QuantizedArray,
     group_sizes: Int[Array, " groups"],
 ) -> Float[Array, "rows k_dim"]:
     """`products.gmm_t(a, b, group_sizes)`, differentiable to every order."""

@@ -8,10 +8,18 @@ from jaxtyping import Array, Float, Int
 
 from ..._quant import QuantizedArray
 from ..._rules import match_varying
-from .._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, gmm_ffn
+from .._base import (
+    SWIGLU,
+    AbstractGMMBackend,
+    Activation,
+    GradAcc,
+    gmm_ffn,
+    two_products,
+)
 from ..tiled import TiledGMM
 from .derivatives import mosaic_gmm
 from .kernels import pad_axis
+from .quantized import dequantizes_in_kernel
 from .tiling import KERNELS, MosaicTileConfig, config_is_valid, padded_dims
 from .tuning import lookup_tile_config
 
@@ -26,6 +34,14 @@ class MosaicGPUGMM(AbstractGMMBackend):
     rows past `sum(group_sizes)` to zero, and has its own backward. Inputs that are not
     bfloat16/float16 go to `fallback` (default `TiledGMM()`), since WGMMA would run
     float32 as TF32.
+
+    FP8 and int8 [`moe_eqx.QuantizedArray`][] weights of `ffn` stay quantized: the
+    kernels load their bytes and scales and dequantize each weight tile to the
+    activations' dtype (no float copy of the weight), with the `d_lhs` kernel always
+    transposing in the kernel. The FP8 kernels use weight tiles whose `K` extent
+    divides the 128-row scale blocks (`block_k`, and the `d_lhs` kernel's `block_n`,
+    narrowed to 64 where needed). MXFP4 weights (and weights with `grad_acc`) are
+    dequantized before the kernels.
 
     **Arguments:**
 
@@ -85,6 +101,24 @@ class MosaicGPUGMM(AbstractGMMBackend):
             )
             return fn(lhs_p, rhs_p, sizes)[:, :n]
 
+    def _quantized_gmm(
+        self,
+        lhs: Float[Array, "rows k_dim"],
+        rhs: QuantizedArray,
+        group_sizes: Int[Array, " groups"],
+    ) -> Float[Array, "rows n_dim"]:
+        """`__call__` on a weight the kernels dequantize tile by tile."""
+        with jax.named_scope("moe_eqx.gmm.mosaic_gpu"):
+            m, k = lhs.shape
+            g, _, n = rhs.shape
+            kp, _ = padded_dims(k, n)
+            fwd, dlhs, drhs = self.configs(m, k, n, g, lhs.dtype)
+            fn = mosaic_gmm(fwd, dlhs, drhs, self.transpose_in_kernel)
+            lhs_p, rhs, sizes = match_varying(
+                pad_axis(lhs, 1, kp), rhs, group_sizes.astype(jnp.int32)
+            )
+            return fn(lhs_p, rhs, sizes)[:, :n]
+
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
@@ -98,5 +132,10 @@ class MosaicGPUGMM(AbstractGMMBackend):
         if x.dtype not in _SUPPORTED_DTYPES:
             return self.fallback.ffn(
                 x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
+            )
+        weights = (w_gate_up, w_down)
+        if grad_acc is None and all(dequantizes_in_kernel(w) for w in weights):
+            return two_products(
+                self._quantized_gmm, x, w_gate_up, w_down, group_sizes, activation
             )
         return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)

@@ -8,6 +8,10 @@ materialising `rhs^T`), or on a materialised `[G, N, K]` transpose; `tgmm`
 (`d_rhs[g] = lhs_g^T @ d_out_g`, `[G, K, N]`) the transposed kernel. The derivatives of
 each are the others, with the same tilings (a derivative has the shapes of the
 forward, `d_lhs` or `d_rhs` kernel call it transposes).
+
+A quantized `rhs` (`QuantizedArray`, FP8 or int8) goes to the kernels of `quantized`,
+which dequantize it tile by tile: `gmm` and `gmm_t` take it unpadded and pad it to the
+`K` and `N` the operands are padded to. It is a constant: there is no `tgmm` of it.
 """
 
 import functools
@@ -16,9 +20,31 @@ from typing import ClassVar
 import equinox as eqx
 import jax.numpy as jnp
 
+from ..._quant import FP8_BLOCK, QuantizedArray
 from .._products import AbstractProducts, gmm
-from .kernels import ragged, transposed_ragged
-from .tiling import MosaicTileConfig
+from .kernels import pad_axis, ragged, transposed_ragged
+from .quantized import fit_to_scales, kernel_operands, quantized_ragged, scale_rows
+from .tiling import MosaicTileConfig, padded_dims
+
+
+def _quantized(a, w: QuantizedArray, group_sizes, config, transpose_rhs):
+    """`a @ w[g]` (`w[g]^T` when `transpose_rhs`) with `w` padded to the operands'
+    `K` and `N` and dequantized in the kernel."""
+    k, n = padded_dims(*w.shape[-2:])
+    if w.fmt == "float8_e4m3fn":
+        config = fit_to_scales(config, FP8_BLOCK[0], transpose_rhs)
+    # Mosaic GPU's layout inference fails on the kernel when its pipeline has one
+    # step: the contracting dim gets zero padding up to two `block_k` tiles.
+    width = max(a.shape[1], 2 * config.block_k)
+    if transpose_rhs:
+        n = width
+    else:
+        k = width
+    values, scales = kernel_operands(w, k, n)
+    rows = scale_rows(w, k)
+    return quantized_ragged(
+        pad_axis(a, 1, width), values, scales, group_sizes, config, transpose_rhs, rows
+    )
 
 
 class _MosaicProducts(AbstractProducts):
@@ -31,9 +57,14 @@ class _MosaicProducts(AbstractProducts):
     has_effects: ClassVar[bool] = True
 
     def gmm(self, a, b, group_sizes):
+        if isinstance(b, QuantizedArray):
+            return _quantized(a, b, group_sizes, self.fwd, False)
         return ragged(a, b.astype(a.dtype), group_sizes, self.fwd, False)
 
     def gmm_t(self, a, b, group_sizes):
+        if isinstance(b, QuantizedArray):
+            # Always transposed in the kernel: `b^T` would be a copy of the weight.
+            return _quantized(a, b, group_sizes, self.dlhs, True)
         b = b.astype(a.dtype)
         if not self.transpose_in_kernel:
             b = jnp.swapaxes(b, 1, 2)

@@ -71,7 +71,7 @@ def pad_axis(x: Array, axis: int, size: int) -> Array:
     return jnp.pad(x, widths)
 
 
-def _mask_rows(x, total):
+def mask_rows(x, total):
     rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
     return jnp.where(rows < total, x, jnp.zeros((), x.dtype))
 
@@ -99,7 +99,7 @@ def ragged(
         grid_block_n=config.grid_block_n,
         transpose_rhs=transpose_rhs,
     )
-    return _mask_rows(out[:m], jnp.sum(group_sizes))
+    return mask_rows(out[:m], jnp.sum(group_sizes))
 
 
 def transposed_ragged(
