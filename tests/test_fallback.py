@@ -319,12 +319,14 @@ def test_fallback_value_is_its_value_and_grad_value(getkey):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("pass_", ["forward", "fwd+bwd"])
-def test_fallback_peak_memory_within_capped(getkey, pass_, dtype):
+@pytest.mark.parametrize("exchange", ["dense", "allgather"])
+def test_fallback_peak_memory_within_capped(getkey, pass_, dtype, exchange):
     """The fallback's memory claim (docs/how-it-works.md, **Overflow**): the
     layer with the fallback compiles to no more memory than the capped-only layer
     (`on_overflow="drop"`) plus one `[T, d_model]` buffer, in the forward and the
     backward, where the weights outweigh the activations (so a second weight-gradient
-    buffer, or a hoisted bfloat16 copy of the weights, would show)."""
+    buffer, or a hoisted bfloat16 copy of the weights, would show). For both kinds of
+    exchange: rows sent to their shards, or every token gathered."""
     key = getkey()
     x = tokens(getkey(), 8 * 32, d_model=64).astype(dtype)
     peaks = {}
@@ -337,6 +339,7 @@ def test_fallback_peak_memory_within_capped(getkey, pass_, dtype):
             top_k=2,
             buffer_factor=2.0,
             on_overflow=on_overflow,
+            exchange=exchange,
         )
         # Floating-point parameters: `expert_ids` is an integer array.
         params, static = eqx.partition(layer, eqx.is_inexact_array)
