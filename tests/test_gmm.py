@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import moe_eqx as me
 import moe_eqx.internal as mi
 from moe_eqx._gmm import mosaic_gpu as mosaic
+from moe_eqx._gmm.dense import DenseGMM
 from moe_eqx._gmm.gathered import GatheredGMM
 from moe_eqx._gmm.mosaic_gpu.derivatives import mosaic_gmm
 from moe_eqx._gmm.tiled import window_rows
@@ -1254,22 +1255,25 @@ def _float_weight_copies(fn, *args, shapes):
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8", "mxfp4"])
 def test_mosaic_quantized_ffn_has_no_float_weights(fmt):
-    """The Mosaic GPU backend's FFN, forward and `d_x`, on FP8 and int8 weights:
-    no float `[G, K, N]` array (padded or not) in its program, the kernels take the
-    quantized bytes. MXFP4 is dequantized before the kernels, which the same search
-    finds (so the search can fail)."""
+    """The Mosaic GPU backend's FFN, forward and `d_x`, on quantized weights: no
+    float `[G, K, N]` array (padded or not) in its program. FP8 and int8 go into the
+    kernels quantized; MXFP4 goes to the fallback (`tiled`), which dequantizes one
+    expert at a time. The dense backend, which dequantizes the whole weight, is found
+    by the same search (so the search can fail)."""
     x, _, _, sizes, dy = _ffn_data(100, 96, 64, [0, 40, 0, 50], jnp.bfloat16)
     w_gu = _quantized_weight(fmt, 4, 96, 128, seed=1)
     w_dn = _quantized_weight(fmt, 4, 64, 96, seed=2)
-    backend = me.MosaicGPUGMM()
-
-    def run(x, dy):
-        y, vjp = jax.vjp(lambda x: backend.ffn(x, w_gu, w_dn, sizes), x)
-        return y, vjp(dy)
-
     shapes = {(4, 96, 128), (4, 128, 128), (4, 64, 96), (4, 64, 128)}
-    found = _float_weight_copies(run, x, dy, shapes=shapes)
-    assert bool(found) == (fmt == "mxfp4"), found
+
+    def copies(backend):
+        def run(x, dy):
+            y, vjp = jax.vjp(lambda x: backend.ffn(x, w_gu, w_dn, sizes), x)
+            return y, vjp(dy)
+
+        return _float_weight_copies(run, x, dy, shapes=shapes)
+
+    assert not copies(me.MosaicGPUGMM()), fmt
+    assert copies(DenseGMM()), fmt
 
 
 def test_fit_to_scales():

@@ -40,8 +40,9 @@ class MosaicGPUGMM(AbstractGMMBackend):
     activations' dtype (no float copy of the weight), with the `d_lhs` kernel always
     transposing in the kernel. The FP8 kernels use weight tiles whose `K` extent
     divides the 128-row scale blocks (`block_k`, and the `d_lhs` kernel's `block_n`,
-    narrowed to 64 where needed). MXFP4 weights (and weights with `grad_acc`) are
-    dequantized before the kernels.
+    narrowed to 64 where needed). Other quantized weights (MXFP4, or any with
+    `grad_acc`) go to `fallback`, which dequantizes one expert at a time, so no float
+    copy of all the experts exists on this path either.
 
     **Arguments:**
 
@@ -50,7 +51,8 @@ class MosaicGPUGMM(AbstractGMMBackend):
         heuristic `default_tile_config`).
     - `transpose_in_kernel`: compute `d_lhs` with the kernel's `transpose_rhs` (no
         copy of `rhs`); `False` materialises `rhs^T` as `[G, N, K]` first.
-    - `fallback`: the backend used for other dtypes.
+    - `fallback`: the backend used for other dtypes, and for quantized weights the
+        kernels do not dequantize.
     """
 
     fwd_config: MosaicTileConfig | None = eqx.field(static=True, default=None)
@@ -134,8 +136,14 @@ class MosaicGPUGMM(AbstractGMMBackend):
                 x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
             )
         weights = (w_gate_up, w_down)
-        if grad_acc is None and all(dequantizes_in_kernel(w) for w in weights):
-            return two_products(
-                self._quantized_gmm, x, w_gate_up, w_down, group_sizes, activation
+        if any(isinstance(w, QuantizedArray) for w in weights):
+            if grad_acc is None and all(dequantizes_in_kernel(w) for w in weights):
+                return two_products(
+                    self._quantized_gmm, x, w_gate_up, w_down, group_sizes, activation
+                )
+            # Dequantizing the whole weight before the kernels would hold a float
+            # copy of every expert; the fallback holds one expert's at a time.
+            return self.fallback.ffn(
+                x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
             )
         return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)

@@ -16,8 +16,8 @@ one float32 row per scale block of `K` rows and one column per weight column
 scales): each weight tile then needs one scale row, which is broadcast over its rows.
 That needs the tile's `K` extent inside one scale block, so the FP8 kernels use a
 `K`-tile that divides 128 (the forward's `block_k`, the transposed `d_lhs` kernel's
-`block_n`). `"mxfp4"` (two 4-bit codes per byte along `K`) is dequantized before the
-kernel.
+`block_n`). `"mxfp4"` (two 4-bit codes per byte along `K`) goes to the backend's fallback
+(`tiled`), which dequantizes one expert at a time.
 """
 
 import dataclasses
