@@ -99,12 +99,16 @@ def all_to_all(x: jax.Array, axis_name, *, materialise: bool = True) -> jax.Arra
     `lax.optimization_barrier`s before fusion); pass `False` when `x` already comes
     from one."""
     if materialise:
-        rows = jnp.arange(x.shape[0], dtype=jnp.int32)
-        x = (
-            jnp.zeros_like(x)
+        # Row by row (the blocks' rows flattened): a scatter of whole blocks first
+        # copies them into the layout of its updates.
+        flat = x.reshape(-1, *x.shape[2:]) if x.ndim > 1 else x
+        rows = jnp.arange(flat.shape[0], dtype=jnp.int32)
+        flat = (
+            jnp.zeros_like(flat)
             .at[rows]
-            .set(x, unique_indices=True, indices_are_sorted=True)
+            .set(flat, unique_indices=True, indices_are_sorted=True)
         )
+        x = flat.reshape(x.shape)
     return lax.all_to_all(x, axis_name, 0, 0, tiled=False)
 
 

@@ -423,7 +423,11 @@ def send_rows(
 
 def _return(route: _Route, y_rows):
     """The return trip of the receiver's rows, each token summing its rows."""
-    back = route.exchange.combine_unpacked(y_rows, route.plan, route.bufs.send_rows)
+    # The receiver's combine is a scatter-add (see `moe_eqx.internal.expand_rows`):
+    # its output goes to the collective without a copy.
+    back = route.exchange.combine_unpacked(
+        y_rows, route.plan, route.bufs.send_rows, materialised=True
+    )
     wire = route.wire
     return sum_rows(back, wire.order, wire.inverse, wire.num_tokens).astype(
         y_rows.dtype

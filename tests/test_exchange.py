@@ -144,3 +144,48 @@ def test_is_dense_and_is_ragged():
         assert not is_dense(other)
     for other in ("dense", dense, "auto"):
         assert not is_ragged(other)
+
+
+def test_dense_return_trip_of_materialised_rows():
+    """`combine_unpacked(..., materialised=True)`, for rows a scatter produced (the
+    receiver's combine): the same rows come back, and the program has no scatter of
+    its own copying them before the collective."""
+    r, block, rows_per_shard = 4, 4, 8
+    mesh = auto_mesh(r)
+    counts = np.full((r, r), 2, np.int32)  # every source sends 2 rows to everyone
+
+    def body(values, c, materialised):
+        shard = jax.lax.axis_index("expert").astype(jnp.int32)
+        plan = mi.make_exchange_plan(c, r * block, shard)
+        ex = me.DenseExchange(axis_name="expert", block_rows=block)
+        # The receiver's rows as a scatter-add writes them.
+        where = jnp.arange(r * block, dtype=jnp.int32)[::-1]
+        recv = jnp.zeros((r * block, 3), jnp.float32).at[where].add(values[0])
+        back = ex.combine_unpacked(
+            recv, plan, rows_per_shard, materialised=materialised
+        )
+        return back[None]
+
+    def program(materialised):
+        return jax.jit(
+            jax.shard_map(
+                lambda v, c: body(v, c, materialised),
+                mesh=mesh,
+                in_specs=(P("expert"), P()),
+                out_specs=P("expert"),
+                check_vma=False,
+            )
+        )
+
+    values = jnp.arange(r * r * block * 3, dtype=jnp.float32).reshape(r, r * block, 3)
+    args = (values, jnp.asarray(counts))
+    got = program(True)(*args)
+    np.testing.assert_array_equal(got, program(False)(*args))
+    assert np.count_nonzero(np.asarray(got)) > 0
+
+    def scatters(materialised):
+        hlo = program(materialised).lower(*args).compile().as_text()
+        return hlo.count(" scatter(")
+
+    assert scatters(True) == 1, scatters(True)  # the receiver's scatter-add only
+    assert scatters(False) == 2, scatters(False)

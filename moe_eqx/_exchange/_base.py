@@ -150,16 +150,22 @@ class AbstractRowExchange(AbstractExchange):
         recv: Shaped[Array, "unpacked_rows ..."],
         plan: ExchangePlan,
         send_rows: int,
+        *,
+        materialised: bool = False,
     ) -> Shaped[Array, "send_rows ..."]:
         """`combine` from the layout of `dispatch_unpacked` (the return trip of each
         of its rows). This default is `combine`.
 
-        **Arguments:** as `combine`, with `recv` in the layout of `dispatch_unpacked`.
+        **Arguments:** as `combine`, with `recv` in the layout of `dispatch_unpacked`;
+        `materialised`: `recv` is the output of an operation that XLA does not fuse
+        into its consumers (a scatter), so a backend may hand it to its collective
+        as it is.
 
         **Returns:**
 
         `[send_rows, ...]` in the sender's layout.
         """
+        del materialised
         return self.combine(recv, plan, send_rows)
 
 

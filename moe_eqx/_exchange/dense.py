@@ -71,12 +71,14 @@ class DenseExchange(AbstractRowExchange):
         recv: Shaped[Array, "unpacked_rows ..."],
         plan: ExchangePlan,
         send_rows: int,
+        *,
+        materialised: bool = False,
     ) -> Shaped[Array, "send_rows ..."]:
         num_shards = plan.sizes.shape[0]
         # Rows past each block's received count may hold anything: their source
         # never reads them back (`_return_blocks` takes only the rows it sent).
         blocks = recv.reshape(num_shards, self.block_rows, *recv.shape[1:])
-        return self._return_blocks(blocks, plan, send_rows)
+        return self._return_blocks(blocks, plan, send_rows, materialised)
 
     def _send_blocks(self, send, plan: ExchangePlan):
         """`[R, block_rows, ...]` blocks to each destination, exchanged: block `s` of
@@ -98,12 +100,14 @@ class DenseExchange(AbstractRowExchange):
         blocks = blocks.reshape(num_shards, self.block_rows, *send.shape[1:])
         return all_to_all(blocks, self.axis_name, materialise=False)
 
-    def _return_blocks(self, blocks, plan: ExchangePlan, send_rows: int):
+    def _return_blocks(
+        self, blocks, plan: ExchangePlan, send_rows: int, materialised: bool = False
+    ):
         """Exchanges `[R, block_rows, ...]` blocks back (block `s` to source `s`) and
         puts each row at the position it was sent from (zero where none was)."""
         num_shards = plan.sizes.shape[0]
         shard = plan.shard
-        blocks = all_to_all(blocks, self.axis_name)
+        blocks = all_to_all(blocks, self.axis_name, materialise=not materialised)
         # blocks[d] holds my rows returned by destination d, in send order.
         row = jnp.arange(send_rows, dtype=jnp.int32)
         starts = plan.send_offsets[shard]
