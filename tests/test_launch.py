@@ -230,6 +230,16 @@ def test_gloo_connection_reports_are_noise():
     assert without_noise("") == ""
 
 
+# `python -m moe_eqx.launch` as from a terminal: a test run started in the
+# background (`cmd &` in a script) passes SIGINT on ignored, and Python then keeps it
+# ignored, so the launcher is started with Python's own SIGINT handler.
+_AS_FROM_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, "
+    "signal.default_int_handler); sys.argv[0] = 'moe_eqx.launch'; "
+    "runpy.run_module('moe_eqx.launch', run_name='__main__', alter_sys=True)"
+)
+
+
 def test_ctrl_c_stops_the_processes_and_says_how_to_resume(tmp_path):
     # Only process 1 starts and waits for a coordinator that never comes: the
     # launcher is interrupted while its processes are up.
@@ -238,7 +248,7 @@ def test_ctrl_c_stops_the_processes_and_says_how_to_resume(tmp_path):
             "--grace", "2", "--only", "1", "--", "--steps", "3", "--ckpt-dir", str(ck),
             "--die-at-step", "2"]  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moe_eqx.launch", *argv],
+        [sys.executable, "-c", _AS_FROM_A_TERMINAL, *argv],
         env=demo_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
