@@ -13,8 +13,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._quant import QuantizedArray
-from .._rules import HIDDEN, acc_dtype, match_varying, remat_name
-from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, with_tangent_of
+from .._rules import acc_dtype, match_varying
+from ._base import (
+    SWIGLU,
+    AbstractGMMBackend,
+    Activation,
+    GradAcc,
+    two_products,
+    with_tangent_of,
+)
 from .dense import group_ids
 
 
@@ -84,12 +91,10 @@ class GatheredGMM(AbstractGMMBackend):
             )
             gid = group_ids(group_sizes, x.shape[0])
             num_groups = w_gate_up.shape[0]
-            gate_up = _row_products(
-                x, _row_weights(w_gate_up, gid, x.dtype), gid, num_groups
-            )
-            gate_up = remat_name(gate_up, HIDDEN)
-            act = activation(gate_up).astype(x.dtype)
-            out = _row_products(
-                act, _row_weights(w_down, gid, x.dtype), gid, num_groups
-            )
+
+            def product(lhs, w, _):
+                weights = _row_weights(w, gid, lhs.dtype)
+                return _row_products(lhs, weights, gid, num_groups)
+
+            out = two_products(product, x, w_gate_up, w_down, group_sizes, activation)
             return out if grad_acc is None else (out, grad_acc)
