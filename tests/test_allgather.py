@@ -61,6 +61,14 @@ def test_ep8_matches_oracle_and_dense_stats(worst_case, kind):
     assert int(jnp.sum(stats.wire_rows)) < 8 * T
 
 
+def test_one_token_per_shard_matches_oracle(worst_case):
+    """The smallest gather: one token per shard, so each shard's gathered block is
+    `[8, d_model]` and most shards own no pair of most tokens."""
+    ag, _ = worst_case
+    stats = assert_matches_oracle(ag, tokens(jr.key(18), 8), mesh(8))
+    assert int(jnp.sum(stats.recv_pairs)) == 8 * ag.config.top_k
+
+
 def test_exchange_names_resolve():
     assert isinstance(
         me.internal.make_exchange("allgather", axis_name="expert", block_rows=0),
