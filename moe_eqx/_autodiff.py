@@ -414,9 +414,10 @@ def custom_linear(
 class _Pair:
     """The static part of a `primal_and_tangent` call (compared by identity)."""
 
-    def __init__(self, treedef, static, primal, joint, fn, fn_t, out_t):
+    def __init__(self, treedef, static, primal, joint, fn, fn_t, out_t, keep):
         self.treedef, self.static = treedef, static
         self.primal, self.joint, self.fn, self.fn_t = primal, joint, fn, fn_t
+        self.keep = keep
         self.out_t = out_t
         self.split_jaxpr = self.out = None
 
@@ -426,11 +427,19 @@ class _Pair:
     def split(self, *dynamic):
         """`(primal(res), custom_linear(fn, fn_t, res, lin))`."""
         res, lin = self.args(dynamic)
-        tangent = custom_linear(self.fn, self.fn_t, res, lin, self.out_t)
-        return self.primal(res), tangent
+        return _split(self.primal, self.keep, self.fn, self.fn_t, res, lin, self.out_t)
 
     def split_flat(self, *dynamic):
         return jtu.tree_leaves(self.split(*dynamic))
+
+
+def _split(primal, keep, fn, fn_t, res, lin, out_t):
+    """`(primal(res), custom_linear(fn, fn_t, res, lin))`, or with `keep` the tangent
+    on what `keep` returns with the primal."""
+    if keep is None:
+        return primal(res), custom_linear(fn, fn_t, res, lin, out_t)
+    out, res_t = keep(res)
+    return out, custom_linear(fn, fn_t, res_t, lin, out_t)
 
 
 def _pair_impl(*dynamic, pair):
@@ -516,6 +525,7 @@ def primal_and_tangent(
     res: Any,
     lin: Any,
     out_t: Any,
+    keep: Callable[[Any], tuple[Any, Any]] | None = None,
 ) -> tuple[Any, Any]:
     """`(primal(res), custom_linear(fn, fn_t, res, lin))`, the outputs of a
     `jax.custom_jvp` rule, evaluated as `joint(res, lin)`, one pass for both (e.g. one
@@ -531,6 +541,11 @@ def primal_and_tangent(
     - `joint`: `(res, lin) -> (primal_out, tangent_out)`, equal to the two calls.
     - `fn`, `fn_t`, `res`, `lin`: as for `custom_linear` (`fn` the tangent).
     - `out_t`: `fn`'s output as `jax.ShapeDtypeStruct`s.
+    - `keep`: optional `res -> (primal_out, res_t)`, the primal computed together with
+        what its transpose keeps from it, wherever the tangent is staged rather than
+        evaluated (reverse mode): `fn` and `fn_t` then get `res_t` in place of `res`.
+        It must equal `primal` in its first output, and be differentiable as it (see
+        `fused`).
 
     **Returns:**
 
@@ -539,10 +554,11 @@ def primal_and_tangent(
     flat, treedef = jtu.tree_flatten((res, lin))
     if any(_is_unknown(x) for x in flat):
         # Already being linearized: no pass evaluates the tangent.
-        return primal(res), custom_linear(fn, fn_t, res, lin, out_t)
+        return _split(primal, keep, fn, fn_t, res, lin, out_t)
     dynamic = [x for x in flat if eqx.is_array(x)]
     static = tuple(_MISSING if eqx.is_array(x) else x for x in flat)
-    pair = _Pair(treedef, static, primal, joint, fn, fn_t, jtu.tree_map(_struct, out_t))
+    out_t = jtu.tree_map(_struct, out_t)
+    pair = _Pair(treedef, static, primal, joint, fn, fn_t, out_t, keep)
     pair.split_jaxpr, out = jax.make_jaxpr(pair.split, return_shape=True)(*dynamic)
     flat_out = _pair_p.bind(*dynamic, pair=pair)
     return jtu.tree_unflatten(jtu.tree_structure(out), flat_out)

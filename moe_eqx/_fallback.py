@@ -6,26 +6,28 @@ The local tokens are cut into `n` chunks small enough that one chunk's worst cas
 one loop of the capped round trip over *pieces* of its tokens: one piece holding every
 token, or, when the exact predicate says the capped buffers would overflow, the `n`
 chunks (the same trip, with the other tokens masked out). Every piece has the shapes
-of the capped trip, so no pair is ever dropped, the memory stays that of the capped
-path, and the trip is compiled once.
+of the capped trip, so no pair is ever dropped and the memory stays that of the capped
+path.
 
 Derivatives (`jax.custom_jvp`, the tangent a `custom_linear`, see
 `moe_eqx._autodiff`): forward mode differentiates the loop directly, one loop carrying
-the value and its tangent (`primal_and_tangent`); reverse mode keeps no residuals at
-all, and its backward re-runs the pieces one at a time, differentiating each and
-summing the expert weights' gradients in place in one float32 accumulator. The loop
-count is traced, so a step that does not overflow runs the capped trip once forward
-and once more in its backward. (Carrying the last piece's residuals from the forward
-loop instead compiled more and ran slower on XLA:CPU: see `docs/measured.md`.) JAX
-cannot transpose a loop with a traced count, so for higher orders the backward and
-the tangent are differentiated as the same loops over `num_chunks` trips, the pieces
-past the count skipped (`moe_eqx._autodiff.fused`); their reverse mode keeps each
-trip's residuals.
+the value and its tangent (`primal_and_tangent`). Reverse mode runs chunks 1 to n - 1
+in the loop (none without overflow), then the first piece (every token, or chunk 0)
+differentiated as it runs, keeping its residuals as `on_overflow="drop"` keeps the
+capped trip's: a step that does not overflow is the capped trip once forward and its
+pullback once backward. The backward runs that pullback first, then re-runs chunks 1
+to n - 1 one at a time, differentiating each; all sum the expert weights' gradients in
+place in one float32 accumulator. Optimization barriers order the first piece after
+the loop in the forward and before it in the backward, so that its residuals are never
+alive beside a chunk's buffers. JAX cannot transpose a loop with a traced count, so
+for higher orders the backward and the tangent are differentiated as loops over
+`num_chunks` trips that re-run every piece, the pieces past the count skipped
+(`moe_eqx._autodiff.fused`); their reverse mode keeps each trip's residuals.
 """
 
 import functools as ft
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -36,7 +38,7 @@ from jaxtyping import Array, Bool, Float
 
 from ._autodiff import fused, primal_and_tangent, symbolic_zeros_to_none
 from ._overflow import BufferSizes
-from ._rules import acc_dtype, per_token_counts
+from ._rules import acc_dtype, match_varying, per_token_counts
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
 
 
@@ -176,7 +178,9 @@ def _fold_pieces(body, init, overflow, num_chunks: int, bounded: bool):
     return jax.lax.cond(pieces > 1, rest, lambda carry: carry, carry)
 
 
-def _loop(spec, num_chunks, overflow, inputs, bounded=False):
+def _forward_body(spec, num_chunks, overflow, inputs):
+    """The pieces' forward loop body: `(y, stats)` plus piece `p`'s."""
+
     def body(p, carry):
         y, stats = carry
         y_p, stats_p = expert_parallel_trip(
@@ -184,10 +188,18 @@ def _loop(spec, num_chunks, overflow, inputs, bounded=False):
         )
         return y + y_p, _add(stats, stats_p)
 
+    return body
+
+
+def _forward_init(inputs: TripInputs):
     # `y` is as wide as the experts' output (`x` may carry a folded bias column).
     y0 = jnp.zeros_like(inputs.x)[:, : inputs.w_down.shape[-1]]
-    init = (y0, _zero_stats(inputs.valid))
-    return _fold_pieces(body, init, overflow, num_chunks, bounded)
+    return y0, _zero_stats(inputs.valid)
+
+
+def _loop(spec, num_chunks, overflow, inputs, bounded=False):
+    body = _forward_body(spec, num_chunks, overflow, inputs)
+    return _fold_pieces(body, _forward_init(inputs), overflow, num_chunks, bounded)
 
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
@@ -213,8 +225,12 @@ class _Res(eqx.Module):
     spec: TripSpec = eqx.field(static=True)
     num_chunks: int = eqx.field(static=True)
     want: _Want = eqx.field(static=True)
-    overflow: Array
+    overflow: Array | bool
     inputs: TripInputs
+    # Reverse mode: the first piece's pullback, kept by the forward (its residuals,
+    # and their structure).
+    saved: tuple | None = None
+    saved_tree: Any = eqx.field(static=True, default=None)
 
 
 def _grad_acc(inputs: TripInputs):
@@ -226,11 +242,12 @@ def _grad_acc(inputs: TripInputs):
     )
 
 
-def _piece_pullback(res: _Res, p):
-    """Piece `p`'s pullback: `pullback((dy, acc))` gives the wanted `d_x`,
-    `d_weights` and `acc + d_expert_weights` (the accumulator is summed in place by
-    the grouped matmul's backward, see `moe_eqx.AbstractGMMBackend.ffn`; the expert
-    weights themselves are closed over)."""
+def _piece_vjp(res: _Res, p):
+    """Piece `p`'s trip and its pullback: `(y, stats, pullback)`, where
+    `pullback((dy, acc))` gives the wanted `d_x`, `d_weights` and `acc +
+    d_expert_weights` (the accumulator is summed in place by the grouped matmul's
+    backward, see `moe_eqx.AbstractGMMBackend.ffn`; the expert weights themselves are
+    closed over)."""
     inputs, want = res.inputs, res.want
 
     def trip(*diff):
@@ -241,14 +258,19 @@ def _piece_pullback(res: _Res, p):
         piece = eqx.tree_at(lambda i: (i.x, i.weights), inputs, (x, weights))
         piece = _piece(piece, p, res.overflow, res.num_chunks)
         if grad_acc is None:
-            return expert_parallel_trip(piece, res.spec)[0]
-        y, _, grad_acc = expert_parallel_trip(piece, res.spec, grad_acc)
-        return y, grad_acc
+            return expert_parallel_trip(piece, res.spec)
+        y, stats, grad_acc = expert_parallel_trip(piece, res.spec, grad_acc)
+        return (y, grad_acc), stats
 
     diff = [inputs.x] if want.x else []
     diff += [inputs.weights] if want.weights else []
     diff += [_grad_acc(inputs)] if want.experts else []
-    return jax.vjp(trip, *diff)[1]
+    out, pullback, stats = jax.vjp(trip, *diff, has_aux=True)
+    return (out[0] if want.experts else out), stats, pullback
+
+
+def _piece_pullback(res: _Res, p):
+    return _piece_vjp(res, p)[2]
 
 
 def _zero_tangent(p):
@@ -260,6 +282,47 @@ def _zero_tangent(p):
         return np.zeros(a.shape, jax.dtypes.float0)
 
     return jtu.tree_map(zero, p)
+
+
+def _first_saving(res: _Res, tree: list):
+    """Reverse mode's forward: chunks 1 to n - 1 in a loop (none without overflow),
+    then the first piece (every token, or chunk 0) differentiated as it runs, its
+    pullback kept: `((y, stats), residuals)`, the residuals' structure appended to
+    `tree`. Without overflow this is the capped trip as `on_overflow="drop"` runs
+    it, residuals and all, and the backward has nothing to re-run."""
+    inputs, pieces = res.inputs, _pieces(res.overflow, res.num_chunks)
+    body = _forward_body(res.spec, res.num_chunks, res.overflow, inputs)
+    y, stats = jax.lax.fori_loop(1, pieces, body, _forward_init(inputs))
+    # The first piece after the loop: its residuals are never alive beside a chunk.
+    y, inputs = jax.lax.optimization_barrier((y, inputs))
+    first = _Res(res.spec, res.num_chunks, res.want, res.overflow, inputs)
+    y_0, stats_0, pullback = _piece_vjp(first, 0)
+    leaves, treedef = jtu.tree_flatten(pullback)
+    tree.append(treedef)
+    return (y + y_0.astype(y.dtype), _add(stats, stats_0)), tuple(leaves)
+
+
+def _first_reference(res: _Res, tree: list):
+    del tree
+    shapes = jax.eval_shape(lambda: jtu.tree_leaves(_piece_vjp(res, 0)[2]))
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+    ref = [a for a in jtu.tree_leaves(res) if eqx.is_array(a)]
+    return _primal(res), tuple(match_varying(*zeros, *ref)[: len(zeros)])
+
+
+def _keep(res: _Res):
+    """Reverse mode's primal: the value, and `res` with the first piece's pullback
+    (differentiated, for higher orders, as the primal itself: the kept residuals
+    then carry no derivative, and the backward's derivative is that of its
+    re-running form, which does not read them)."""
+    tree = []
+    out, saved = fused(
+        ft.partial(_first_saving, tree=tree),
+        ft.partial(_first_reference, tree=tree),
+        res,
+    )
+    spec, n, want = res.spec, res.num_chunks, res.want
+    return out, _Res(spec, n, want, res.overflow, res.inputs, saved, tree[0])
 
 
 def _jvp_loop(res: _Res, lin, bounded: bool):
@@ -292,6 +355,30 @@ def _tangent(res: _Res, lin):
     return fused(fast, reference, res, lin)
 
 
+def _pull(pullback, dy_p, grads, want: _Want):
+    """`grads` plus one piece's cotangents."""
+    if not want.experts:
+        return _add(grads, pullback(dy_p))
+    *rows, acc = pullback((dy_p, grads[-1]))  # `acc` already holds the sum
+    return (*_add(tuple(grads[:-1]), tuple(rows)), acc)
+
+
+def _backward_saved(res: _Res, dy, grads):
+    """The first piece's pullback from what the forward kept, then chunks 1 to n - 1
+    (none without overflow) each re-run and differentiated."""
+    pullback = jtu.tree_unflatten(res.saved_tree, res.saved)
+    grads = _pull(pullback, dy, grads, res.want)
+
+    def body(p, grads):
+        return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, res.want)
+
+    # After the first piece's backward: its residuals are gone before the loop.
+    grads, pieces = jax.lax.optimization_barrier(
+        (grads, _pieces(res.overflow, res.num_chunks))
+    )
+    return jax.lax.fori_loop(1, pieces, body, grads)
+
+
 def _backward(res: _Res, dy, bounded: bool):
     """Each piece re-run and differentiated, one at a time, summing the gradients of
     the tokens' rows and of the routing weights, and the expert weights' gradients
@@ -299,17 +386,15 @@ def _backward(res: _Res, dy, bounded: bool):
     inputs, want = res.inputs, res.want
 
     def body(p, grads):
-        pullback = _piece_pullback(res, p)
-        dy_p = _per_piece(dy, p)
-        if not want.experts:
-            return _add(grads, pullback(dy_p))
-        *rows, acc = pullback((dy_p, grads[-1]))  # `acc` already holds the sum
-        return (*_add(tuple(grads[:-1]), tuple(rows)), acc)
+        return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
 
     grads = [jnp.zeros_like(inputs.x)] if want.x else []
     grads += [jnp.zeros_like(inputs.weights)] if want.weights else []
     grads += [_grad_acc(inputs)] if want.experts else []
-    grads = _fold_pieces(body, tuple(grads), res.overflow, res.num_chunks, bounded)
+    if res.saved is not None and not bounded:
+        grads = _backward_saved(res, dy, tuple(grads))
+    else:
+        grads = _fold_pieces(body, tuple(grads), res.overflow, res.num_chunks, bounded)
     grads = iter(grads)
     d_x = next(grads) if want.x else None
     d_weights = next(grads) if want.weights else None
@@ -346,7 +431,7 @@ def _dropless_jvp(spec, num_chunks, primals, tangents):
     # the loop for the value, and `_transpose` for the backward.
     joint = ft.partial(_jvp_loop, bounded=False)
     (y, stats), t_y = primal_and_tangent(
-        _primal, joint, _tangent, _transpose, res, lin, out_t
+        _primal, joint, _tangent, _transpose, res, lin, out_t, keep=_keep
     )
     t_stats = jtu.tree_map(lambda a: np.zeros(a.shape, jax.dtypes.float0), stats)
     return (y, stats), (t_y, t_stats)

@@ -359,3 +359,42 @@ def test_fallback_peak_memory_within_capped(getkey, pass_, dtype, exchange):
     # them in), plus XLA:CPU's tuple tables for the fallback's loop (a few KiB).
     one_buffer = 32 * 64 * 4
     assert peaks["fallback"] <= peaks["drop"] + one_buffer + 8 * 1024, peaks
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_fallback_step_runs_each_trip_once_forward(getkey, monkeypatch, overflow):
+    """What the fallback's forward+backward step really runs, counted as it runs:
+    without overflow, the capped trip once, its residuals kept for the backward as
+    `on_overflow="drop"` keeps them (no re-run); with overflow, each of the `n` chunks
+    once forward, and the backward re-runs chunks 1 to n - 1 only (chunk 0's
+    residuals are kept)."""
+    import moe_eqx._fallback as fallback
+
+    runs = []
+    trip = fallback.expert_parallel_trip
+
+    def counted(inputs, spec, *rest):
+        jax.debug.callback(lambda: runs.append(1), ordered=False)
+        return trip(inputs, spec, *rest)
+
+    monkeypatch.setattr(fallback, "expert_parallel_trip", counted)
+    layer = make_layer(
+        getkey(), mesh_size=4, top_k=3, buffer_factor=0.6 if overflow else 2.0
+    )
+    x = tokens(getkey(), 128)
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def loss(params, x):
+        y, stats = eqx.combine(params, static)(x, mesh=mesh(4))
+        return jnp.sum(y**2), stats
+
+    (_, stats), _ = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, x
+    )
+    jax.effects_barrier()
+    # The fallback is compiled in (more than one chunk), and taken on overflow only.
+    assert int(stats.num_chunks) > 1
+    assert bool(stats.fallback_used) == overflow
+    n = int(stats.num_chunks) if overflow else 1
+    # Every shard runs each trip: the callback fires once per shard.
+    assert len(runs) == 4 * (n + n - 1), (len(runs), n)
