@@ -11,17 +11,16 @@ path.
 
 Derivatives (`jax.custom_jvp`, the tangent a `custom_linear`, see
 `moe_eqx._autodiff`): forward mode differentiates the loop directly, one loop carrying
-the value and its tangent (`primal_and_tangent`). Reverse mode runs chunks 1 to n - 1
-in the loop (none without overflow), then the first piece (every token, or chunk 0)
-differentiated as it runs, keeping its residuals as `on_overflow="drop"` keeps the
-capped trip's: a step that does not overflow is the capped trip once forward and its
-pullback once backward. The backward runs that pullback first, then re-runs chunks 1
-to n - 1 one at a time, differentiating each; all sum the expert weights' gradients in
-place in one float32 accumulator. Optimization barriers order the first piece after
-the loop in the forward and before it in the backward, so that its residuals are never
-alive beside a chunk's buffers. JAX cannot transpose a loop with a traced count, so
-for higher orders the backward and the tangent are differentiated as loops over
-`num_chunks` trips that re-run every piece, the pieces past the count skipped
+the value and its tangent (`primal_and_tangent`). Reverse mode differentiates each
+piece as the loop runs it and carries the last piece's residuals out of the loop (the
+expert weights among them are read from the inputs, not copied): without overflow
+that piece is every token, so the step is the capped trip forward and its pullback
+backward, as `on_overflow="drop"` runs it. The backward pulls that piece back, then
+(on overflow) re-runs the other chunks one at a time in a second loop, differentiating
+each; all sum the expert weights' gradients in place in one float32 accumulator, and
+one piece's residuals are alive at a time. JAX cannot transpose a loop with a traced
+count, so for higher orders the backward and the tangent are differentiated as loops
+over `num_chunks` trips that re-run every piece, the pieces past the count skipped
 (`moe_eqx._autodiff.fused`); their reverse mode keeps each trip's residuals.
 """
 
@@ -31,6 +30,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -178,19 +178,6 @@ def _fold_pieces(body, init, overflow, num_chunks: int, bounded: bool):
     return jax.lax.cond(pieces > 1, rest, lambda carry: carry, carry)
 
 
-def _forward_body(spec, num_chunks, overflow, inputs):
-    """The pieces' forward loop body: `(y, stats)` plus piece `p`'s."""
-
-    def body(p, carry):
-        y, stats = carry
-        y_p, stats_p = expert_parallel_trip(
-            _piece(inputs, p, overflow, num_chunks), spec
-        )
-        return y + y_p, _add(stats, stats_p)
-
-    return body
-
-
 def _forward_init(inputs: TripInputs):
     # `y` is as wide as the experts' output (`x` may carry a folded bias column).
     y0 = jnp.zeros_like(inputs.x)[:, : inputs.w_down.shape[-1]]
@@ -198,7 +185,13 @@ def _forward_init(inputs: TripInputs):
 
 
 def _loop(spec, num_chunks, overflow, inputs, bounded=False):
-    body = _forward_body(spec, num_chunks, overflow, inputs)
+    def body(p, carry):
+        y, stats = carry
+        y_p, stats_p = expert_parallel_trip(
+            _piece(inputs, p, overflow, num_chunks), spec
+        )
+        return y + y_p, _add(stats, stats_p)
+
     return _fold_pieces(body, _forward_init(inputs), overflow, num_chunks, bounded)
 
 
@@ -227,10 +220,10 @@ class _Res(eqx.Module):
     want: _Want = eqx.field(static=True)
     overflow: Array | bool
     inputs: TripInputs
-    # Reverse mode: the first piece's pullback, kept by the forward (its residuals,
-    # and their structure).
+    # Reverse mode: the last piece's pullback residuals, carried out of the forward
+    # loop, and how they make its pullback.
     saved: tuple | None = None
-    saved_tree: Any = eqx.field(static=True, default=None)
+    layout: Any = eqx.field(static=True, default=None)
 
 
 def _grad_acc(inputs: TripInputs):
@@ -273,6 +266,126 @@ def _piece_pullback(res: _Res, p):
     return _piece_vjp(res, p)[2]
 
 
+def _varying_like(leaves, res: _Res):
+    """`leaves` cast to vary over every `shard_map` axis `res`'s arrays vary over: a
+    loop carry of residuals has one type whether zero or computed."""
+    ref = [a for a in jtu.tree_leaves(res) if eqx.is_array(a)]
+    return list(match_varying(*leaves, *ref)[: len(leaves)])
+
+
+def _res_arrays(res: _Res) -> list:
+    return [a for a in jtu.tree_leaves(res.inputs) if eqx.is_array(a)]
+
+
+class _Saved(NamedTuple):
+    """How a piece's pullback is carried out of a loop: its structure, and for each
+    of its residuals the index of the input it is (the expert weights, passed on
+    unchanged: read from the inputs again, never copied into the loop carry) or
+    `None` (carried; `shapes` lists these)."""
+
+    treedef: Any
+    inputs_at: tuple
+    shapes: tuple
+
+    def carried(self, pullback, res: _Res) -> tuple:
+        leaves = jtu.tree_leaves(pullback)
+        kept = [a for a, i in zip(leaves, self.inputs_at, strict=True) if i is None]
+        return tuple(_varying_like(kept, res))
+
+    def zeros(self, res: _Res) -> tuple:
+        zeros = [jnp.zeros(s.shape, s.dtype) for s in self.shapes]
+        return tuple(_varying_like(zeros, res))
+
+    def pullback(self, carried, res: _Res):
+        arrays, carried = _res_arrays(res), iter(carried)
+        leaves = [next(carried) if i is None else arrays[i] for i in self.inputs_at]
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+
+def _input_index(jaxpr, var):
+    """Which input of `jaxpr` the variable `var` is, through calls that pass it on
+    unchanged (e.g. the accumulating FFN's `custom_jvp` identity on the weights), or
+    `None` when it is computed."""
+    while var not in jaxpr.invars:
+        eqn = next((e for e in jaxpr.eqns if var in e.outvars), None)
+        sub = None if eqn is None else _sub_jaxpr(eqn)
+        if sub is None:
+            return None
+        out = sub.outvars[eqn.outvars.index(var)]
+        if out not in sub.invars:
+            return None
+        var = eqn.invars[sub.invars.index(out)]
+        if not isinstance(var, jax.extend.core.Var):
+            return None
+    return jaxpr.invars.index(var)
+
+
+def _sub_jaxpr(eqn):
+    for key in ("call_jaxpr", "jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(key)
+        if sub is not None:
+            return getattr(sub, "jaxpr", sub)
+    return None
+
+
+def _saved_layout(res: _Res) -> _Saved:
+    """The pullback's layout (traced, not computed)."""
+    arrays = _res_arrays(res)
+    found = []
+
+    def trace(*arrays):
+        it = iter(arrays)
+        inputs = jtu.tree_map(lambda a: next(it) if eqx.is_array(a) else a, res.inputs)
+        piece = _Res(res.spec, res.num_chunks, res.want, res.overflow, inputs)
+        leaves, treedef = jtu.tree_flatten(_piece_vjp(piece, 0)[2])
+        found.append(treedef)
+        return leaves
+
+    closed = jax.make_jaxpr(trace)(*arrays)
+    at = tuple(_input_index(closed.jaxpr, v) for v in closed.jaxpr.outvars)
+    shapes = tuple(
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+        for v, i in zip(closed.jaxpr.outvars, at, strict=True)
+        if i is None
+    )
+    return _Saved(found[0], at, shapes)
+
+
+def _loop_saving(res: _Res):
+    """The pieces' loop (as `_loop`), differentiating each piece as it runs and
+    carrying the last piece's pullback residuals out: `((y, stats), residuals)`.
+    Without overflow the last piece is every token: the backward then runs the
+    capped trip's pullback once, as `on_overflow="drop"` does, with no re-run."""
+    inputs, layout = res.inputs, res.layout
+
+    def body(p, carry):
+        y, stats, _ = carry
+        y_p, stats_p, pullback = _piece_vjp(res, p)
+        y, stats = y + y_p.astype(y.dtype), _add(stats, stats_p)
+        return y, stats, layout.carried(pullback, res)
+
+    init = (*_forward_init(inputs), layout.zeros(res))
+    pieces = _pieces(res.overflow, res.num_chunks)
+    y, stats, saved = jax.lax.fori_loop(0, pieces, body, init)
+    return (y, stats), saved
+
+
+def _keep_reference(res: _Res):
+    return _primal(res), res.layout.zeros(res)
+
+
+def _keep(res: _Res):
+    """Reverse mode's primal: the value, and `res` with the residuals the forward
+    loop kept (differentiated, for higher orders, as the primal itself: the kept
+    residuals then carry no derivative, and the backward's derivative is that of
+    its re-running form, which does not read them)."""
+    spec, n, want, overflow = res.spec, res.num_chunks, res.want, res.overflow
+    layout = _saved_layout(res)
+    res = _Res(spec, n, want, overflow, res.inputs, None, layout)
+    out, saved = fused(_loop_saving, _keep_reference, res)
+    return out, _Res(spec, n, want, overflow, res.inputs, saved, layout)
+
+
 def _zero_tangent(p):
     """A zero tangent of `p`: `float0` for integer leaves (a quantized weight's)."""
 
@@ -282,47 +395,6 @@ def _zero_tangent(p):
         return np.zeros(a.shape, jax.dtypes.float0)
 
     return jtu.tree_map(zero, p)
-
-
-def _first_saving(res: _Res, tree: list):
-    """Reverse mode's forward: chunks 1 to n - 1 in a loop (none without overflow),
-    then the first piece (every token, or chunk 0) differentiated as it runs, its
-    pullback kept: `((y, stats), residuals)`, the residuals' structure appended to
-    `tree`. Without overflow this is the capped trip as `on_overflow="drop"` runs
-    it, residuals and all, and the backward has nothing to re-run."""
-    inputs, pieces = res.inputs, _pieces(res.overflow, res.num_chunks)
-    body = _forward_body(res.spec, res.num_chunks, res.overflow, inputs)
-    y, stats = jax.lax.fori_loop(1, pieces, body, _forward_init(inputs))
-    # The first piece after the loop: its residuals are never alive beside a chunk.
-    y, inputs = jax.lax.optimization_barrier((y, inputs))
-    first = _Res(res.spec, res.num_chunks, res.want, res.overflow, inputs)
-    y_0, stats_0, pullback = _piece_vjp(first, 0)
-    leaves, treedef = jtu.tree_flatten(pullback)
-    tree.append(treedef)
-    return (y + y_0.astype(y.dtype), _add(stats, stats_0)), tuple(leaves)
-
-
-def _first_reference(res: _Res, tree: list):
-    del tree
-    shapes = jax.eval_shape(lambda: jtu.tree_leaves(_piece_vjp(res, 0)[2]))
-    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-    ref = [a for a in jtu.tree_leaves(res) if eqx.is_array(a)]
-    return _primal(res), tuple(match_varying(*zeros, *ref)[: len(zeros)])
-
-
-def _keep(res: _Res):
-    """Reverse mode's primal: the value, and `res` with the first piece's pullback
-    (differentiated, for higher orders, as the primal itself: the kept residuals
-    then carry no derivative, and the backward's derivative is that of its
-    re-running form, which does not read them)."""
-    tree = []
-    out, saved = fused(
-        ft.partial(_first_saving, tree=tree),
-        ft.partial(_first_reference, tree=tree),
-        res,
-    )
-    spec, n, want = res.spec, res.num_chunks, res.want
-    return out, _Res(spec, n, want, res.overflow, res.inputs, saved, tree[0])
 
 
 def _jvp_loop(res: _Res, lin, bounded: bool):
@@ -364,19 +436,18 @@ def _pull(pullback, dy_p, grads, want: _Want):
 
 
 def _backward_saved(res: _Res, dy, grads):
-    """The first piece's pullback from what the forward kept, then chunks 1 to n - 1
-    (none without overflow) each re-run and differentiated."""
-    pullback = jtu.tree_unflatten(res.saved_tree, res.saved)
-    grads = _pull(pullback, dy, grads, res.want)
+    """The last piece's pullback from the residuals the forward kept, then the
+    earlier pieces (none without overflow) each re-run and differentiated."""
+    last = _pieces(res.overflow, res.num_chunks) - 1
+    pullback = res.layout.pullback(res.saved, res)
+    grads = _pull(pullback, _per_piece(dy, last), grads, res.want)
 
     def body(p, grads):
         return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, res.want)
 
-    # After the first piece's backward: its residuals are gone before the loop.
-    grads, pieces = jax.lax.optimization_barrier(
-        (grads, _pieces(res.overflow, res.num_chunks))
-    )
-    return jax.lax.fori_loop(1, pieces, body, grads)
+    # Tied to the last piece's gradients: its residuals are gone before the loop.
+    grads, last = jax.lax.optimization_barrier((grads, last))
+    return jax.lax.fori_loop(0, last, body, grads)
 
 
 def _backward(res: _Res, dy, bounded: bool):

@@ -317,29 +317,13 @@ def test_fallback_value_is_its_value_and_grad_value(getkey):
     )
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("pass_", ["forward", "fwd+bwd"])
-@pytest.mark.parametrize("exchange", ["dense", "allgather"])
-def test_fallback_peak_memory_within_capped(getkey, pass_, dtype, exchange):
-    """The fallback's memory claim (docs/how-it-works.md, **Overflow**): the
-    layer with the fallback compiles to no more memory than the capped-only layer
-    (`on_overflow="drop"`) plus one `[T, d_model]` buffer, in the forward and the
-    backward, where the weights outweigh the activations (so a second weight-gradient
-    buffer, or a hoisted bfloat16 copy of the weights, would show). For both kinds of
-    exchange: rows sent to their shards, or every token gathered."""
-    key = getkey()
-    x = tokens(getkey(), 8 * 32, d_model=64).astype(dtype)
+def _peaks(key, x, pass_, exchange, **shape):
+    """Compiled per-device peak (temp + output bytes) of the layer with
+    `on_overflow="drop"` and `"fallback"`, its forward or forward+backward step."""
     peaks = {}
     for on_overflow in ("drop", "fallback"):
         layer = make_layer(
-            key,
-            d_model=64,
-            d_ff=256,
-            num_experts=16,
-            top_k=2,
-            buffer_factor=2.0,
-            on_overflow=on_overflow,
-            exchange=exchange,
+            key, **shape, buffer_factor=2.0, on_overflow=on_overflow, exchange=exchange
         )
         # Floating-point parameters: `expert_ids` is an integer array.
         params, static = eqx.partition(layer, eqx.is_inexact_array)
@@ -355,9 +339,51 @@ def test_fallback_peak_memory_within_capped(getkey, pass_, dtype, exchange):
         fn = forward if pass_ == "forward" else step
         ma = jax.jit(fn).lower(params, x).compile().memory_analysis()
         peaks[on_overflow] = ma.temp_size_in_bytes + ma.output_size_in_bytes
+    return peaks
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pass_", ["forward", "fwd+bwd"])
+@pytest.mark.parametrize("exchange", ["dense", "allgather"])
+def test_fallback_peak_memory_within_capped(getkey, pass_, dtype, exchange):
+    """The fallback's memory claim (docs/how-it-works.md, **Overflow**): the
+    layer with the fallback compiles to no more memory than the capped-only layer
+    (`on_overflow="drop"`) plus one `[T, d_model]` buffer, in the forward and the
+    backward, where the weights outweigh the activations (so a second weight-gradient
+    buffer, or a hoisted bfloat16 copy of the weights, would show). For both kinds of
+    exchange: rows sent to their shards, or every token gathered."""
+    x = tokens(getkey(), 8 * 32, d_model=64).astype(dtype)
+    shape = dict(d_model=64, d_ff=256, num_experts=16, top_k=2)
+    peaks = _peaks(getkey(), x, pass_, exchange, **shape)
     # One [T, d_model] buffer of this shard's tokens (in the float32 the trip sums
     # them in), plus XLA:CPU's tuple tables for the fallback's loop (a few KiB).
     one_buffer = 32 * 64 * 4
+    assert peaks["fallback"] <= peaks["drop"] + one_buffer + 8 * 1024, peaks
+
+
+@pytest.mark.parametrize(
+    "exchange",
+    [
+        "dense",
+        pytest.param(
+            "allgather",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the all-gather exchange's fallback step takes 1.12x the "
+                "capped step's memory at this shape (docs/measured.md)",
+            ),
+        ),
+    ],
+)
+def test_fallback_step_memory_within_capped_activations_dominate(getkey, exchange):
+    """The same claim for a forward+backward step where the activations outweigh the
+    weights (128 tokens per shard, k=4, d_ff=64): the kept residuals of the capped
+    trip and a chunk's buffers must never be allocated side by side (running the
+    chunks in a loop of their own before the first piece measured 1.19x here)."""
+    x = tokens(getkey(), 8 * 128, d_model=32)
+    shape = dict(d_model=32, d_ff=64, num_experts=16, top_k=4)
+    peaks = _peaks(getkey(), x, "fwd+bwd", exchange, **shape)
+    one_buffer = 128 * 32 * 4
     assert peaks["fallback"] <= peaks["drop"] + one_buffer + 8 * 1024, peaks
 
 
@@ -374,7 +400,9 @@ def test_fallback_step_runs_each_trip_once_forward(getkey, monkeypatch, overflow
     trip = fallback.expert_parallel_trip
 
     def counted(inputs, spec, *rest):
-        jax.debug.callback(lambda: runs.append(1), ordered=False)
+        # With the piece as operand: XLA may hoist an operand-free callback out of a
+        # loop.
+        jax.debug.callback(runs.append, jnp.sum(inputs.valid), ordered=False)
         return trip(inputs, spec, *rest)
 
     monkeypatch.setattr(fallback, "expert_parallel_trip", counted)
