@@ -388,7 +388,9 @@ def test_fallback_step_memory_within_capped_activations_dominate(getkey, exchang
 
 
 @pytest.mark.parametrize("overflow", [False, True])
-def test_fallback_step_runs_each_trip_once_forward(getkey, monkeypatch, overflow):
+def test_fallback_step_runs_each_trip_once_forward(
+    getkey, monkeypatch, request, overflow
+):
     """What the fallback's forward+backward step really runs, counted as it runs:
     without overflow, the capped trip once, its residuals kept for the backward as
     `on_overflow="drop"` keeps them (no re-run); with overflow, each of the `n` chunks
@@ -406,6 +408,10 @@ def test_fallback_step_runs_each_trip_once_forward(getkey, monkeypatch, overflow
         return trip(inputs, spec, *rest)
 
     monkeypatch.setattr(fallback, "expert_parallel_trip", counted)
+    # A program an earlier test compiled with these shapes would not call it, and
+    # later tests must not run this one's.
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)
     layer = make_layer(
         getkey(), mesh_size=4, top_k=3, buffer_factor=0.6 if overflow else 2.0
     )
