@@ -15,6 +15,8 @@ a shared machine; `ms` is the minimum wall time and `cpu` the minimum process CP
 - `gmm G=8`, `gmm G=64`: the tiled grouped matmul, forward and forward+backward (the
   output and its `jax.vjp` in `lhs` and `rhs`), M=4096, K=512, N=1024, float32, group
   sizes multinomial(M, uniform), as benchmarks/gmm.py; baseline `x @ w[0]`.
+- `gmm G=32 skewed`: the same at M=16384 with group shares drawn from Dirichlet(1)
+  (sizes from 61 to 1890 rows at the seed used), as routing leaves them.
 - `layer forward`, `layer fwd+bwd`: the one-device layer (T=4096, d_model=512,
   d_ff=256, E=32, k=4, float32), as benchmarks/layer.py, with the same weights in both
   versions; forward+backward is `jax.grad` of `sum(y**2)` in every floating-point
@@ -241,18 +243,20 @@ def relative_row(name, times, today, today_base, prev, prev_base):
     }
 
 
-def gmm_section(libs, g, m, k, n, repeats, rng):
+def gmm_section(libs, g, m, k, n, repeats, rng, skewed=False):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     d_out = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)
-    sizes = jnp.asarray(rng.multinomial(m, np.full(g, 1.0 / g)), jnp.int32)
+    shares = rng.dirichlet(np.ones(g)) if skewed else np.full(g, 1.0 / g)
+    sizes = jnp.asarray(rng.multinomial(m, shares), jnp.int32)
     dense = dense_gmm_programs(x, w[0], d_out)
     progs = {name: gmm_programs(lib, x, w, sizes, d_out) for name, lib in libs.items()}
     rows = []
     for i, label in enumerate(("fwd", "fwd+bwd")):
         cands = {"dense": dense[i], **{name: p[i] for name, p in progs.items()}}
         times = interleaved(cands, repeats)
-        rows.append(speed_row(f"gmm G={g} {label}", times, "today", "prev"))
+        name = f"gmm G={g}{' skewed' if skewed else ''} {label}"
+        rows.append(speed_row(name, times, "today", "prev"))
         print_table(rows[-1:], list(rows[-1]))
     return rows
 
@@ -329,9 +333,11 @@ def main(argv=None):
 
     if args.quick:
         gmm_shape, groups, layer_shape, repeats = (256, 32, 64), (4, 8), None, 2
+        skewed_groups = 8
         layer_shape = (256, 64, 64, 8, 2)
     else:
         gmm_shape, groups, repeats = (4096, 512, 1024), (8, 64), 10
+        skewed_groups = 32
         layer_shape = (4096, 512, 256, 32, 4)
     repeats = args.repeats or repeats
     only = set(args.only.split(","))
@@ -345,6 +351,10 @@ def main(argv=None):
         if "gmm" in only:
             for g in groups:
                 rows += gmm_section(libs, g, *gmm_shape, repeats, rng)
+            m, k, n = gmm_shape
+            rows += gmm_section(
+                libs, skewed_groups, 4 * m, k, n, repeats, rng, skewed=True
+            )
         if "layer" in only:
             new, layer_times = layer_sections(
                 libs, layer_shape, repeats, ep=not args.no_ep
@@ -365,6 +375,7 @@ def main(argv=None):
         {
             "commit": args.commit,
             "gmm_shape": dict(zip("MKN", gmm_shape, strict=True), groups=groups),
+            "skewed_gmm": {"M": 4 * gmm_shape[0], "groups": skewed_groups},
             "layer_shape": dict(
                 zip(("T", "d_model", "d_ff", "E", "k"), layer_shape, strict=True)
             ),

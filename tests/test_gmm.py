@@ -539,9 +539,9 @@ def test_symbolic_zeros(op):
 
 # --- window edge cases of the tiled loop -------------------------------------------
 
-# Routings of 48 rows in 5 groups, with 8-row windows (one compiled program: the
-# sizes are traced).
-EDGE_ROWS, EDGE_WINDOW = 48, 8
+# Routings of 48 rows in 5 groups, with 8-row windows, and with 8-row windows then
+# 2-row ones for the rows left over (one compiled program each: the sizes are traced).
+EDGE_ROWS, EDGE_WINDOWS = 48, (8, (8, 2))
 EDGE_ROUTINGS = {
     # Every group smaller than a window.
     "groups_below_a_window": [3, 1, 5, 2, 4],
@@ -557,11 +557,18 @@ EDGE_ROUTINGS = {
     # Every row in one group.
     "one_group_of_all": [0, 0, 48, 0, 0],
     "all_empty": [0, 0, 0, 0, 0],
+    # Two sizes: 7 rows left over need 4 small windows, more than 3, so a group of 15
+    # (and of 7) runs a second (first) big window; 26 rows: 3 big and 1 small.
+    "left_over_in_a_big_window": [15, 7, 0, 26, 0],
 }
 # Shapes of their own: (M, group sizes, tile_rows).
 EDGE_SHAPES = {
     # The only group holds every row.
     "single_group": (33, [33], 8),
+    # Two sizes, one group: 4 big windows, then 1 small one clamped into the array.
+    "single_group_two_sizes": (33, [33], (8, 3)),
+    # Two sizes beyond the rows (capped at M), the groups smaller than either.
+    "two_sizes_exceed_rows": (5, [2, 0, 3], (512, 128)),
     # More groups than rows (most empty), and `tile_rows` beyond the rows: the
     # window is capped at M.
     "groups_exceed_rows": (3, [1, 0, 1, 0, 0, 1, 0, 0], 512),
@@ -612,8 +619,9 @@ def _check_edges(m, routings, tile_rows):
     assert run._cache_size() == 1
 
 
-def test_tiled_window_edges():
-    _check_edges(EDGE_ROWS, list(EDGE_ROUTINGS.values()), EDGE_WINDOW)
+@pytest.mark.parametrize("windows", EDGE_WINDOWS, ids=("one_size", "two_sizes"))
+def test_tiled_window_edges(windows):
+    _check_edges(EDGE_ROWS, list(EDGE_ROUTINGS.values()), windows)
 
 
 @pytest.mark.parametrize("case", list(EDGE_SHAPES))
@@ -623,31 +631,35 @@ def test_tiled_window_edge_shapes(case):
 
 
 def test_window_rows():
-    """`TiledGMM()`'s window: a typical group (`mean + 2 sqrt(mean)` rows) cut into
-    the fewest windows of at most 512 rows, an even count where they stay at least
-    128 rows, rounded up to 8 rows (a power of two below 64); never more than the
-    rows (nor less than one); `tile_rows` capped at the rows."""
-    assert window_rows(4096, 8) == 280  # 557 rows: two windows
-    assert window_rows(4096, 4) == 272  # 1088 rows: four windows, not three
-    assert window_rows(16384, 8) == 360  # 2138 rows: six windows, not five
-    assert window_rows(4096, 64) == 80  # 80 rows: one window
-    assert window_rows(1000, 8) == 152  # 147 rows: one window (two would be < 128)
-    assert window_rows(1024, 32) == 32  # 43 rows: a power of two
-    assert window_rows(80, 4) == 16
-    assert window_rows(9, 3) == 9
-    assert window_rows(0, 3) == 1
-    assert window_rows(100, 4, tile_rows=7) == 7
-    assert window_rows(100, 4, tile_rows=512) == 100
+    """`TiledGMM()`'s windows: `big` cuts a typical group (`mean + 2 sqrt(mean)`
+    rows) into the fewest windows of at most 1024 rows, `small` is a quarter of it,
+    each rounded up to 8 rows (a power of two below 64, at least 16; one size when a
+    quarter is under 16); never more than the rows (nor less than one); `tile_rows`
+    capped at the rows."""
+    assert window_rows(4096, 8) == (560, 144)  # 557 rows: one window
+    assert window_rows(4096, 4) == (544, 136)  # 1088 rows: two windows
+    assert window_rows(16384, 8) == (720, 184)  # 2138 rows: three windows
+    assert window_rows(4096, 64) == (80, 16)  # 80 rows, a quarter: 20 -> 16
+    assert window_rows(1000, 8) == (152, 32)  # 147 rows; a quarter: 38 -> 32
+    assert window_rows(1024, 32) == (32, 32)  # 43 rows: a power of two; one size
+    assert window_rows(80, 4) == (16, 16)
+    assert window_rows(9, 3) == (9, 9)
+    assert window_rows(0, 3) == (1, 1)
+    assert window_rows(100, 4, tile_rows=7) == (7, 7)
+    assert window_rows(100, 4, tile_rows=512) == (100, 100)
+    assert window_rows(100, 4, tile_rows=(512, 64)) == (100, 64)
     for m in (1, 17, 100, 4096, 10**6):
         for g in (1, 3, 64, 1000):
-            w = window_rows(m, g)
-            small = w < 64 and w & (w - 1) == 0
-            assert w == m or (16 <= w <= 512 and (small or w % 8 == 0)), (m, g)
-            assert 1 <= w <= m
+            big, small = window_rows(m, g)
+            for w in (big, small):
+                pow2 = w < 64 and w & (w - 1) == 0
+                assert w == m or (16 <= w <= 1024 and (pow2 or w % 8 == 0)), (m, g)
+                assert 1 <= w <= m
+            assert small <= big and (small == big or small <= -(-big // 4) + 7)
 
 
 def test_bad_tile_rows():
-    for bad in (0, -3):
+    for bad in (0, -3, (8, 0), (4, 8)):
         with pytest.raises(ValueError, match="tile_rows"):
             me.TiledGMM(tile_rows=bad)
 

@@ -1,18 +1,20 @@
 """A tiled grouped matmul in pure JAX: the CPU backend (and the GPU fallback).
 
-Each group's rows are cut into windows of `W` rows that never straddle a group
-boundary (a group's last window is clamped into the array and masked), so every
-window is one dense `[W, K] @ [K, N]` product with its group's matrix, and the work
-follows the traced `group_sizes`: one compiled program serves every routing.
+Each group's rows are cut into windows that never straddle a group boundary (a
+group's last window is clamped into the array and masked), so every window is one
+dense `[W, K] @ [K, N]` product with its group's matrix, and the work follows the
+traced `group_sizes`: one compiled program serves every routing.
 
-One window size: XLA compiles each loop body and each fused kernel separately, so a
-ladder of window sizes (one loop each) multiplies the compile time. The size is chosen
-at trace time from the static shapes (`window_rows`) so that a typical group is a whole
-number of windows: a group's last window is mostly padding otherwise, and larger
-windows run closer to the speed of one large matmul. A loop over the groups holds each
-group's weights (and, backward, its summed weight gradient) while an inner loop runs
-its windows. The expert FFN (`TiledGMM.ffn`) runs both products and the activation in
-those loops.
+Two window sizes: XLA compiles each loop body and each fused kernel separately, so a
+ladder of window sizes (one loop each) multiplies the compile time, while with one size
+a group's last window is mostly padding unless the groups are whole windows. The sizes
+are chosen at trace time from the static shapes (`window_rows`): `big` windows cut a
+typical group into the fewest of at most 1024 rows (larger windows run closer to the
+speed of one large matmul), and a group's rows left over after its `big` windows run in
+up to three `small` ones of a quarter the size (or one more `big` one). A loop over the
+groups holds each group's weights (and, backward, its summed weight gradient) while two
+inner loops run its windows. The expert FFN (`TiledGMM.ffn`) runs both products and the
+activation in those loops.
 
 Derivatives: the loops are the raw products of `moe_eqx._gmm._products` (`gmm`,
 `gmm_t`, `tgmm`, and a backward pass that computes the rows' gradient and sums each
@@ -43,50 +45,66 @@ from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, with_tangent
 from ._products import AbstractProducts, gmm, gmm_t, tgmm
 from .gathered import GatheredGMM
 
-# Window rows: at most `_MAX_WINDOW`; an even count of windows per typical group where
-# they stay at least `_EVEN_WINDOW` rows; below `_POW2_WINDOW` rows a power of two
-# (XLA:CPU runs some small products, e.g. 40 or 48 rows by 1024 columns, much slower
-# than their power-of-two neighbours), else a multiple of `_WINDOW_UNIT`.
+# Window rows: a typical group in the fewest windows of at most `_MAX_WINDOW` rows, and
+# a quarter of that for the rest; below `_POW2_WINDOW` rows a power of two (XLA:CPU
+# runs some small products, e.g. 40 or 48 rows by 1024 columns, much slower than their
+# power-of-two neighbours), else a multiple of `_WINDOW_UNIT`.
 _MIN_WINDOW = 16
-_MAX_WINDOW = 512
-_EVEN_WINDOW = 128
+_MAX_WINDOW = 1024
 _POW2_WINDOW = 64
 _WINDOW_UNIT = 8
 
 
-def window_rows(num_rows: int, num_groups: int, tile_rows: int | None = None) -> int:
-    """The window size `W` for `num_rows` rows in `num_groups` groups.
+class Windows(NamedTuple):
+    """The two window sizes of the tiled loops (`small == big`: one size)."""
 
-    `tile_rows` if given. Else a typical group, the mean plus two standard deviations
-    of a uniformly routed one (`mean + 2 sqrt(mean)` rows), is cut into the fewest
-    windows of at most 512 rows, and their count is made even where the windows stay
-    at least 128 rows: a receive buffer that routing fills to half (the exchange's
-    buffers at `buffer_factor=2`) then still holds whole windows. Rounded up to a
-    multiple of 8 rows (below 64 rows, down to a power of two, at least 16). Never
-    more than `num_rows` (and at least 1).
+    big: int
+    small: int
+
+
+def _round_window(size: float) -> int:
+    if size < _POW2_WINDOW:
+        return max(_MIN_WINDOW, 1 << (max(int(size), 1).bit_length() - 1))
+    return _WINDOW_UNIT * math.ceil(size / _WINDOW_UNIT)
+
+
+def window_rows(
+    num_rows: int, num_groups: int, tile_rows: int | tuple[int, int] | None = None
+) -> Windows:
+    """The window sizes for `num_rows` rows in `num_groups` groups.
+
+    A group of `s` rows runs `s // big` windows of `big` rows, then its remaining
+    rows in up to three windows of `small` rows, or in one more of `big` rows when
+    they need more. `big` cuts a typical group, the mean plus two standard deviations
+    of a uniformly routed one (`mean + 2 sqrt(mean)` rows), into the fewest windows of
+    at most 1024 rows; `small` is a quarter of it, for the groups (and remainders) that
+    routing leaves smaller, such as a receive buffer filled to half. Each is rounded up
+    to a multiple of 8 rows (below 64 rows, down to a power of two, at least 16); with
+    `small` under 16 rows there is one size. `tile_rows` gives one size, or the pair
+    `(big, small)`. Never more than `num_rows` (and at least 1).
 
     **Arguments:**
 
     - `num_rows`: `M`, the rows of the grouped matmul (static).
     - `num_groups`: `G`, its groups (static).
-    - `tile_rows`: an explicit window size, or `None`.
+    - `tile_rows`: one explicit window size, an explicit `(big, small)`, or `None`.
 
     **Returns:**
 
-    The window size in rows.
+    The [`Windows`][moe_eqx._gmm.tiled.Windows] `(big, small)`.
     """
-    if tile_rows is None:
-        mean = num_rows / max(num_groups, 1)
-        typical = mean + 2 * math.sqrt(mean)
-        count = max(1, math.ceil(typical / _MAX_WINDOW))
-        if count % 2 and typical / (count + 1) >= _EVEN_WINDOW:
-            count += 1
-        size = typical / count
-        if size < _POW2_WINDOW:
-            tile_rows = max(_MIN_WINDOW, 1 << (max(int(size), 1).bit_length() - 1))
-        else:
-            tile_rows = _WINDOW_UNIT * math.ceil(size / _WINDOW_UNIT)
-    return max(1, min(tile_rows, num_rows))
+    if isinstance(tile_rows, tuple):
+        big, small = (max(1, min(t, num_rows)) for t in tile_rows)
+        return Windows(big, small)
+    if tile_rows is not None:
+        size = max(1, min(tile_rows, num_rows))
+        return Windows(size, size)
+    mean = num_rows / max(num_groups, 1)
+    typical = mean + 2 * math.sqrt(mean)
+    big = _round_window(typical / max(1, math.ceil(typical / _MAX_WINDOW)))
+    big = max(1, min(big, num_rows))
+    small = _round_window(big / 4) if big / 4 >= _MIN_WINDOW else big
+    return Windows(big, min(small, big))
 
 
 # The index helpers below (`_index`, `_set_index`, `_take`, `_put`) only ever see
@@ -105,7 +123,7 @@ def weight_block(w, g, dtype):
 
 def _for_windows(
     group_sizes,
-    window: int,
+    windows: Windows,
     num_rows: int,
     body,
     carry,
@@ -114,37 +132,57 @@ def _for_windows(
     peel: bool = False,
 ):
     """Folds `body(carry, ctx, start, keep, first)` over every window of every group: a
-    loop over the groups around a loop over the group's windows. `start` is where the
-    window's `W` rows are read (clamped into the array), `keep [W, 1]` marks the rows
-    it owns. Per group, `enter(carry, g) -> (carry, ctx)` runs before its windows
-    (slicing its weights once, not once per window) and `leave(carry, g, ctx)` after
-    them (storing a weight gradient summed in a `ctx` scratch once per group). With
-    `peel`, a non-empty group's first window runs in a loop of its own with the static
-    `first=True` (a sum over the windows then starts with its product instead of
-    adding it to zeros); `first` is `False` otherwise."""
+    loop over the groups around two loops over the group's windows (see
+    `window_rows`), `big` rows each, then `small` rows each. `start` is where the
+    window's rows are read (clamped into the array), `keep [W, 1]` marks the rows it
+    owns (its `W` is the window's size). Per group, `enter(carry, g) -> (carry, ctx)`
+    runs before its windows (slicing its weights once, not once per window) and
+    `leave(carry, g, ctx)` after them (storing a weight gradient summed in a `ctx`
+    scratch once per group). `first` says the window is its group's first (a sum over
+    the windows then starts with its product instead of adding it to zeros): with
+    `peel`, the first `big` window runs in a loop of its own with the static
+    `first=True`, and the first `small` one has a traced `first` (true when the group
+    has no `big` window); `first` is `False` otherwise."""
+    big, small = windows
     sizes = group_sizes.astype(jnp.int32)
     ends = cumsum(sizes)
+    most_small = max(1, 3 * (big // small) // 4)
 
     def group(g, carry):
         size = _index(sizes, g)
         begin = _index(ends, g) - size
         carry, ctx = (carry, g) if enter is None else enter(carry, g)
+        if small == big:
+            big_trips, small_trips = div(size + big - 1, big), None
+        else:
+            full = div(size, big)
+            rest = size - full * big
+            small_trips = div(rest + small - 1, small)
+            use_small = small_trips <= most_small
+            big_trips = full + jnp.where(use_small, 0, jnp.minimum(rest, 1))
+            small_trips = jnp.where(use_small, small_trips, 0)
 
-        def one(i, state, first=False):
+        def one(i, state, first=False, window=big, offset=0):
             carry, ctx = state
-            first_row = begin + i * window
+            first_row = begin + offset + i * window
             start = jnp.minimum(first_row, num_rows - window)
             rows = start + jnp.arange(window, dtype=jnp.int32)
             keep = ((rows >= first_row) & (rows < begin + size))[:, None]
+            if not isinstance(first, bool):
+                first = first & (i == 0)
             return body(carry, ctx, start, keep, first)
 
-        count = div(size + window - 1, window)
         state = (carry, ctx)
         if peel:
             # 0 or 1 trips: a `lax.cond` would copy the carry.
-            trips = jnp.minimum(count, 1)
+            trips = jnp.minimum(big_trips, 1)
             state = lax.fori_loop(0, trips, ft.partial(one, first=True), state)
-        carry, ctx = lax.fori_loop(1 if peel else 0, count, one, state)
+        state = lax.fori_loop(1 if peel else 0, big_trips, one, state)
+        if small_trips is not None:
+            first = big_trips == 0 if peel else False
+            tail = ft.partial(one, first=first, window=small, offset=big_trips * big)
+            state = lax.fori_loop(0, small_trips, tail, state)
+        carry, ctx = state
         return carry if leave is None else leave(carry, g, ctx)
 
     return lax.fori_loop(0, sizes.shape[0], group, carry)
@@ -185,9 +223,12 @@ def _leave_blocks(carry, g, size, blocks, fresh: bool):
     return rows, outs, scratch
 
 
-def _add(total, product, first: bool):
-    """`product` for a group's first window (`total` is stale), else `total + product`."""
-    return product if first else total + product
+def _add(total, product, first):
+    """`product` for a group's first window (`total` is stale), else `total + product`
+    (`first`: a bool, or traced)."""
+    if isinstance(first, bool):
+        return product if first else total + product
+    return jnp.where(first, product, total + product)
 
 
 def _dot(a, b, dtype):
@@ -203,7 +244,7 @@ def _zeros(shape, dtype, *like):
 # The raw grouped products (see `moe_eqx._gmm._products`).
 
 
-def _gmm_forward(lhs, rhs, group_sizes, window, transpose_rhs=False):
+def _gmm_forward(lhs, rhs, group_sizes, windows, transpose_rhs=False):
     """`lhs_i @ rhs[g]` (`rhs[g]^T` with `transpose_rhs`) in `lhs.dtype`."""
     num_rows = lhs.shape[0]
     columns = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -216,13 +257,14 @@ def _gmm_forward(lhs, rhs, group_sizes, window, transpose_rhs=False):
         return out, w.T if transpose_rhs else w
 
     def body(out, w, start, keep, first):
+        window = keep.shape[0]
         y = _dot(_take(lhs, start, window), w, lhs.dtype)
         return _put(out, y, start, keep), w
 
-    return _for_windows(group_sizes, window, num_rows, body, out, enter)
+    return _for_windows(group_sizes, windows, num_rows, body, out, enter)
 
 
-def _gmm_backward(lhs, rhs, group_sizes, d_out, window, want_lhs, want_rhs):
+def _gmm_backward(lhs, rhs, group_sizes, d_out, windows, want_lhs, want_rhs):
     """`(d_lhs, d_rhs)` (each `None` unless wanted): `d_lhs = gmm(d_out, rhs^T)` in
     `lhs.dtype`, `d_rhs[g] = lhs_g^T d_out_g` summed in float32 (`[G, K, N]` float32;
     `rhs` may be `None` when `d_lhs` is not wanted), in one pass over the windows."""
@@ -247,6 +289,7 @@ def _gmm_backward(lhs, rhs, group_sizes, d_out, window, want_lhs, want_rhs):
         return carry, (w, _enter_blocks(carry, g, fresh=True))
 
     def body(carry, ctx, start, keep, first):
+        window = keep.shape[0]
         d_lhs = carry[0]
         w, blocks = ctx
         dy = _take(d_out, start, window)
@@ -267,35 +310,35 @@ def _gmm_backward(lhs, rhs, group_sizes, d_out, window, want_lhs, want_rhs):
     if num_rows > 0:
         carry = (d_lhs, outs, scratch)
         d_lhs, outs, _ = _for_windows(
-            sizes, window, num_rows, body, carry, enter, leave, peel=want_rhs
+            sizes, windows, num_rows, body, carry, enter, leave, peel=want_rhs
         )
     return d_lhs, outs[0] if want_rhs else None
 
 
 class _TiledProducts(AbstractProducts):
-    """The loops over windows of `window` rows."""
+    """The loops over windows of `windows` rows."""
 
-    window: int = eqx.field(static=True)
+    windows: Windows = eqx.field(static=True)
     has_effects: ClassVar[bool] = False
 
     def gmm(self, a, b, group_sizes):
-        return _gmm_forward(a, b, group_sizes, self.window)
+        return _gmm_forward(a, b, group_sizes, self.windows)
 
     def gmm_t(self, a, b, group_sizes):
-        return _gmm_forward(a, b, group_sizes, self.window, transpose_rhs=True)
+        return _gmm_forward(a, b, group_sizes, self.windows, transpose_rhs=True)
 
     def tgmm(self, a, d, group_sizes):
-        return _gmm_backward(a, None, group_sizes, d, self.window, False, True)[1]
+        return _gmm_backward(a, None, group_sizes, d, self.windows, False, True)[1]
 
     def backward(self, a, b, group_sizes, d_out, want):
-        return _gmm_backward(a, b, group_sizes, d_out, self.window, *want)
+        return _gmm_backward(a, b, group_sizes, d_out, self.windows, *want)
 
 
 # ---------------------------------------------------------------------------------
 # The expert FFN, `act(x @ w_gate_up) @ w_down`, in one loop.
 
 
-def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, keep_gate_up: bool):
+def _ffn_forward(x, w_gate_up, w_down, group_sizes, windows, act, keep_gate_up: bool):
     """`(out, gate_up)`: the FFN's output and (with `keep_gate_up`) its first product,
     the backward's residual."""
     num_rows = x.shape[0]
@@ -314,6 +357,7 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, keep_gate_up: b
         )
 
     def body(carry, ctx, start, keep, first):
+        window = keep.shape[0]
         (out, gate_up), (w_gu, w_dn) = carry, ctx
         gu = _dot(_take(x, start, window), w_gu, x.dtype)
         y = _dot(act(gu).astype(x.dtype), w_dn, x.dtype)
@@ -321,20 +365,20 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, keep_gate_up: b
             gate_up = _put(gate_up, gu, start, keep)
         return (_put(out, y, start, keep), gate_up), ctx
 
-    return _for_windows(group_sizes, window, num_rows, body, (out, gate_up), enter)
+    return _for_windows(group_sizes, windows, num_rows, body, (out, gate_up), enter)
 
 
-def _ffn_unfused(x, w_gate_up, w_down, group_sizes, window, act):
-    products = _TiledProducts(window)
+def _ffn_unfused(x, w_gate_up, w_down, group_sizes, windows, act):
+    products = _TiledProducts(windows)
     gate_up = gmm(products, x, w_gate_up, group_sizes)
     out = gmm(products, act(gate_up).astype(x.dtype), w_down, group_sizes)
     return out, gate_up
 
 
-def _ffn_with_gate_up(x, w_gate_up, w_down, group_sizes, window, act):
+def _ffn_with_gate_up(x, w_gate_up, w_down, group_sizes, windows, act):
     """`(out, gate_up)` in one loop, differentiated as two gmms."""
     fast = ft.partial(_ffn_forward, keep_gate_up=True)
-    return fused(fast, _ffn_unfused, x, w_gate_up, w_down, group_sizes, window, act)
+    return fused(fast, _ffn_unfused, x, w_gate_up, w_down, group_sizes, windows, act)
 
 
 class _FFNRes(NamedTuple):
@@ -343,13 +387,13 @@ class _FFNRes(NamedTuple):
     w_down: Array
     gate_up: Array
     group_sizes: Array
-    window: int
+    windows: Windows
     act: Activation
     acc: tuple | None = None  # the accumulators' `ShapeDtypeStruct`s, if any
 
 
 def _ffn_tangent_fused(res: _FFNRes, t_x, t_gu, t_dn):
-    x, window = res.x, res.window
+    x = res.x
     num_rows = x.shape[0]
     out = _zeros((num_rows, res.w_down.shape[2]), x.dtype, x, res.w_gate_up)
 
@@ -360,6 +404,7 @@ def _ffn_tangent_fused(res: _FFNRes, t_x, t_gu, t_dn):
         )
 
     def body(out, ws, start, keep, first):
+        window = keep.shape[0]
         w_gu, t_w_gu, w_dn, t_w_dn = ws
         gu = _take(res.gate_up, start, window)
         t_gate_up = jnp.zeros(gu.shape, jnp.float32)
@@ -374,13 +419,13 @@ def _ffn_tangent_fused(res: _FFNRes, t_x, t_gu, t_dn):
         return _put(out, t_y, start, keep), ws
 
     if num_rows > 0:
-        out = _for_windows(res.group_sizes, window, num_rows, body, out, enter)
+        out = _for_windows(res.group_sizes, res.windows, num_rows, body, out, enter)
     return out
 
 
 def _ffn_tangent_unfused(res: _FFNRes, t_x, t_gu, t_dn):
-    x, w_gate_up, w_down, gate_up, group_sizes, window, act, _ = res
-    products = _TiledProducts(window)
+    x, w_gate_up, w_down, gate_up, group_sizes, windows, act, _ = res
+    products = _TiledProducts(windows)
     t_gate_up = jnp.zeros(gate_up.shape, jnp.float32)
     if t_x is not None:
         t_gate_up += gmm(products, t_x, w_gate_up, group_sizes).astype(jnp.float32)
@@ -419,7 +464,7 @@ def _ffn_tangent(res: _FFNRes, lin):
 
 
 def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
-    x, window = res.x, res.window
+    x = res.x
     num_rows = x.shape[0]
     sizes = res.group_sizes
     acc = acc_dtype(x.dtype)
@@ -446,6 +491,7 @@ def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool)
         return carry, (w_gu, w_dn, blocks)
 
     def body(carry, ctx, start, keep, first):
+        window = keep.shape[0]
         d_x = carry[0]
         w_gu, w_dn, blocks = ctx
         dy = jnp.where(keep, _take(d_out, start, window), 0)
@@ -469,15 +515,22 @@ def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool)
     if num_rows > 0:
         carry = (d_x, outs, scratch)
         d_x, outs, _ = _for_windows(
-            sizes, window, num_rows, body, carry, enter, leave, peel=want_w and fresh
+            sizes,
+            res.windows,
+            num_rows,
+            body,
+            carry,
+            enter,
+            leave,
+            peel=want_w and fresh,
         )
     d_gu, d_dn = outs if want_w else (None, None)
     return d_x, d_gu, d_dn
 
 
 def _ffn_backward_unfused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool):
-    x, w_gate_up, w_down, gate_up, group_sizes, window, act, _ = res
-    products = _TiledProducts(window)
+    x, w_gate_up, w_down, gate_up, group_sizes, windows, act, _ = res
+    products = _TiledProducts(windows)
     acc = acc_dtype(x.dtype)
     d_out = d_out.astype(x.dtype)
     d_act = gmm_t(products, d_out, w_down, group_sizes)
@@ -526,12 +579,12 @@ def _ffn_transpose(res: _FFNRes, ct, want):
 
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, act, grad_acc):
-    out = _ffn_forward(x, w_gate_up, w_down, group_sizes, window, act, False)[0]
+def _tiled_ffn(x, w_gate_up, w_down, group_sizes, windows, act, grad_acc):
+    out = _ffn_forward(x, w_gate_up, w_down, group_sizes, windows, act, False)[0]
     return out if grad_acc is None else (out, grad_acc)
 
 
-def _tiled_ffn_jvp(window, act, primals, tangents):
+def _tiled_ffn_jvp(windows, act, primals, tangents):
     x, w_gate_up, w_down, group_sizes, grad_acc = primals
     t_x, t_gu, t_dn, _, t_acc = symbolic_zeros_to_none(tangents)
     if grad_acc is not None:
@@ -539,9 +592,9 @@ def _tiled_ffn_jvp(window, act, primals, tangents):
         # accumulators'.
         w_gate_up = with_tangent_of(w_gate_up, grad_acc[0])
         w_down = with_tangent_of(w_down, grad_acc[1])
-    out, gate_up = _ffn_with_gate_up(x, w_gate_up, w_down, group_sizes, window, act)
+    out, gate_up = _ffn_with_gate_up(x, w_gate_up, w_down, group_sizes, windows, act)
     gate_up = remat_name(gate_up, HIDDEN)
-    res = _FFNRes(x, w_gate_up, w_down, gate_up, group_sizes, window, act)
+    res = _FFNRes(x, w_gate_up, w_down, gate_up, group_sizes, windows, act)
     want = (t_x is not None, t_gu is not None, t_dn is not None)
     lin = (t_x, t_gu, t_dn)
     if grad_acc is None:
@@ -574,17 +627,17 @@ def tiled_ffn(
     w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
     group_sizes: Int[Array, " groups"],
     *,
-    tile_rows: int | None = None,
+    tile_rows: int | tuple[int, int] | None = None,
     grad_acc: GradAcc | None = None,
     activation: Activation = SWIGLU,
 ):
     """The expert FFN over groups of rows in one loop of windows; see
     `moe_eqx.AbstractGMMBackend.ffn` for the arguments and results."""
-    window = window_rows(x.shape[0], w_gate_up.shape[0], tile_rows)
+    windows = window_rows(x.shape[0], w_gate_up.shape[0], tile_rows)
     x, w_gate_up, w_down, group_sizes = match_varying(
         x, w_gate_up, w_down, group_sizes.astype(jnp.int32)
     )
-    return _tiled_ffn(x, w_gate_up, w_down, group_sizes, window, activation, grad_acc)
+    return _tiled_ffn(x, w_gate_up, w_down, group_sizes, windows, activation, grad_acc)
 
 
 class TiledGMM(AbstractGMMBackend):
@@ -599,16 +652,29 @@ class TiledGMM(AbstractGMMBackend):
 
     **Arguments:**
 
-    - `tile_rows`: rows per window; `None` picks it from the shapes so that a
-        typical group is a whole number of windows of at most 512 rows (see
-        `window_rows`).
+    - `tile_rows`: rows per window (one size), or `(big, small)`: windows of `big`
+        rows, then up to three of `small` rows for the rows left over; `None` picks
+        the pair from the shapes (see `window_rows`).
     """
 
-    tile_rows: int | None = eqx.field(static=True, default=None)
+    tile_rows: int | tuple[int, int] | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
-        if self.tile_rows is not None and self.tile_rows < 1:
-            raise ValueError(f"`tile_rows` must be positive, got {self.tile_rows}.")
+        sizes = self.tile_rows
+        if sizes is None:
+            return
+        pair = isinstance(sizes, tuple)
+        if (
+            (pair and len(sizes) != 2)
+            or any(
+                not isinstance(s, int) or s < 1 for s in (sizes if pair else [sizes])
+            )
+            or (pair and sizes[1] > sizes[0])
+        ):
+            raise ValueError(
+                "`tile_rows` must be a positive int or a pair `(big, small)` of "
+                f"positive ints with `small <= big`, got {sizes!r}."
+            )
 
     def __call__(
         self,
@@ -619,11 +685,11 @@ class TiledGMM(AbstractGMMBackend):
         if lhs.shape[0] < rhs.shape[0]:
             return GatheredGMM()(lhs, rhs, group_sizes)
         with jax.named_scope("moe_eqx.gmm.tiled"):
-            window = window_rows(lhs.shape[0], rhs.shape[0], self.tile_rows)
+            windows = window_rows(lhs.shape[0], rhs.shape[0], self.tile_rows)
             lhs, rhs, group_sizes = match_varying(
                 lhs, rhs, group_sizes.astype(jnp.int32)
             )
-            return gmm(_TiledProducts(window), lhs, rhs, group_sizes)
+            return gmm(_TiledProducts(windows), lhs, rhs, group_sizes)
 
     def ffn(
         self,
