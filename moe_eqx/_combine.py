@@ -7,6 +7,7 @@ from jaxtyping import Array, Float, Int
 
 from ._dispatch import SortedPairs
 from ._permute import unpermute_sum
+from ._rules import unshared_zeros
 
 
 def combine(
@@ -41,7 +42,8 @@ def combine(
                 expert_out, pairs.weight, pairs.order, pairs.inverse, num_rows
             )
         contrib = expert_out.astype(jnp.float32) * pairs.weight[:, None]
-        out = jnp.zeros((num_rows, expert_out.shape[1]), jnp.float32)
+        shape = (num_rows, expert_out.shape[1])
+        out = unshared_zeros(shape, jnp.float32, pairs.row, "combine")
         return out.at[pairs.row].add(contrib).astype(expert_out.dtype)
 
 

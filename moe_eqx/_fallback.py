@@ -38,7 +38,7 @@ from jaxtyping import Array, Bool, Float
 
 from ._autodiff import fused, primal_and_tangent, symbolic_zeros_to_none
 from ._overflow import BufferSizes
-from ._rules import acc_dtype, match_varying, per_token_counts
+from ._rules import acc_dtype, match_varying, per_token_counts, unshared_zeros
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
 
 
@@ -180,8 +180,9 @@ def _fold_pieces(body, init, overflow, num_chunks: int, bounded: bool):
 
 def _forward_init(inputs: TripInputs):
     # `y` is as wide as the experts' output (`x` may carry a folded bias column).
-    y0 = jnp.zeros_like(inputs.x)[:, : inputs.w_down.shape[-1]]
-    return y0, _zero_stats(inputs.valid)
+    shape = (inputs.x.shape[0], inputs.w_down.shape[-1])
+    y0 = unshared_zeros(shape, inputs.x.dtype, inputs.dest_group, "fallback.y")
+    return match_varying(y0, inputs.x)[0], _zero_stats(inputs.valid)
 
 
 def _loop(spec, num_chunks, overflow, inputs, bounded=False):
@@ -229,9 +230,9 @@ class _Res(eqx.Module):
 def _grad_acc(inputs: TripInputs):
     """Zero float32 accumulators of the expert weights' gradients."""
     acc = acc_dtype(inputs.w_gate_up.dtype)
-    return (
-        jnp.zeros(inputs.w_gate_up.shape, acc),
-        jnp.zeros(inputs.w_down.shape, acc),
+    return tuple(
+        unshared_zeros(w.shape, acc, inputs.dest_group, f"fallback.acc{i}")
+        for i, w in enumerate((inputs.w_gate_up, inputs.w_down))
     )
 
 
@@ -293,7 +294,11 @@ class _Saved(NamedTuple):
         return tuple(_varying_like(kept, res))
 
     def zeros(self, res: _Res) -> tuple:
-        zeros = [jnp.zeros(s.shape, s.dtype) for s in self.shapes]
+        runtime = res.inputs.dest_group
+        zeros = [
+            unshared_zeros(s.shape, s.dtype, runtime, f"fallback.saved{i}")
+            for i, s in enumerate(self.shapes)
+        ]
         return tuple(_varying_like(zeros, res))
 
     def pullback(self, carried, res: _Res):
@@ -459,8 +464,15 @@ def _backward(res: _Res, dy, bounded: bool):
     def body(p, grads):
         return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
 
-    grads = [jnp.zeros_like(inputs.x)] if want.x else []
-    grads += [jnp.zeros_like(inputs.weights)] if want.weights else []
+    runtime = inputs.dest_group
+    grads = []
+    for wanted, a, site in (
+        (want.x, inputs.x, "x"),
+        (want.weights, inputs.weights, "w"),
+    ):
+        if wanted:
+            zeros = unshared_zeros(a.shape, a.dtype, runtime, f"fallback.d_{site}")
+            grads.append(match_varying(zeros, a)[0])
     grads += [_grad_acc(inputs)] if want.experts else []
     if res.saved is not None and not bounded:
         grads = _backward_saved(res, dy, tuple(grads))

@@ -1,5 +1,7 @@
 """Rules that several stages share, each written once."""
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -41,6 +43,24 @@ def per_token_counts(*, top_k: int, local_groups: int, dedup: bool) -> tuple[int
     grouped matmul), in one row when deduplicating."""
     pairs = min(top_k, local_groups)
     return pairs, 1 if dedup else pairs
+
+
+def unshared_zeros(shape, dtype, runtime: jax.Array, site: str) -> jax.Array:
+    """`jnp.zeros(shape, dtype)` in a buffer of its own, for a user that writes into
+    it in place (a loop's carry, a scatter).
+
+    XLA merges equal broadcasts of a constant into one buffer, then copies that
+    buffer for each such user: a read and a write of the whole array each, where a
+    fill is one write, and the shared buffer stays alive from the first user to the
+    last. Here the zero is `min(max(r + c, 0), 0)`, which XLA cannot prove is zero,
+    so it is not merged: `r` is the first element of `runtime`, any integer array
+    known only at run time (counts, indices), `c` a constant derived from `site`, a
+    name that differs between the zeros of one program (equal expressions are merged
+    too). The value is 0 whatever `runtime` holds."""
+    salt = zlib.crc32(site.encode()) % 4096
+    first = jnp.sum(jnp.ravel(runtime)[:1].astype(jnp.int32))
+    zero = jnp.minimum(jnp.maximum(first + salt, 0), 0)
+    return jnp.broadcast_to(zero.astype(dtype), shape)
 
 
 # Index arithmetic on short arrays (shards, groups, experts) as fused compares and

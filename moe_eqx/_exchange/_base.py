@@ -157,9 +157,10 @@ class AbstractRowExchange(AbstractExchange):
         of its rows). This default is `combine`.
 
         **Arguments:** as `combine`, with `recv` in the layout of `dispatch_unpacked`;
-        `materialised`: `recv` is the output of an operation that XLA does not fuse
-        into its consumers (a scatter), so a backend may hand it to its collective
-        as it is.
+        `materialised`: a backend may hand `recv` to its collective as it is, with
+        no copy first: it is the output of an operation that XLA does not fuse into
+        its consumers (a scatter), or one cheap enough to compile once per
+        destination.
 
         **Returns:**
 
