@@ -346,10 +346,10 @@ class _Route(eqx.Module):
             moved = self.exchange.dispatch_unpacked(packed, self.plan, self.bufs.rows)
         else:
             # The return trip (the dispatch's transpose) hands the cotangents to the
-            # collective as they are: a scatter-add's output, or their packing, which
-            # XLA then fuses into each of the collective's R slices. Copying the
-            # packing first (`materialised=False`) took 3% longer per EP8 step, while
-            # compiling the R fused slices took under 1% longer.
+            # collective as they are: a scatter-add's output, or their packing, a
+            # concatenation that XLA:CPU writes once and slices for the collective.
+            # Copying it first (`materialised=False`) cost more step time than the
+            # slices cost compile time (docs/measured.md).
             moved = self.exchange.combine_unpacked(
                 packed, self.plan, self.bufs.send_rows, materialised=True
             )
