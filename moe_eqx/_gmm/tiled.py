@@ -674,7 +674,8 @@ class TiledGMM(AbstractGMMBackend):
 
     - `tile_rows`: rows per window (one size), or `(big, small)`: windows of `big`
         rows, then up to three of `small` rows for the rows left over; `None` picks
-        the pair from the shapes (see `window_rows`).
+        the pair from the shapes (see `window_rows`). The loops hold a few buffers of
+        `W` rows by `2 d_ff` columns: smaller windows hold less, and run slower.
     """
 
     tile_rows: int | tuple[int, int] | None = eqx.field(static=True, default=None)
