@@ -181,8 +181,9 @@ def _fold_pieces(body, init, overflow, num_chunks: int, bounded: bool):
 def _forward_init(inputs: TripInputs):
     # `y` is as wide as the experts' output (`x` may carry a folded bias column).
     shape = (inputs.x.shape[0], inputs.w_down.shape[-1])
-    y0 = unshared_zeros(shape, inputs.x.dtype, inputs.dest_group, "fallback.y")
-    return match_varying(y0, inputs.x)[0], _zero_stats(inputs.valid)
+    runtime = inputs.dest_group
+    y0 = unshared_zeros(shape, inputs.x.dtype, runtime, "fallback.y", inputs.x)
+    return y0, _zero_stats(inputs.valid)
 
 
 def _loop(spec, num_chunks, overflow, inputs, bounded=False):
@@ -464,15 +465,12 @@ def _backward(res: _Res, dy, bounded: bool):
     def body(p, grads):
         return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
 
-    runtime = inputs.dest_group
-    grads = []
-    for wanted, a, site in (
-        (want.x, inputs.x, "x"),
-        (want.weights, inputs.weights, "w"),
-    ):
-        if wanted:
-            zeros = unshared_zeros(a.shape, a.dtype, runtime, f"fallback.d_{site}")
-            grads.append(match_varying(zeros, a)[0])
+    cotangents = (("x", want.x, inputs.x), ("w", want.weights, inputs.weights))
+    grads = [
+        unshared_zeros(a.shape, a.dtype, inputs.dest_group, f"fallback.d_{site}", a)
+        for site, wanted, a in cotangents
+        if wanted
+    ]
     grads += [_grad_acc(inputs)] if want.experts else []
     if res.saved is not None and not bounded:
         grads = _backward_saved(res, dy, tuple(grads))

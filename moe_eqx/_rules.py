@@ -45,7 +45,7 @@ def per_token_counts(*, top_k: int, local_groups: int, dedup: bool) -> tuple[int
     return pairs, 1 if dedup else pairs
 
 
-def unshared_zeros(shape, dtype, runtime: jax.Array, site: str) -> jax.Array:
+def unshared_zeros(shape, dtype, runtime: jax.Array, site: str, *like) -> jax.Array:
     """`jnp.zeros(shape, dtype)` in a buffer of its own, for a user that writes into
     it in place (a loop's carry, a scatter).
 
@@ -56,11 +56,14 @@ def unshared_zeros(shape, dtype, runtime: jax.Array, site: str) -> jax.Array:
     so it is not merged: `r` is the first element of `runtime`, any integer array
     known only at run time (counts, indices), `c` a constant derived from `site`, a
     name that differs between the zeros of one program (equal expressions are merged
-    too). The value is 0 whatever `runtime` holds."""
+    too). The value is 0 whatever `runtime` holds. Inside `shard_map` it varies
+    over the manual axes of `runtime` and of the arrays `like` (see
+    `match_varying`)."""
     salt = zlib.crc32(site.encode()) % 4096
     first = jnp.sum(jnp.ravel(runtime)[:1].astype(jnp.int32))
     zero = jnp.minimum(jnp.maximum(first + salt, 0), 0)
-    return jnp.broadcast_to(zero.astype(dtype), shape)
+    zeros = jnp.broadcast_to(zero.astype(dtype), shape)
+    return match_varying(zeros, *like)[0] if like else zeros
 
 
 # Index arithmetic on short arrays (shards, groups, experts) as fused compares and

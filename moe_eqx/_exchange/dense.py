@@ -96,7 +96,7 @@ class DenseExchange(AbstractRowExchange):
         idx = jnp.where(
             within < plan.sizes[shard, d], d * self.block_rows + within, rows
         )
-        blocks = _scatter_rows(send, idx, rows, plan.sizes)
+        blocks = _scatter_rows(send, idx, rows)
         blocks = blocks.reshape(num_shards, self.block_rows, *send.shape[1:])
         return all_to_all(blocks, self.axis_name, materialise=False)
 
@@ -119,12 +119,11 @@ class DenseExchange(AbstractRowExchange):
         return _masked_take(flat, idx, ok)
 
 
-def _scatter_rows(x: Array, idx: Array, num_rows: int, counts: Array) -> Array:
+def _scatter_rows(x: Array, idx: Array, num_rows: int) -> Array:
     """`[num_rows, ...]` zeros with row `idx[j]` set to `x[j]` (an index of
     `num_rows` or more drops the row). A scatter, not a gather: it materialises the
-    blocks for `all_to_all` itself (see `moe_eqx._rules.all_to_all`). `counts`: the
-    plan's, for `unshared_zeros`."""
-    out = unshared_zeros((num_rows, *x.shape[1:]), x.dtype, counts, "exchange.blocks")
+    blocks for `all_to_all` itself (see `moe_eqx._rules.all_to_all`)."""
+    out = unshared_zeros((num_rows, *x.shape[1:]), x.dtype, idx, "exchange.blocks")
     return out.at[idx].set(x, mode="drop", unique_indices=True)
 
 

@@ -244,12 +244,6 @@ def _dot(a, b, dtype):
     return jnp.matmul(a, b, preferred_element_type=acc_dtype(a.dtype)).astype(dtype)
 
 
-def _zeros(shape, dtype, sizes, site: str, *like):
-    """Zeros to write into in place (see `unshared_zeros`; `sizes`: the group
-    sizes), varying like `like`."""
-    return match_varying(unshared_zeros(shape, dtype, sizes, site), *like)[0]
-
-
 # ---------------------------------------------------------------------------------
 # The raw grouped products (see `moe_eqx._gmm._products`).
 
@@ -258,7 +252,7 @@ def _gmm_forward(lhs, rhs, group_sizes, windows, transpose_rhs=False):
     """`lhs_i @ rhs[g]` (`rhs[g]^T` with `transpose_rhs`) in `lhs.dtype`."""
     num_rows = lhs.shape[0]
     columns = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    out = _zeros((num_rows, columns), lhs.dtype, group_sizes, "gmm", lhs, rhs)
+    out = unshared_zeros((num_rows, columns), lhs.dtype, group_sizes, "gmm", lhs, rhs)
     if num_rows == 0:
         return out
 
@@ -284,14 +278,18 @@ def _gmm_backward(lhs, rhs, group_sizes, d_out, windows, want_lhs, want_rhs):
     acc = acc_dtype(lhs.dtype)
     like = (lhs, d_out) if rhs is None else (lhs, d_out, rhs)
     d_lhs = (
-        _zeros(lhs.shape, lhs.dtype, sizes, "gmm.d_lhs", *like) if want_lhs else None
+        unshared_zeros(lhs.shape, lhs.dtype, sizes, "gmm.d_lhs", *like)
+        if want_lhs
+        else None
     )
     shape = (num_groups, lhs.shape[1], d_out.shape[1])
-    d_rhs = _zeros(shape, acc, sizes, "gmm.d_rhs", *like) if want_rhs else None
+    d_rhs = unshared_zeros(shape, acc, sizes, "gmm.d_rhs", *like) if want_rhs else None
     # A group's `d_rhs` block is summed in a `[K, N]` scratch carried from group to
     # group (its first window writes it) and stored once per group.
     outs = (d_rhs,) if want_rhs else ()
-    scratch = (_zeros(shape[1:], acc, sizes, "gmm.block", *like),) if want_rhs else ()
+    scratch = (
+        (unshared_zeros(shape[1:], acc, sizes, "gmm.block", *like),) if want_rhs else ()
+    )
     # Rows a window does not own are masked out of `d_rhs` on the narrower of its
     # two operands (`d_lhs` keeps only the owned rows anyway).
     mask_lhs = lhs.shape[1] <= d_out.shape[1]
@@ -355,11 +353,13 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, windows, act, keep_gate_up: 
     the backward's residual."""
     num_rows = x.shape[0]
     like = (x, w_gate_up, w_down)
-    out = _zeros((num_rows, w_down.shape[2]), x.dtype, group_sizes, "ffn", *like)
+    out = unshared_zeros(
+        (num_rows, w_down.shape[2]), x.dtype, group_sizes, "ffn", *like
+    )
     gate_up = None
     if keep_gate_up:
         shape = (num_rows, w_gate_up.shape[2])
-        gate_up = _zeros(shape, x.dtype, group_sizes, "ffn.gate_up", *like)
+        gate_up = unshared_zeros(shape, x.dtype, group_sizes, "ffn.gate_up", *like)
     if num_rows == 0:
         return out, gate_up
 
@@ -409,7 +409,9 @@ def _ffn_tangent_fused(res: _FFNRes, t_x, t_gu, t_dn):
     x = res.x
     num_rows = x.shape[0]
     shape = (num_rows, res.w_down.shape[2])
-    out = _zeros(shape, x.dtype, res.group_sizes, "ffn.tangent", x, res.w_gate_up)
+    out = unshared_zeros(
+        shape, x.dtype, res.group_sizes, "ffn.tangent", x, res.w_gate_up
+    )
 
     def enter(out, g):
         ws = (res.w_gate_up if t_x is not None else None, t_gu, res.w_down, t_dn)
@@ -489,18 +491,18 @@ def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool)
     # accumulators' blocks; stored once per group either way.
     fresh = acc_in is None
     want_w = want_w or not fresh
-    d_x = _zeros(x.shape, x.dtype, sizes, "ffn.d_x", *like) if want_x else None
+    d_x = unshared_zeros(x.shape, x.dtype, sizes, "ffn.d_x", *like) if want_x else None
     outs = scratch = ()
     if not fresh:
         outs = tuple(match_varying(*(a.astype(acc) for a in acc_in), *like)[:2])
     elif want_w:
         weights = (res.w_gate_up, res.w_down)
         outs = tuple(
-            _zeros(w.shape, acc, sizes, f"ffn.d_w{i}", *like)
+            unshared_zeros(w.shape, acc, sizes, f"ffn.d_w{i}", *like)
             for i, w in enumerate(weights)
         )
         scratch = tuple(
-            _zeros(w.shape[1:], acc, sizes, f"ffn.block{i}", *like)
+            unshared_zeros(w.shape[1:], acc, sizes, f"ffn.block{i}", *like)
             for i, w in enumerate(weights)
         )
 
