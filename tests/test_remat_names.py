@@ -82,8 +82,8 @@ def _saved_activations(fn, *args) -> list[str]:
 def test_a_policy_on_the_names_changes_what_is_saved_not_gradients(getkey):
     """`save_only_these_names(...)` saves exactly the named arrays, by JAX's own
     account of the saved residuals (the compiled step's peak memory is XLA's
-    scheduling: with jax 0.12 it did not move at this shape), and the gradients are
-    the plain ones."""
+    scheduling, which differs between jax versions: docs/measured.md), and the
+    gradients are the plain ones."""
     cfg = me.MoEConfig(d_model=16, d_ff=64, num_experts=8, top_k=2)
     layer = me.MoELayer(cfg, key=getkey())
     x = jr.normal(getkey(), (256, 16))
