@@ -8,8 +8,19 @@ import. The building blocks under the stages are in [`moe_eqx.internal`][].
 """
 
 from . import internal as internal, workloads as workloads
-from ._combine import combine as combine
-from ._config import MoEConfig as MoEConfig
+from ._activation import (
+    GELU as GELU,
+    AbstractActivation as AbstractActivation,
+    ClampedSwiGLU as ClampedSwiGLU,
+    GeGLU as GeGLU,
+    ReLU as ReLU,
+    ReLU2 as ReLU2,
+    SiLU as SiLU,
+    SoftcapSwiGLU as SoftcapSwiGLU,
+    SwiGLU as SwiGLU,
+)
+from ._combine import OutputTransform as OutputTransform, combine as combine
+from ._config import Execution as Execution, MoEConfig as MoEConfig
 from ._dispatch import sort_by_expert as sort_by_expert
 from ._exchange import (
     AbstractExchange as AbstractExchange,
@@ -18,16 +29,21 @@ from ._exchange import (
     DenseExchange as DenseExchange,
     RaggedExchange as RaggedExchange,
 )
-from ._experts import Experts as Experts, SharedExperts as SharedExperts
+from ._experts import (
+    ExpertOptions as ExpertOptions,
+    Experts as Experts,
+    SharedCombination as SharedCombination,
+    SharedExperts as SharedExperts,
+)
 from ._fallback import chunked_dropless as chunked_dropless
 from ._gmm import (
     AbstractGMMBackend as AbstractGMMBackend,
-    Activation as Activation,
     MosaicGPUGMM as MosaicGPUGMM,
     RaggedDotGMM as RaggedDotGMM,
     TiledGMM as TiledGMM,
     gmm as gmm,
 )
+from ._hash_router import HashRouter as HashRouter
 from ._hf import (
     config_from_hf as config_from_hf,
     layer_from_hf_state_dict as layer_from_hf_state_dict,
@@ -51,11 +67,21 @@ from ._qexperts import (
 from ._quant import QuantizedArray as QuantizedArray
 from ._rebalance import rebalance as rebalance, rebalance_experts as rebalance_experts
 from ._router import (
+    AbstractRouter as AbstractRouter,
     Router as Router,
     Routing as Routing,
     load_balance_loss as load_balance_loss,
+    routing_of as routing_of,
     sequence_balance_loss as sequence_balance_loss,
     update_router_bias as update_router_bias,
+)
+from ._scoring import (
+    AbstractScore as AbstractScore,
+    Selection as Selection,
+    Sigmoid as Sigmoid,
+    Softmax as Softmax,
+    SqrtSoftplus as SqrtSoftplus,
+    Weighting as Weighting,
 )
 from ._shard import (
     LostPairsError as LostPairsError,

@@ -26,7 +26,7 @@ every array they need travels in `res`.
 `primal_and_tangent` lets a rule's forward mode compute the value and its tangent in
 one pass (one loop), where they are otherwise two. Like the primitives' rules (on
 `jax.interpreters.ad`, `batching`, `mlir`), it uses JAX's interpreter hooks: those of
-partial evaluation (`jax.interpreters.partial_eval`).
+partial evaluation, through `moe_eqx._compat`.
 """
 
 import functools as ft
@@ -34,15 +34,25 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import equinox.internal as eqxi
 import jax
 import jax.extend.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
-from jax.interpreters import ad, batching, mlir, partial_eval as pe
+from jax.interpreters import ad, batching, mlir
 
+from ._compat import (
+    filter_primitive_bind,
+    filter_primitive_def,
+    filter_primitive_jvp,
+    is_unknown,
+    missing_dynamic as _MISSING,
+    partial_eval_as_call,
+    register_partial_eval,
+    varying_aval,
+    varying_axes,
+)
 from ._quant import QuantizedArray
 
 
@@ -89,35 +99,13 @@ def _impl(res, lin, fn, fn_t, out, out_t, effects):
     return fn(res, lin)
 
 
-def _varying(aval) -> frozenset:
-    """The `shard_map` axes an input varies over (empty outside `shard_map`)."""
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))  # jax < 0.10
-
-
-def _out_aval(struct, varying_like, vma):
-    if not vma:
-        return jax.core.ShapedArray(struct.shape, struct.dtype)
-    if hasattr(varying_like, "manual_axis_type"):
-        sharding = jax.sharding.NamedSharding(
-            varying_like.sharding.mesh, jax.sharding.PartitionSpec()
-        )
-        mat = varying_like.manual_axis_type.update(varying=vma)
-        return jax.core.ShapedArray(
-            struct.shape, struct.dtype, sharding=sharding, manual_axis_type=mat
-        )
-    return jax.core.ShapedArray(struct.shape, struct.dtype, vma=vma)  # jax < 0.10
-
-
 def _abstract_eval(res, lin, fn, fn_t, out, out_t, effects):
     del fn, fn_t, out_t, effects
     # Outputs vary over the union of the inputs' `shard_map` axes.
-    avals = [a for a in jtu.tree_leaves((res, lin)) if _varying(a)]
-    vma = frozenset().union(*map(_varying, avals))
+    avals = [a for a in jtu.tree_leaves((res, lin)) if varying_axes(a)]
+    vma = frozenset().union(*map(varying_axes, avals))
     like = avals[0] if avals else None
-    return jtu.tree_map(lambda s: _out_aval(s, like, vma), out)
+    return jtu.tree_map(lambda s: varying_aval(s.shape, s.dtype, like, vma), out)
 
 
 def _float0_or_zeros(primal, tangent):
@@ -207,9 +195,6 @@ def _is_dynamic(x) -> bool:
     return x is _MISSING
 
 
-from ._compat import missing_dynamic as _MISSING  # noqa: E402, I001
-
-
 def _unflatten(dynamic, treedef, static):
     dynamic_iter = iter(dynamic)
     leaves = [next(dynamic_iter) if _is_dynamic(x) else x for x in static]
@@ -279,18 +264,18 @@ def _batch(axis_size, axis_name, _, dynamic, batch_axes, *, treedef, static, fla
 
 _custom_linear_p = jax.extend.core.Primitive("moe_eqx_custom_linear")
 _custom_linear_p.multiple_results = True
-_custom_linear_p.def_impl(eqxi.filter_primitive_def(_impl))
-ad.primitive_jvps[_custom_linear_p] = eqxi.filter_primitive_jvp(_jvp)
+_custom_linear_p.def_impl(filter_primitive_def(_impl))
+ad.primitive_jvps[_custom_linear_p] = filter_primitive_jvp(_jvp)
 ad.primitive_transposes[_custom_linear_p] = _transpose
 batching.axis_primitive_batchers[_custom_linear_p] = _batch
 mlir.register_lowering(
     _custom_linear_p,
-    mlir.lower_fun(eqxi.filter_primitive_def(_impl), multiple_results=True),
+    mlir.lower_fun(filter_primitive_def(_impl), multiple_results=True),
 )
 
 
 def _effectful_abstract_eval(*dynamic, treedef, static, flatten):
-    avals = eqxi.filter_primitive_def(_abstract_eval)(
+    avals = filter_primitive_def(_abstract_eval)(
         *dynamic, treedef=treedef, static=static, flatten=flatten
     )
     dynamic_iter = iter(dynamic)
@@ -402,7 +387,7 @@ def custom_linear(
     if not jtu.tree_leaves(lin):
         return jtu.tree_map(_zeros, out)
     out_t = jtu.tree_map(_struct, lin if out_t is None else out_t)
-    return eqxi.filter_primitive_bind(
+    return filter_primitive_bind(
         _custom_linear_p, res, lin, fn, fn_t, out, out_t, effects
     )
 
@@ -492,14 +477,7 @@ def _pair_partial_eval_jaxpr(saveable, unks_in, inst_in, eqn):
     """The same on a jaxpr (`jax.checkpoint`): the equation as a call of the split
     form (traced when the primitive was bound, where its axis names were known)."""
     split_jaxpr = eqn.params["pair"].split_jaxpr
-    closed_call_p = jax.extend.core.primitives.closed_call_p
-    call = eqn.replace(
-        primitive=closed_call_p,
-        params=dict(call_jaxpr=split_jaxpr),
-        effects=split_jaxpr.effects,
-    )
-    rule = pe.partial_eval_jaxpr_custom_rules[closed_call_p]
-    return rule(saveable, unks_in, inst_in, call)
+    return partial_eval_as_call(saveable, unks_in, inst_in, eqn, split_jaxpr)
 
 
 _pair_p = jax.extend.core.Primitive("moe_eqx_primal_and_tangent")
@@ -508,13 +486,8 @@ _pair_p.def_impl(_pair_impl)
 _pair_p.def_effectful_abstract_eval(_pair_abstract_eval)
 ad.primitive_jvps[_pair_p] = _pair_jvp
 batching.axis_primitive_batchers[_pair_p] = _pair_batch
-pe.custom_partial_eval_rules[_pair_p] = _pair_partial_eval
-pe.partial_eval_jaxpr_custom_rules[_pair_p] = _pair_partial_eval_jaxpr
+register_partial_eval(_pair_p, _pair_partial_eval, _pair_partial_eval_jaxpr)
 mlir.register_lowering(_pair_p, mlir.lower_fun(_pair_impl, multiple_results=True))
-
-
-def _is_unknown(x) -> bool:
-    return isinstance(x, pe.JaxprTracer) and not x.pval.is_known()
 
 
 def primal_and_tangent(
@@ -552,7 +525,7 @@ def primal_and_tangent(
     `(primal_out, tangent_out)`.
     """
     flat, treedef = jtu.tree_flatten((res, lin))
-    if any(_is_unknown(x) for x in flat):
+    if any(is_unknown(x) for x in flat):
         # Already being linearized: no pass evaluates the tangent.
         return _split(primal, keep, fn, fn_t, res, lin, out_t)
     dynamic = [x for x in flat if eqx.is_array(x)]

@@ -1,5 +1,7 @@
 """Combine stage: weighted sums of expert outputs back to rows (wire rows or tokens)."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,8 @@ from jaxtyping import Array, Float, Int
 
 from ._dispatch import SortedPairs
 from ._permute import unpermute_sum
-from ._rules import unshared_zeros
+from ._rules import zeros_in_own_buffer
+from ._settings import boolean, real
 
 
 def combine(
@@ -43,7 +46,8 @@ def combine(
             )
         contrib = expert_out.astype(jnp.float32) * pairs.weight[:, None]
         shape = (num_rows, expert_out.shape[1])
-        out = unshared_zeros(shape, jnp.float32, pairs.row, "combine")
+        # Scattered into in place below: zeros XLA would share get copied first.
+        out = zeros_in_own_buffer(shape, jnp.float32, pairs.row)
         return out.at[pairs.row].add(contrib).astype(expert_out.dtype)
 
 
@@ -94,6 +98,50 @@ def add_identity(
     w = jnp.sum(jnp.where(experts >= num_experts, weights, 0.0), axis=1)
     y = routed.astype(jnp.float32) + w[:, None] * x.astype(jnp.float32)
     return y.astype(routed.dtype)
+
+
+class OutputTransform(eqx.Module):
+    """What the layer does to its output last (`MoEConfig.output`): add a bias, then
+    an RMSNorm over `d_model`.
+
+    **Fields:**
+
+    - `bias`: a bias added once to every token's output, after the routed and shared
+        experts (JetMoE): `MoELayer.output_bias [d_model]`.
+    - `norm_eps`: an RMSNorm of the output with this epsilon and the weight
+        `MoELayer.output_norm [d_model]` (A.X-K1's `post_mlp_layernorm`); `None`
+        (default): none.
+    """
+
+    bias: bool = eqx.field(static=True, default=False, converter=boolean)
+    norm_eps: float | None = eqx.field(static=True, default=None, converter=real)
+
+    def __check_init__(self):
+        if not isinstance(self.bias, bool):
+            raise ValueError(
+                f"`OutputTransform.bias` must be True or False, got {self.bias!r}."
+            )
+        eps = self.norm_eps
+        if eps is not None and not (
+            isinstance(eps, int | float)
+            and not isinstance(eps, bool)
+            and math.isfinite(eps)
+            and eps > 0
+        ):
+            raise ValueError(
+                f"`OutputTransform.norm_eps` must be a positive finite number or None, "
+                f"got {eps!r}."
+            )
+
+    def __call__(
+        self,
+        y: Float[Array, "*batch d_model"],
+        bias: Float[Array, " d_model"] | None,
+        norm: Float[Array, " d_model"] | None,
+    ) -> Float[Array, "*batch d_model"]:
+        """`y` with the layer's `output_bias` added and normalised by its
+        `output_norm` (each `None` when the layer has none)."""
+        return norm_output(add_output_bias(y, bias), norm, self.norm_eps)
 
 
 def add_output_bias(

@@ -1,6 +1,6 @@
 """Expert stage: gated (SwiGLU, ...) or ungated experts, applied as grouped matmuls."""
 
-import dataclasses
+import math
 
 import equinox as eqx
 import jax
@@ -8,11 +8,18 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._config import MoEConfig
+from ._activation import (
+    SWIGLU,
+    AbstractActivation,
+    WithBiasColumn,
+    apply_activation,
+    as_activation,
+    first_width,
+)
 from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
-from ._gmm._base import SWIGLU, Activation
 from ._quant import QuantizedArray, as_float
 from ._rules import DISPATCHED, EXPERT_OUT, remat_name
+from ._settings import boolean, integer, real
 
 
 def _check_float(dtype) -> None:
@@ -20,6 +27,36 @@ def _check_float(dtype) -> None:
         raise TypeError(
             f"Expert weights must have a floating-point `dtype`, got {jnp.dtype(dtype)}."
         )
+
+
+class ExpertOptions(eqx.Module):
+    """How a model's routed experts differ from `act(x @ W1_e) @ Wd_e` weighted by
+    the routing weight (`MoEConfig.expert_options`).
+
+    **Fields:**
+
+    - `bias`: per-expert biases on both projections, `act(x @ W1_e + b1_e) @ Wd_e +
+        bd_e`, the whole output weighted (GPT-OSS): [`moe_eqx.Experts`][]'s
+        `b_gate_up` and `b_down`.
+    - `weight_on_input`: the routing weight scales the expert's input instead of its
+        output: `sum_e expert_e(w_e x)` (Llama-4).
+    """
+
+    bias: bool = eqx.field(static=True, default=False, converter=boolean)
+    weight_on_input: bool = eqx.field(static=True, default=False, converter=boolean)
+
+    def __check_init__(self):
+        for name in ("bias", "weight_on_input"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"`ExpertOptions.{name}` must be True or False, got "
+                    f"{getattr(self, name)!r}."
+                )
+        if self.bias and self.weight_on_input:
+            raise ValueError(
+                "`ExpertOptions(weight_on_input=True, bias=True)` is not supported (an "
+                "expert's bias would act on every token, routed or not)."
+            )
 
 
 class Experts(eqx.Module):
@@ -32,41 +69,45 @@ class Experts(eqx.Module):
         (`[E, d_model, d_ff]`, the up projection, for an ungated activation).
     - `w_down`: `[E, d_ff, d_model]`.
     - `b_gate_up`, `b_down`: `[E, 2 * d_ff]` (`[E, d_ff]` ungated) and
-        `[E, d_model]` per-expert biases of the two projections with
-        `config.expert_bias` (GPT-OSS: `act(x @ W1_e + b1_e) @ Wd_e + bd_e`, the whole
-        output weighted), else `None`.
-    - `config`: the [`moe_eqx.MoEConfig`][]; `activation` reads
-        `config.expert_activation` from it.
+        `[E, d_model]` per-expert biases of the two projections
+        (`ExpertOptions.bias`, GPT-OSS: `act(x @ W1_e + b1_e) @ Wd_e + bd_e`, the
+        whole output weighted), else `None`.
+    - `activation`: the [`moe_eqx.AbstractActivation`][] (`MoEConfig.activation`).
+    - `weight_on_input`: the routing weight scales the expert's input
+        (`ExpertOptions.weight_on_input`, Llama-4).
     """
 
     w_gate_up: Float[Array, "experts d_model two_d_ff"] | QuantizedArray
     w_down: Float[Array, "experts d_ff d_model"] | QuantizedArray
-    config: MoEConfig
-    b_gate_up: Float[Array, "experts two_d_ff"] | None = None
-    b_down: Float[Array, "experts d_model"] | None = None
+    b_gate_up: Float[Array, "experts two_d_ff"] | None
+    b_down: Float[Array, "experts d_model"] | None
+    activation: AbstractActivation = eqx.field(static=True)
+    weight_on_input: bool = eqx.field(static=True)
 
-    def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
+    def __init__(self, config, *, dtype=jnp.float32, key: PRNGKeyArray):
+        """**Arguments:**
+
+        - `config`: the [`moe_eqx.MoEConfig`][] whose experts' settings it takes.
+        - `dtype`: the weights' floating-point dtype.
+        - `key`: for the weights' initialisation.
+        """
         _check_float(dtype)
         gu_key, down_key = jr.split(key)
         e, h, f = config.num_experts, config.d_model, config.d_ff
-        self.config = config
-        width = config.expert_activation.width(f)
+        self.activation = as_activation(config.activation)
+        self.weight_on_input = config.expert_options.weight_on_input
+        width = first_width(self.activation, f)
         self.w_gate_up = (
             jr.normal(gu_key, (e, h, width), jnp.float32) / h**0.5
         ).astype(dtype)
         self.w_down = (jr.normal(down_key, (e, f, h), jnp.float32) / f**0.5).astype(
             dtype
         )
-        if config.expert_bias:
+        if config.expert_options.bias:
             self.b_gate_up = jnp.zeros((e, width), dtype)
             self.b_down = jnp.zeros((e, h), dtype)
         else:
             self.b_gate_up = self.b_down = None
-
-    @property
-    def activation(self) -> Activation:
-        """The experts' [`moe_eqx.Activation`][], `config.expert_activation`."""
-        return self.config.expert_activation
 
     @property
     def num_experts(self) -> int:
@@ -74,13 +115,13 @@ class Experts(eqx.Module):
 
     def with_biases_folded(
         self, x: Float[Array, "rows d_model"]
-    ) -> tuple[Array, Array, Array, Activation]:
+    ) -> tuple[Array, Array, Array, AbstractActivation]:
         """`(x, w_gate_up, w_down, activation)` for [`moe_eqx.internal.expert_ffn`][],
         with the biases (if any) folded into the weights: `x` gets a column of ones,
         `w_gate_up` the row `b_gate_up` and a column that carries that one through the
-        activation, `w_down` the row `b_down` (see `moe_eqx.Activation`'s `bias`).
-        Without biases, the arrays as they are."""
-        return expert_arrays(self, x, self.activation)
+        activation, `w_down` the row `b_down` (`fold_biases`). Without biases, the
+        arrays as they are."""
+        return expert_arrays(self, x)
 
     def __call__(
         self,
@@ -115,7 +156,7 @@ def expert_ffn(
     *,
     backend: str | AbstractGMMBackend = "auto",
     grad_acc: GradAcc | None = None,
-    activation: Activation = SWIGLU,
+    activation: AbstractActivation = SWIGLU,
 ) -> Float[Array, "rows d_model"] | tuple[Float[Array, "rows d_model"], GradAcc]:
     """`act(x @ W1) @ Wd` over consecutive groups of rows: two grouped matmuls (one
     loop of windows with the tiled backend).
@@ -131,7 +172,7 @@ def expert_ffn(
         the weights, passed through: under `jax.vjp` the cotangent of the input
         accumulators is that of the output ones plus the weights' gradient (their
         derivative is the weights', see `moe_eqx.AbstractGMMBackend.ffn`).
-    - `activation`: the [`moe_eqx.Activation`][] (SwiGLU by default).
+    - `activation`: the [`moe_eqx.AbstractActivation`][] (SwiGLU by default).
 
     **Returns:**
 
@@ -139,11 +180,12 @@ def expert_ffn(
     `grad_acc`, `(out, grad_acc)`.
     """
     with jax.named_scope("moe_eqx.experts"):
-        if w_gate_up.shape[-1] != activation.in_width(w_down.shape[-2]):
+        want = first_width(activation, w_down.shape[-2])
+        if w_gate_up.shape[-1] != want:
             raise ValueError(
                 f"`w_gate_up` has {w_gate_up.shape[-1]} columns, but the "
-                f"{activation.name!r} activation with d_ff={w_down.shape[-2]} needs "
-                f"{activation.in_width(w_down.shape[-2])}."
+                f"{activation!r} activation with d_ff={w_down.shape[-2]} needs "
+                f"{want}."
             )
         impl = resolve_backend(backend)
         sizes = group_sizes.astype(jnp.int32)
@@ -157,11 +199,11 @@ def expert_ffn(
         return remat_name(out[0], EXPERT_OUT), out[1]
 
 
-def expert_arrays(experts: Experts, x, activation: Activation):
+def expert_arrays(experts: Experts, x):
     """`(x, w_gate_up, w_down, activation)` of `experts` for `expert_ffn`, their biases
     (if any) folded in (`fold_biases`)."""
     if experts.b_gate_up is None:
-        return x, experts.w_gate_up, experts.w_down, activation
+        return x, experts.w_gate_up, experts.w_down, experts.activation
     # The bias rows join the weights as floats: quantized weights are dequantized
     # whole here.
     return fold_biases(
@@ -170,14 +212,15 @@ def expert_arrays(experts: Experts, x, activation: Activation):
         as_float(experts.w_down, experts.w_down.dtype),
         experts.b_gate_up,
         experts.b_down,
-        activation,
+        experts.activation,
     )
 
 
-def fold_biases(x, w_gate_up, w_down, b_gate_up, b_down, activation: Activation):
+def fold_biases(x, w_gate_up, w_down, b_gate_up, b_down, activation):
     """Per-expert biases as one more weight row: `[x, 1] @ [[W1, 0], [b1, 1]]` gives
-    `[x @ W1 + b1, 1]`, the activation passes the 1 through, and `[act, 1] @ [Wd; bd]`
-    adds `bd`. Returns `(x, w_gate_up, w_down, activation)` for `expert_ffn`."""
+    `[x @ W1 + b1, 1]`, the activation passes the 1 through (`WithBiasColumn`), and
+    `[act, 1] @ [Wd; bd]` adds `bd`. Returns `(x, w_gate_up, w_down, activation)` for
+    `expert_ffn`."""
     ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
     x = jnp.concatenate([x, ones], axis=-1)
     dtype = w_gate_up.dtype
@@ -186,39 +229,105 @@ def fold_biases(x, w_gate_up, w_down, b_gate_up, b_down, activation: Activation)
     w1 = jnp.concatenate([w_gate_up, b_gate_up[:, None, :].astype(dtype)], axis=1)
     w1 = jnp.concatenate([w1, one_col], axis=2)
     w2 = jnp.concatenate([w_down, b_down[:, None, :].astype(w_down.dtype)], axis=1)
-    return x, w1, w2, dataclasses.replace(activation, bias=True)
+    return x, w1, w2, WithBiasColumn(activation)
+
+
+class SharedCombination(eqx.Module):
+    """How the shared experts' output joins the routed one
+    (`MoEConfig.shared`): `y = routed_scaling_factor * routed + scale * g(x) *
+    shared(x)`, with `g` the optional gate (`MoEConfig.shared_gate`).
+
+    **Fields:**
+
+    - `scale`: multiplies the shared experts' output (Cohere2-MoE's "average"
+        combination: `routed_scaling_factor=0.5` and `scale=0.5`).
+    - `activation`: the shared experts' own activation (a name or an
+        [`moe_eqx.AbstractActivation`][]); `None` (default): the routed experts'
+        (`MoEConfig.activation`). DeepSeek-V4 clamps both, HY-V4 only the routed
+        ones, Step-3.7 each at its own limit.
+    - `scored`: `S > 0` shared experts of width `shared_d_ff / S` each that the
+        router scores too (Inkling): the router's weight has `S` more columns, and
+        shared expert `s` is weighted per token by its score normalised together
+        with the chosen routed experts' (`norm_topk`: one denominator), times
+        `scale`. Needs per-expert scores (not softmax), `shared_d_ff` a multiple of
+        `S` and no `shared_gate`.
+    """
+
+    scale: float = eqx.field(static=True, default=1.0, converter=real)
+    activation: AbstractActivation | str | None = eqx.field(static=True, default=None)
+    scored: int = eqx.field(static=True, default=0, converter=integer)
+
+    def __check_init__(self):
+        if not (
+            isinstance(self.scale, int | float)
+            and not isinstance(self.scale, bool)
+            and math.isfinite(self.scale)
+        ):
+            raise ValueError(
+                f"`SharedCombination.scale` must be a finite number, got "
+                f"{self.scale!r}."
+            )
+        if self.activation is not None:
+            as_activation(self.activation, "SharedCombination.activation")
+        if (
+            not isinstance(self.scored, int)
+            or isinstance(self.scored, bool)
+            or self.scored < 0
+        ):
+            raise ValueError(
+                f"`SharedCombination.scored` must be an integer >= 0, got "
+                f"{self.scored!r}."
+            )
 
 
 class SharedExperts(eqx.Module):
     """The shared expert(s) every token goes through (DeepSeek-V3, Qwen2-MoE): one expert
-    of width `shared_d_ff` with the routed experts' activation (several shared experts
-    are one wider one), optionally scaled per token by `sigmoid(x @ gate)`, or with
-    `config.shared_in_norm = S` each of its `S` equal blocks of `shared_d_ff / S`
-    hidden units scaled per token by that shared expert's routing weight.
+    of width `shared_d_ff` (several shared experts are one wider one), optionally
+    scaled per token by `sigmoid(x @ gate)`, or with `num_scored = S` each of its `S`
+    equal blocks of `shared_d_ff / S` hidden units scaled per token by that shared
+    expert's routing weight.
 
     **Fields:**
 
     - `w_gate_up`: `[d_model, 2 * shared_d_ff]`, gate = first half, up = second half
         (`[d_model, shared_d_ff]` for an ungated activation).
     - `w_down`: `[shared_d_ff, d_model]`.
-    - `gate`: `[d_model]` with `config.shared_gate`, else `None`.
-    - `config`: the [`moe_eqx.MoEConfig`][]; `activation` reads
-        `config.shared_activation` from it.
+    - `gate`: `[d_model]` with `MoEConfig.shared_gate`, else `None`.
+    - `activation`: its [`moe_eqx.AbstractActivation`][]
+        (`SharedCombination.activation`, else the routed experts').
+    - `scale`: multiplies its output in the layer (`SharedCombination.scale`).
+    - `num_scored`: `S`, the shared experts the router scores
+        (`SharedCombination.scored`).
     """
 
     w_gate_up: Float[Array, "d_model two_d_ff"]
     w_down: Float[Array, "d_ff d_model"]
     gate: Float[Array, " d_model"] | None
-    config: MoEConfig
+    activation: AbstractActivation = eqx.field(static=True)
+    scale: float = eqx.field(static=True)
+    num_scored: int = eqx.field(static=True)
 
-    def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
+    def __init__(self, config, *, dtype=jnp.float32, key: PRNGKeyArray):
+        """**Arguments:**
+
+        - `config`: the [`moe_eqx.MoEConfig`][] whose shared experts' settings it
+            takes (`shared_d_ff > 0`).
+        - `dtype`: the weights' floating-point dtype.
+        - `key`: for the weights' initialisation.
+        """
         if config.shared_d_ff < 1:
             raise ValueError("`SharedExperts` needs `config.shared_d_ff > 0`.")
         _check_float(dtype)
         gu_key, down_key, gate_key = jr.split(key, 3)
         h, f = config.d_model, config.shared_d_ff
-        self.config = config
-        width = config.shared_activation.width(f)
+        combination = config.shared
+        own = combination.activation
+        self.activation = as_activation(
+            config.activation if own is None else own, "SharedCombination.activation"
+        )
+        self.scale = combination.scale
+        self.num_scored = combination.scored
+        width = first_width(self.activation, f)
         self.w_gate_up = (jr.normal(gu_key, (h, width), jnp.float32) / h**0.5).astype(
             dtype
         )
@@ -229,11 +338,6 @@ class SharedExperts(eqx.Module):
             else None
         )
 
-    @property
-    def activation(self) -> Activation:
-        """The shared expert's [`moe_eqx.Activation`][], `config.shared_activation`."""
-        return self.config.shared_activation
-
     def __call__(
         self,
         x: Float[Array, "tokens d_model"],
@@ -241,14 +345,13 @@ class SharedExperts(eqx.Module):
     ) -> Float[Array, "tokens d_model"]:
         """`g(x) * act(x @ W1) @ Wd`, with `g = sigmoid(x @ gate)` or 1; with
         `weights`, `(act(x @ W1) * w) @ Wd` where `w` repeats shared expert `s`'s
-        weight over its block of hidden units.
+        weight over its block of hidden units. (`scale` is the layer's to apply.)
 
         **Arguments:**
 
         - `x`: `[T, d_model]`.
-        - `weights`: `[T, S]` per-token weights of the `S = config.shared_in_norm`
-            shared experts (`Routing.shared_weights`); required exactly when
-            `S > 0`.
+        - `weights`: `[T, S]` per-token weights of the `S = num_scored` shared
+            experts (`Routing.shared_weights`); required exactly when `S > 0`.
 
         **Returns:**
 
@@ -256,17 +359,18 @@ class SharedExperts(eqx.Module):
         """
         with jax.named_scope("moe_eqx.shared_experts"):
             gate_up = jnp.dot(x, self.w_gate_up.astype(x.dtype))
-            act = self.activation(gate_up)
-            num_shared = self.config.shared_in_norm
+            act = apply_activation(self.activation, gate_up)
+            num_shared = self.num_scored
             if (weights is None) != (num_shared == 0):
                 raise ValueError(
-                    f"`weights` must be given exactly when `config.shared_in_norm > 0`"
-                    f" (it is {num_shared}), got weights={weights!r}."
+                    f"`weights` must be given exactly when the router scores the "
+                    f"shared experts (`num_scored` is {num_shared}), got "
+                    f"weights={weights!r}."
                 )
             if weights is not None:
                 block = self.w_down.shape[0] // num_shared
                 w = jnp.repeat(weights.astype(jnp.float32), block, axis=1)
-                act = act.astype(jnp.float32) * w
+                act = act * w
             out = jnp.dot(act.astype(x.dtype), self.w_down.astype(x.dtype))
             if self.gate is not None:
                 g = jax.nn.sigmoid(

@@ -37,8 +37,9 @@ import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from ._autodiff import fused, primal_and_tangent, symbolic_zeros_to_none
-from ._overflow import BufferSizes
-from ._rules import acc_dtype, match_varying, per_token_counts, unshared_zeros
+from ._buffers import BufferSizes
+from ._compat import sub_jaxpr
+from ._rules import acc_dtype, match_varying, per_token_counts, zeros_in_own_buffer
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
 
 
@@ -182,7 +183,8 @@ def _forward_init(inputs: TripInputs):
     # `y` is as wide as the experts' output (`x` may carry a folded bias column).
     shape = (inputs.x.shape[0], inputs.w_down.shape[-1])
     runtime = inputs.dest_group
-    y0 = unshared_zeros(shape, inputs.x.dtype, runtime, "fallback.y", inputs.x)
+    # The chunk loop's carry, added to in place: shared zeros would be copied.
+    y0 = zeros_in_own_buffer(shape, inputs.x.dtype, runtime, inputs.x)
     return y0, _zero_stats(inputs.valid)
 
 
@@ -231,9 +233,10 @@ class _Res(eqx.Module):
 def _grad_acc(inputs: TripInputs):
     """Zero float32 accumulators of the expert weights' gradients."""
     acc = acc_dtype(inputs.w_gate_up.dtype)
+    # Carried through the backward's loop and summed into in place.
     return tuple(
-        unshared_zeros(w.shape, acc, inputs.dest_group, f"fallback.acc{i}")
-        for i, w in enumerate((inputs.w_gate_up, inputs.w_down))
+        zeros_in_own_buffer(w.shape, acc, inputs.dest_group)
+        for w in (inputs.w_gate_up, inputs.w_down)
     )
 
 
@@ -296,10 +299,8 @@ class _Saved(NamedTuple):
 
     def zeros(self, res: _Res) -> tuple:
         runtime = res.inputs.dest_group
-        zeros = [
-            unshared_zeros(s.shape, s.dtype, runtime, f"fallback.saved{i}")
-            for i, s in enumerate(self.shapes)
-        ]
+        # The loop's carried residuals, overwritten in place by each piece.
+        zeros = [zeros_in_own_buffer(s.shape, s.dtype, runtime) for s in self.shapes]
         return tuple(_varying_like(zeros, res))
 
     def pullback(self, carried, res: _Res):
@@ -314,7 +315,7 @@ def _input_index(jaxpr, var):
     `None` when it is computed."""
     while var not in jaxpr.invars:
         eqn = next((e for e in jaxpr.eqns if var in e.outvars), None)
-        sub = None if eqn is None else _sub_jaxpr(eqn)
+        sub = None if eqn is None else sub_jaxpr(eqn)
         if sub is None:
             return None
         out = sub.outvars[eqn.outvars.index(var)]
@@ -324,14 +325,6 @@ def _input_index(jaxpr, var):
         if not isinstance(var, jax.extend.core.Var):
             return None
     return jaxpr.invars.index(var)
-
-
-def _sub_jaxpr(eqn):
-    for key in ("call_jaxpr", "jaxpr", "fun_jaxpr"):
-        sub = eqn.params.get(key)
-        if sub is not None:
-            return getattr(sub, "jaxpr", sub)
-    return None
 
 
 def _saved_layout(res: _Res) -> _Saved:
@@ -466,9 +459,10 @@ def _backward(res: _Res, dy, bounded: bool):
         return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
 
     cotangents = (("x", want.x, inputs.x), ("w", want.weights, inputs.weights))
+    # The backward loop's carried input cotangents, added to in place.
     grads = [
-        unshared_zeros(a.shape, a.dtype, inputs.dest_group, f"fallback.d_{site}", a)
-        for site, wanted, a in cotangents
+        zeros_in_own_buffer(a.shape, a.dtype, inputs.dest_group, a)
+        for _, wanted, a in cotangents
         if wanted
     ]
     grads += [_grad_acc(inputs)] if want.experts else []

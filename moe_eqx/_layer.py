@@ -11,15 +11,19 @@ import jax.random as jr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from ._combine import (
-    add_identity,
-    add_output_bias,
-    combine,
-    norm_output,
-    weight_inputs,
+from ._activation import (
+    GELU,
+    ClampedSwiGLU,
+    GeGLU,
+    ReLU,
+    ReLU2,
+    SiLU,
+    SoftcapSwiGLU,
+    SwiGLU,
 )
+from ._combine import add_identity, combine, weight_inputs
 from ._compat import concrete_mesh
-from ._config import MoEConfig
+from ._config import EXECUTION_FIELDS, MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts, expert_arrays, expert_ffn
 from ._fsdp import expert_specs, fsdp_dim, fsdp_size
@@ -27,12 +31,11 @@ from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
 from ._quant import QuantizedArray, as_float
-from ._router import Router, check_expert_ids
+from ._router import AbstractRouter, Router, check_expert_ids
 from ._rules import has_explicit_axes, local_experts
 from ._shard import (
     MoEStats,
     add_shared,
-    check_stage_configs,
     expert_parallel_shard_body,
     resolve_platform,
     route_tokens,
@@ -61,8 +64,10 @@ class MoELayer(eqx.Module):
 
     **Fields:**
 
-    - `router`: the [`moe_eqx.Router`][] (`router.weight: [d_model, E + I + S]`, optional
-        `bias` and `logit_bias: [E + I]`, with `I = config.num_identity_experts`).
+    - `router`: an [`moe_eqx.AbstractRouter`][]: the built-in [`moe_eqx.Router`][]
+        (`router.weight: [d_model, E + I + S]`, optional `bias` and `logit_bias:
+        [E + I]`, with `I = config.num_identity_experts`), or your own, swapped in
+        with `eqx.tree_at(lambda l: l.router, layer, router)`.
     - `experts`: the [`moe_eqx.Experts`][] (`w_gate_up: [E, d_model, 2 d_ff]` (`d_ff`
         ungated), `w_down: [E, d_ff, d_model]`, optional biases `b_gate_up`,
         `b_down`).
@@ -73,17 +78,17 @@ class MoELayer(eqx.Module):
         `experts.w_gate_up[p]` is expert `expert_ids[p]`, on shard `p // (E / R)`.
         Identity by default; [`moe_eqx.rebalance_experts`][] re-places experts. The
         router and its bias keep logical ids.
-    - `config`: the [`moe_eqx.MoEConfig`][] (all static: no arrays). The router and
-        the experts hold it too, each reading its own settings from it; change it
-        with `layer.with_config(...)`, which changes it everywhere (a call
-        refuses a layer whose stages hold another config).
+    - `config`: the [`moe_eqx.MoEConfig`][] (all static: no arrays), held here alone:
+        how the layer runs, and the recipe its stages were built from (each stage
+        holds the settings it computes with). Change it with
+        `layer.with_config(...)`, which rebuilds the stages it describes.
     - `output_bias`: `[d_model]` added to every token's output with
-        `config.output_bias` (JetMoE), else `None`.
+        `OutputTransform.bias` (JetMoE), else `None`.
     - `output_norm`: `[d_model]`, the weight of the RMSNorm of the output with
-        `config.output_norm_eps` (A.X-K1), else `None`.
+        `OutputTransform.norm_eps` (A.X-K1), else `None`.
     """
 
-    router: Router
+    router: AbstractRouter
     experts: Experts
     shared_experts: SharedExperts | None
     expert_ids: Int[Array, " experts"]
@@ -105,11 +110,11 @@ class MoELayer(eqx.Module):
         )
         self.expert_ids = jnp.arange(config.num_experts, dtype=jnp.int32)
         self.output_bias = (
-            jnp.zeros((config.d_model,), dtype) if config.output_bias else None
+            jnp.zeros((config.d_model,), dtype) if config.output.bias else None
         )
         self.output_norm = (
             jnp.ones((config.d_model,), dtype)
-            if config.output_norm_eps is not None
+            if config.output.norm_eps is not None
             else None
         )
 
@@ -154,10 +159,9 @@ class MoELayer(eqx.Module):
         and a [`moe_eqx.MoEStats`][].
         """
         cfg = self.config
-        check_stage_configs(self)
         _check_input(x, cfg)
         if experts is not None:
-            check_expert_ids(experts, x.shape[:-1], cfg)
+            _check_ids(experts, x.shape[:-1], cfg)
         ambient = concrete_mesh()
         mesh = _resolve_mesh(mesh, ambient, cfg, self.experts.w_gate_up)
         num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
@@ -177,8 +181,8 @@ class MoELayer(eqx.Module):
                 x.reshape(-1, cfg.d_model),
                 None if experts is None else experts.reshape(-1, cfg.top_k),
             )
-            y = add_output_bias(y.reshape(*batch_shape, cfg.d_model), self.output_bias)
-            return norm_output(y, self.output_norm, cfg.output_norm_eps), stats
+            y = y.reshape(*batch_shape, cfg.d_model)
+            return cfg.output(y, self.output_bias, self.output_norm), stats
         # A concrete `x` on other devices (e.g. committed to one) joins the mesh, and
         # `y` goes where `x` is (`_home`).
         home = _home(x, ambient)
@@ -202,30 +206,89 @@ class MoELayer(eqx.Module):
         if home is not None and back is not None:
             if not back.is_equivalent_to(home, y.ndim):
                 y = jax.device_put(y, home)
-        y = add_output_bias(y, self.output_bias)
-        return norm_output(y, self.output_norm, cfg.output_norm_eps), stats
+        return cfg.output(y, self.output_bias, self.output_norm), stats
 
     def with_config(self, **changes) -> "MoELayer":
-        """The layer with fields of its config replaced, in the layer and in each of
-        its stages (the router's, the experts' and the shared experts' `config`),
-        on the same arrays: e.g. `layer.with_config(num_slots=2, buffer_factor=1.5)`.
+        """The layer with fields of its config replaced, on the same arrays: e.g.
+        `layer.with_config(num_slots=2, buffer_factor=1.5)`. The built-in stages the
+        changed fields describe are rebuilt from the new config (`top_k` in the
+        router, `activation` in the experts, ...); a stage of your own is kept as it
+        is.
 
         **Arguments:**
 
-        - `changes`: [`moe_eqx.MoEConfig`][] fields and their new values. A change
-            that the layer's arrays do not fit (`d_ff`, `num_experts`, a gated
-            activation for an ungated one, `shared_d_ff`, ...) is a `ValueError`
-            naming the arrays: build a new layer for it.
+        - `changes`: [`moe_eqx.MoEConfig`][] fields (or `Execution` fields) and their
+            new values. A change that the layer's arrays do not fit (`d_ff`,
+            `num_experts`, a gated activation for an ungated one, `shared_d_ff`, ...)
+            is a `ValueError` naming the arrays: build a new layer for it.
 
         **Returns:**
 
         The new [`moe_eqx.MoELayer`][].
         """
         cfg = dataclasses.replace(self.config, **changes)
-        if all(c == cfg for c in _configs(self)):
+        if cfg == self.config:
             return self
+        if set(changes) <= set(EXECUTION_FIELDS) | {"execution"}:
+            # How it runs: no stage holds any of it.
+            return eqx.tree_at(lambda l: l.config, self, cfg)
         _check_arrays_fit(self, cfg)
-        return eqx.tree_at(_configs, self, replace=(cfg,) * len(_configs(self)))
+        skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
+        if not isinstance(self.router, Router):  # a router of the user's own: kept
+            skeleton = eqx.tree_at(lambda l: l.router, skeleton, self.router)
+        return _graft(skeleton, self, cfg)
+
+
+def _is_weight(a) -> bool:
+    return a is None or isinstance(a, QuantizedArray)
+
+
+def _graft(skeleton: "MoELayer", old: "MoELayer", cfg: MoEConfig) -> "MoELayer":
+    """`skeleton`'s statics (built from `cfg`) with `old`'s arrays at the same places
+    (checked by `_check_arrays_fit`; a quantized weight counts as one). An array the
+    new config has and `old` lacks (a bias the change turns on) gets the value the
+    constructor gives it (zeros, or ones for a norm's weight); one the new config
+    lacks is dropped."""
+    flat, structure = jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=_is_weight)
+    old_leaves = jax.tree_util.tree_leaves(old, is_leaf=_is_weight)
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    missing = {
+        paths[i]
+        for i, ((_, s), o) in enumerate(zip(flat, old_leaves, strict=True))
+        if s is not None and o is None
+    }
+    fresh = _initial_arrays(cfg, frozenset(missing)) if missing else {}
+    leaves = [
+        None if s is None else fresh[path] if o is None else o
+        for path, (_, s), o in zip(paths, flat, old_leaves, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(structure, leaves)
+
+
+def _initial_arrays(cfg: MoEConfig, paths: frozenset) -> dict:
+    """The arrays at `paths` of a layer built from `cfg`, as its constructor makes
+    them; the others are not computed (compiled away)."""
+
+    def build(key):
+        layer = MoELayer(cfg, key=key)
+        flat = jax.tree_util.tree_flatten_with_path(layer, is_leaf=_is_weight)[0]
+        return {
+            jax.tree_util.keystr(p): a
+            for p, a in flat
+            if jax.tree_util.keystr(p) in paths
+        }
+
+    return jax.jit(build)(jr.key(0))
+
+
+def _check_ids(ids, batch_shape, cfg: MoEConfig) -> None:
+    check_expert_ids(
+        ids,
+        batch_shape,
+        top_k=cfg.top_k,
+        num_experts=cfg.num_experts,
+        num_identity=cfg.num_identity_experts,
+    )
 
 
 def _check_input(x, cfg: MoEConfig) -> None:
@@ -248,18 +311,14 @@ def _check_input(x, cfg: MoEConfig) -> None:
         )
 
 
-def _configs(layer: MoELayer) -> tuple[MoEConfig, ...]:
-    """Every config the layer holds: its own and its stages'."""
-    stages = (layer, layer.router, layer.experts, layer.shared_experts)
-    return tuple(s.config for s in stages if s is not None)
-
-
 def _check_arrays_fit(layer: MoELayer, cfg: MoEConfig) -> None:
     """A layer built from `cfg` has `layer`'s arrays (same places; same trailing
     shapes, leading axes of stacked layers aside), else a `ValueError`. `layer` may
     also be a tree of the layer's structure with other leaves (`PartitionSpec`s,
     `None` where filtered out), whose places alone are compared."""
     skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
+    if not isinstance(layer.router, Router):  # a router of the user's own
+        skeleton = eqx.tree_at(lambda l: l.router, skeleton, layer.router)
 
     def leaves(tree):
         # A quantized weight counts as one array of its logical shape.
@@ -379,17 +438,15 @@ def _single_device_call(
     # A token with a non-finite value is routed nowhere, and the experts see it as
     # zeros (their gradients never meet its NaNs); its output is NaN.
     finite = jnp.all(jnp.isfinite(x), axis=-1)
-    routing = route_tokens(router, x, finite, forced)
+    routing = route_tokens(router, x, finite, forced, cfg)
     x = jnp.where(finite[:, None], x, 0)
     physical, _ = physical_routing(routing, expert_ids)
     pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
     # A gather whose backward is a gather too (not XLA:CPU's serial scatter-add).
     xs = permute_rows(x, pairs.order, pairs.inverse)
-    if cfg.weight_on_input:
+    if experts.weight_on_input:
         xs, pairs = weight_inputs(xs, pairs)
-    xs, w_gate_up, w_down, activation = expert_arrays(
-        experts, xs, cfg.expert_activation
-    )
+    xs, w_gate_up, w_down, activation = expert_arrays(experts, xs)
     out = expert_ffn(
         xs,
         w_gate_up,
@@ -685,14 +742,15 @@ def reference_moe(
 ) -> Float[Array, "*batch d_model"]:
     """Dense oracle: every token through each of its top-k experts, no dispatch at all.
 
-    Uses the layer's router for the routing decision and evaluates
-    `y[t] = routed_scaling_factor * sum_j w[t, j] * expert_{e[t, j]}(x[t]) +
-    shared_scale * g(x[t]) * shared(x[t])` (with `config.weight_on_input`,
-    `expert_{e[t, j]}(w[t, j] * x[t])` unweighted; with `config.shared_in_norm`, each
-    shared expert's hidden units times its routing weight instead of `g`) with dense
-    per-expert matmuls over
-    all tokens (`O(T * E)` work: for tests and small sizes). The activation is
-    written out here from the config's fields, not taken from the experts.
+    Uses the layer's router (the built-in one or your own) for the routing decision
+    and evaluates `y[t] = routed_scaling_factor * sum_j w[t, j] *
+    expert_{e[t, j]}(x[t]) + scale * g(x[t]) * shared(x[t])` (with
+    `ExpertOptions.weight_on_input`, `expert_{e[t, j]}(w[t, j] * x[t])` unweighted;
+    with shared experts the router scores, each one's hidden units times its routing
+    weight instead of `g`) with dense per-expert matmuls over all tokens (`O(T * E)`
+    work: for tests and small sizes). The built-in activations are written out here
+    from their fields, not taken from the experts' code; a user's own activation is
+    called.
 
     **Arguments:**
 
@@ -706,9 +764,8 @@ def reference_moe(
     The shape and dtype of `x`, and its sharding when `x` is split over `Explicit`
     mesh axes (the oracle itself computes on replicated arrays).
     """
-    check_stage_configs(layer)
     if experts is not None:
-        check_expert_ids(experts, x.shape[:-1], layer.config)
+        _check_ids(experts, x.shape[:-1], layer.config)
         experts = _replicate(experts).reshape(-1, layer.config.top_k)
     # Its dense scatters and einsums have no sharding rule for tokens or experts split
     # over `Explicit` axes: such arrays are replicated, and the result split as `x`.
@@ -764,21 +821,21 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
     xf = x.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     w_gu = as_float(layer.experts.w_gate_up, jnp.float32)
-    if cfg.weight_on_input:  # expert e sees w[t, e] x[t] (Llama-4)
+    experts = layer.experts
+    if experts.weight_on_input:  # expert e sees w[t, e] x[t] (Llama-4)
         xin = dense_w.T[:, :, None] * xf[None]
         gu = jnp.einsum("eth,ehf->etf", xin, w_gu, precision=hp)
     else:
         gu = jnp.einsum("th,ehf->etf", xf, w_gu, precision=hp)
-    experts = layer.experts
     if experts.b_gate_up is not None:
         gu = gu + experts.b_gate_up.astype(jnp.float32)[:, None, :]
-    act = _reference_activation(cfg, gu)
+    act = _reference_activation(experts.activation, gu)
     out = jnp.einsum(
         "etf,efh->eth", act, as_float(experts.w_down, jnp.float32), precision=hp
     )
     if experts.b_down is not None:
         out = out + experts.b_down.astype(jnp.float32)[:, None, :]
-    if cfg.weight_on_input:
+    if experts.weight_on_input:
         y = jnp.sum(out, axis=0)
     else:
         y = jnp.einsum("te,eth->th", dense_w, out, precision=hp)
@@ -788,53 +845,52 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
     shared = layer.shared_experts
     if shared is not None:
         gu = jnp.dot(xf, shared.w_gate_up.astype(jnp.float32), precision=hp)
-        act = _reference_activation(cfg, gu, shared=True)
-        if cfg.shared_in_norm:  # block s of hidden units times shared expert s's weight
-            block = cfg.shared_d_ff // cfg.shared_in_norm
+        act = _reference_activation(shared.activation, gu)
+        if shared.num_scored:  # block s of hidden units times shared expert s's weight
+            block = shared.w_down.shape[0] // shared.num_scored
             act = act * jnp.repeat(routing.shared_weights, block, axis=1)
         s = jnp.dot(act, shared.w_down.astype(jnp.float32), precision=hp)
         if shared.gate is not None:
             gate = jnp.dot(xf, shared.gate.astype(jnp.float32), precision=hp)
             s = s * jax.nn.sigmoid(gate)[:, None]
-        y = y + s * jnp.float32(cfg.shared_scale)
+        y = y + s * jnp.float32(shared.scale)
     if layer.output_bias is not None:
         y = y + layer.output_bias.astype(jnp.float32)[None, :]
     if layer.output_norm is not None:
-        rms = jnp.sqrt(jnp.mean(y * y, axis=-1, keepdims=True) + cfg.output_norm_eps)
+        eps = cfg.output.norm_eps
+        rms = jnp.sqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
         y = layer.output_norm.astype(jnp.float32)[None, :] * (y / rms)
     return y.astype(x.dtype).reshape(*batch_shape, x.shape[-1])
 
 
-def _reference_activation(cfg: MoEConfig, h: Array, shared: bool = False) -> Array:
-    """The experts' activation written out from the config, for the oracle."""
-    name, limit = cfg.activation, cfg.activation_limit
-    if shared and not cfg.limit_shared:
-        limit = None
-    if shared and cfg.shared_activation_limit is not None:
-        limit = cfg.shared_activation_limit
+def _reference_activation(activation, h: Array) -> Array:
+    """The experts' activation written out here for the built-in ones (so the oracle
+    does not share their code); a user's own activation is its own definition."""
     ungated = {
-        "relu": jax.nn.relu,
-        "relu2": lambda u: jax.nn.relu(u) ** 2,
-        "gelu": lambda u: jax.nn.gelu(u, approximate=False),
-        "gelu_tanh": lambda u: jax.nn.gelu(u, approximate=True),
-        "silu": jax.nn.silu,
+        ReLU: jax.nn.relu,
+        ReLU2: lambda u: jax.nn.relu(u) ** 2,
+        SiLU: jax.nn.silu,
+        GELU: lambda u: jax.nn.gelu(u, approximate=activation.approximate),
     }
-    if name in ungated:
-        return ungated[name](h)
+    if type(activation) in ungated:
+        return ungated[type(activation)](h)
+    if not isinstance(activation, SwiGLU | ClampedSwiGLU | SoftcapSwiGLU | GeGLU):
+        return activation(h)
     f = h.shape[-1] // 2
     gate, up = h[..., :f], h[..., f:]
-    after = cfg.activation_limit_after and limit is not None
+    limit = getattr(activation, "limit", None)
+    after = getattr(activation, "limit_after", False)
     if limit is not None:
         up = jnp.clip(up, -limit, limit)
         if not after:
             gate = jnp.minimum(gate, limit)
-    if name == "swiglu":
+    if isinstance(activation, SwiGLU):
         silu = gate * jax.nn.sigmoid(gate)
         return (jnp.minimum(silu, limit) if after else silu) * up
-    if name == "swiglu_oai":
-        return gate * jax.nn.sigmoid(cfg.activation_alpha * gate) * (up + 1)
-    if name == "swiglu_softcap":
-        c_gate, c_up = cfg.activation_softcap
+    if isinstance(activation, ClampedSwiGLU):
+        return gate * jax.nn.sigmoid(activation.alpha * gate) * (up + 1)
+    if isinstance(activation, SoftcapSwiGLU):
+        c_gate, c_up = activation.gate_cap, activation.up_cap
         linear = c_gate * jnp.tanh(gate / c_gate)
         return linear * jax.nn.sigmoid(gate) * (c_up * jnp.tanh(up / c_up))
-    return jax.nn.gelu(gate, approximate=name == "geglu_tanh") * up
+    return jax.nn.gelu(gate, approximate=activation.approximate) * up

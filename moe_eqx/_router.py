@@ -1,13 +1,16 @@
-"""Router stage: scores, top-k selection, routing weights and auxiliary losses."""
+"""Router stage: the interface (`AbstractRouter`), the routing it returns, the built-in\nrouter, and the auxiliary losses."""
+
+import abc
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ._config import MoEConfig
 from ._rules import histogram
+from ._scoring import AbstractScore, Selection, Weighting, as_score, soft_cap
 
 
 class Routing(eqx.Module):
@@ -28,7 +31,7 @@ class Routing(eqx.Module):
     - `bad_ids`: scalar int32, the forced expert ids (routing replay) that are out of
         range or repeat an earlier id of their token; 0 without forced ids.
     - `shared_weights`: `[T, S]` float32 weights of the shared experts scored by the
-        router (`config.shared_in_norm = S`), else `None`.
+        router (`SharedCombination.scored = S`), else `None`.
     """
 
     weights: Float[Array, "tokens k"]
@@ -66,8 +69,15 @@ def bad_expert_ids(
     return out | jnp.any(same & earlier, axis=-1)
 
 
-def check_expert_ids(ids, batch_shape: tuple[int, ...], config: MoEConfig) -> None:
-    """Forced expert ids (routing replay) fit the tokens and the config, else a
+def check_expert_ids(
+    ids,
+    batch_shape: tuple[int, ...],
+    *,
+    top_k: int,
+    num_experts: int,
+    num_identity: int,
+) -> None:
+    """Forced expert ids (routing replay) fit the tokens and the layer, else a
     `TypeError` (not integers) or `ValueError` naming what is wrong. Their values
     are checked where they are concrete; traced ones are counted in the stats
     instead (`MoEStats.bad_expert_ids`).
@@ -76,14 +86,14 @@ def check_expert_ids(ids, batch_shape: tuple[int, ...], config: MoEConfig) -> No
 
     - `ids`: the `experts=` argument, `[..., k]`.
     - `batch_shape`: the tokens' leading dimensions (`x.shape[:-1]`).
-    - `config`: the layer's [`moe_eqx.MoEConfig`][].
+    - `top_k`, `num_experts`, `num_identity`: `k`, `E` and `I`, the layer's.
     """
     dtype = getattr(ids, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(
             f"`experts` (forced expert ids) must be an integer array, got dtype {dtype}."
         )
-    want = (*batch_shape, config.top_k)
+    want = (*batch_shape, top_k)
     if tuple(ids.shape) != want:
         raise ValueError(
             f"`experts` (forced expert ids) must have shape {want} (the tokens' "
@@ -91,19 +101,55 @@ def check_expert_ids(ids, batch_shape: tuple[int, ...], config: MoEConfig) -> No
         )
     if isinstance(ids, jax.core.Tracer) or ids.size == 0:
         return
-    columns = config.num_experts + config.num_identity_experts
-    flat = jnp.asarray(ids).reshape(-1, config.top_k)
-    bad = bad_expert_ids(flat, columns)
-    if bool(jnp.any(bad)):
-        tokens = jnp.nonzero(jnp.any(bad, axis=-1))[0]
+    columns = num_experts + num_identity
+    # In NumPy: under an outer `jit` a JAX operation would be staged, even on a
+    # concrete array.
+    flat = np.asarray(ids).reshape(-1, top_k)
+    earlier = np.tril(np.ones((top_k, top_k), bool), -1)
+    repeated = np.any((flat[:, :, None] == flat[:, None, :]) & earlier, axis=-1)
+    bad = (flat < 0) | (flat >= columns) | repeated
+    if bool(np.any(bad)):
+        tokens = np.nonzero(np.any(bad, axis=-1))[0]
         first = int(tokens[0])
         raise ValueError(
             f"`experts` (forced expert ids) must be distinct per token and in "
-            f"[0, {columns}) (`num_experts` {config.num_experts} + "
-            f"`num_identity_experts` {config.num_identity_experts}): "
-            f"{int(jnp.sum(bad))} bad ids in {tokens.size} tokens, the first at "
+            f"[0, {columns}) (`num_experts` {num_experts} + "
+            f"`num_identity_experts` {num_identity}): "
+            f"{int(np.sum(bad))} bad ids in {tokens.size} tokens, the first at "
             f"token {first} (flattened): {flat[first].tolist()}."
         )
+
+
+def check_routing(
+    routing, *, tokens: int, top_k: int, num_experts: int, num_identity: int, router
+) -> None:
+    """A router's output fits the layer (the [`moe_eqx.AbstractRouter`][] contract),
+    else a `ValueError` naming the router and the field: a user's own router, or the
+    layer's config changed without its router (`MoELayer.with_config` changes
+    both)."""
+    name = type(router).__name__
+    if not isinstance(routing, Routing):
+        raise ValueError(
+            f"The router {name} returned {type(routing).__name__}, not an "
+            "`moe_eqx.Routing`."
+        )
+    want = {
+        "weights": (tokens, top_k),
+        "experts": (tokens, top_k),
+        "counts": (num_experts,),
+        "mean_probs": (num_experts,),
+        "identity_counts": (num_identity,),
+    }
+    for field, shape in want.items():
+        have = tuple(getattr(routing, field).shape)
+        if have != shape:
+            raise ValueError(
+                f"The router {name} returned `Routing.{field}` of shape {have}; the "
+                f"layer needs {shape} (tokens, `config.top_k` {top_k}, "
+                f"`config.num_experts` {num_experts}, `config.num_identity_experts` "
+                f"{num_identity}). Change a layer's settings with "
+                "`layer.with_config(...)`, which changes its router too."
+            )
 
 
 def load_balance_loss(
@@ -127,111 +173,128 @@ def load_balance_loss(
     return jnp.asarray(num_experts, jnp.float32) * jnp.sum(frac * mean_probs)
 
 
-class Router(eqx.Module):
-    """Linear router with softmax, sigmoid or `sqrt(softplus)` scores and
-    (group-limited) top-k selection.
+class AbstractRouter(eqx.Module):
+    """The router stage: which experts each token goes to, and with what weights.
 
-    `logits = x @ weight (+ logit_bias)` in float32 (soft-capped, `c * tanh(logits /
-    c)`, with `c = config.router_softcap > 0`), with `weight [d_model, E + I]`
-    and the optional `bias` and `logit_bias` `[E + I]`: the routed experts' columns,
-    then those of the `I = config.num_identity_experts` identity experts (0 unless
-    set). The optional `logit_bias`
-    (`config.router_logit_bias`, GPT-OSS) is a trained parameter of the logits. The
-    optional `bias` only changes which experts are selected (aux-loss-free balancing):
-    the top-k of `scores + bias`, or of `logits + bias` with `config.bias_on_logits`
-    (Kolibri-1), never the weights; it receives no gradient, and [`moe_eqx.update_router_bias`][]
-    is the rule to update it.
+    The layer calls it once per shard on that shard's tokens, and relies on this
+    contract alone, so a user's own subclass runs wherever the built-in
+    [`moe_eqx.Router`][] does (one device, expert parallel, drop and fallback, slots,
+    FSDP, quantized experts, replay, forward mode, second order, and
+    [`moe_eqx.reference_moe`][]). Swap it into a layer with
+    `eqx.tree_at(lambda l: l.router, layer, my_router)`; the layer replicates it on
+    every shard (its arrays are placed `P()`).
+    """
 
-    Group-limited routing (`num_groups > 1`): a group's score is the sum of its best
-    `min(2, experts per group)` selection scores (DeepSeek-V3), or with
-    `group_score="max"` its best one (DeepSeek-V2); each token chooses its `top_k`
-    experts among the experts of its `top_groups` best groups (the others' selection
-    scores replaced by `config.group_fill`, `-inf` unless set).
+    @abc.abstractmethod
+    def __call__(
+        self,
+        x: Float[Array, "tokens d_model"],
+        valid: Bool[Array, " tokens"] | None = None,
+        *,
+        experts: Int[Array, "tokens k"] | None = None,
+    ) -> Routing:
+        """Routes one shard's tokens.
+
+        **Arguments:**
+
+        - `x`: `[T, d_model]` token activations.
+        - `valid`: optional `[T]` mask. A token outside it (padding, or a token with a
+            non-finite value) must be routed nowhere: its `experts` all `E + I` (past
+            every expert, identity experts included) with weight 0, and counted in no
+            statistic.
+        - `experts`: optional `[T, k]` forced expert ids (routing replay). A router
+            that cannot replay may raise for them; the layer passes them only when
+            its caller does.
+
+        **Returns:**
+
+        A [`moe_eqx.Routing`][] with `weights` and `experts` `[T, k]` (`k` the
+        layer's `config.top_k`, ids distinct per token, in `[0, E + I)`), `counts`
+        and `mean_probs` `[E]`, `identity_counts` `[I]` (`[0]` without identity
+        experts), scalar losses, and `shared_weights` `[T, S]` only for a layer whose
+        shared experts the router scores (`SharedCombination.scored = S`). The
+        layer checks the shapes.
+        """
+
+
+class Router(AbstractRouter):
+    """The built-in linear router, composed of a score, a selection and a
+    weighting.
+
+    `logits = x @ weight (+ logit_bias)` in float32, soft-capped by the score's
+    `softcap`; `scores = score(logits)` ([`moe_eqx.Softmax`][],
+    [`moe_eqx.Sigmoid`][], [`moe_eqx.SqrtSoftplus`][], or your own
+    [`moe_eqx.AbstractScore`][]); the experts chosen by
+    [`moe_eqx.Selection`][] from the scores plus the optional selection `bias`
+    (aux-loss-free balancing: it never changes the weights and receives no
+    gradient; [`moe_eqx.update_router_bias`][] is the rule to update it), within
+    the best `top_groups` of `num_groups` groups; the weights are the chosen
+    scores, renormalised by [`moe_eqx.Weighting`][] with `norm_topk`.
+
+    Build it from a config (`Router(config, key=key)`), as the layer does; each
+    setting is a field of the router or of the part that computes it.
 
     **Fields:**
 
-    - `weight`: `[d_model, E + I + S]` (`I = config.num_identity_experts`; the last
-        `S = config.shared_in_norm` columns score the shared experts, Inkling).
-    - `bias`: `[E + I]` selection bias with `config.use_router_bias`, else `None`.
-    - `config`: the [`moe_eqx.MoEConfig`][] whose routing settings (`top_k`,
-        `score_func`, `norm_topk`, `norm_topk_min`, `num_groups`, `top_groups`,
-        `group_score`, `group_fill`, `num_identity_experts`) it computes; they read
-        as attributes too (`router.top_k`).
-    - `logit_bias`: `[E + I]` with `config.router_logit_bias`, else `None`.
+    - `weight`: `[d_model, E + I + S]`: the routed experts' columns, then those of
+        the `I = num_identity` identity experts, then the `S = num_shared` shared
+        experts it scores (Inkling).
+    - `bias`: `[E + I]` selection bias, or `None`.
+    - `logit_bias`: `[E + I]` trained bias of the logits (`score.logit_bias`,
+        GPT-OSS), or `None`.
+    - `top_k`, `num_experts` (`E`), `num_identity` (`I`), `num_shared` (`S`),
+        `num_groups`, `top_groups`, `norm_topk`: static settings.
+    - `score`, `selection`, `weighting`: the parts.
     """
 
     weight: Float[Array, "d_model columns"]
     bias: Float[Array, " experts"] | None
-    config: MoEConfig
-    logit_bias: Float[Array, " experts"] | None = None
+    logit_bias: Float[Array, " experts"] | None
+    top_k: int = eqx.field(static=True)
+    num_experts: int = eqx.field(static=True)
+    num_identity: int = eqx.field(static=True)
+    num_shared: int = eqx.field(static=True)
+    num_groups: int = eqx.field(static=True)
+    top_groups: int = eqx.field(static=True)
+    norm_topk: bool = eqx.field(static=True)
+    score: AbstractScore = eqx.field(static=True)
+    selection: Selection = eqx.field(static=True)
+    weighting: Weighting = eqx.field(static=True)
 
-    def __init__(self, config: MoEConfig, *, key: PRNGKeyArray):
+    def __init__(self, config, *, key: PRNGKeyArray):
+        """**Arguments:**
+
+        - `config`: the [`moe_eqx.MoEConfig`][] whose routing settings it takes.
+        - `key`: for the weight's initialisation.
+        """
+        self.top_k = config.top_k
+        self.num_experts = config.num_experts
+        self.num_identity = config.num_identity_experts
+        self.num_shared = config.shared.scored
+        self.num_groups = config.num_groups
+        self.top_groups = config.top_groups
+        self.norm_topk = config.norm_topk
+        self.score = as_score(config.score_func)
+        self.selection = config.selection
+        self.weighting = config.weighting
         scale = 1.0 / (config.d_model**0.5)
         # Identity experts (LongCat-Flash) are the last `num_identity` columns.
-        columns = config.num_experts + config.num_identity_experts
-        self.config = config
+        columns = self.num_experts + self.num_identity
         self.weight = scale * jr.normal(
-            key, (config.d_model, columns + config.shared_in_norm), jnp.float32
+            key, (config.d_model, columns + self.num_shared), jnp.float32
         )
         self.bias = (
             jnp.zeros((columns,), jnp.float32) if config.use_router_bias else None
         )
         self.logit_bias = (
-            jnp.zeros((columns,), jnp.float32) if config.router_logit_bias else None
+            jnp.zeros((columns,), jnp.float32) if self.score.logit_bias else None
         )
 
-    # The routing settings, read from `config` (not copied: one value per setting).
-    @property
-    def num_experts(self) -> int:
-        """`E`, the routed experts (identity experts not counted)."""
-        return self.config.num_experts
-
-    @property
-    def num_identity(self) -> int:
-        return self.config.num_identity_experts
-
-    @property
-    def top_k(self) -> int:
-        return self.config.top_k
-
-    @property
-    def score_func(self) -> str:
-        return self.config.score_func
-
-    @property
-    def norm_topk(self) -> bool:
-        return self.config.norm_topk
-
-    @property
-    def num_groups(self) -> int:
-        return self.config.num_groups
-
-    @property
-    def top_groups(self) -> int:
-        return self.config.top_groups
-
-    @property
-    def group_score(self) -> str:
-        return self.config.group_score
-
-    def _group_mask(self, select: Float[Array, "tokens experts"]) -> Array:
-        tokens, num_experts = select.shape
-        per_group = num_experts // self.num_groups
-        grouped = select.reshape(tokens, self.num_groups, per_group)
-        best = jax.lax.top_k(
-            grouped, 1 if self.group_score == "max" else min(2, per_group)
-        )[0]
-        group_scores = jnp.sum(best, axis=-1)
-        _, top_group_idx = jax.lax.top_k(group_scores, self.top_groups)
-        group_ok = jnp.zeros((tokens, self.num_groups), bool)
-        group_ok = group_ok.at[jnp.arange(tokens)[:, None], top_group_idx].set(True)
-        return jnp.repeat(group_ok, per_group, axis=1)
-
-    def _scores(self, x):
-        """`(logits, scores, probs, shared)`: float32 logits, the scores the weights
-        come from (softmax, sigmoid or sqrt-softplus), the scores normalised over all
-        experts, and the `[T, S]` scores of the shared experts the router scores
-        (`config.shared_in_norm`; else `None`)."""
+    def scores(self, x: Float[Array, "tokens d_model"]):
+        """`(logits, scores, probs, shared)`: the float32 (soft-capped) logits, the
+        scores the weights come from, the scores normalised over all experts (for
+        the balance loss), and the `[T, S]` scores of the shared experts the router
+        scores (`None` without)."""
         logits = jnp.dot(
             x.astype(jnp.float32),
             self.weight.astype(jnp.float32),
@@ -239,24 +302,14 @@ class Router(eqx.Module):
         )
         if self.logit_bias is not None:
             logits = logits + self.logit_bias.astype(jnp.float32)[None, :]
-        cap = self.config.router_softcap
-        if cap > 0:  # Laguna's soft-capping
-            logits = jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
-        if self.score_func == "softmax":  # never with `shared_in_norm` (the config)
-            scores = jax.nn.softmax(logits, axis=-1)
-            return logits, scores, scores, None
-        if self.score_func == "sigmoid":
-            scores = jax.nn.sigmoid(logits)
-        else:  # "sqrtsoftplus" (DeepSeek-V4)
-            scores = jnp.sqrt(jax.nn.softplus(logits))
+        logits = soft_cap(logits, self.score.softcap)
+        scores = self.score(logits)
         shared = None
-        num_shared = self.config.shared_in_norm
-        if num_shared:  # the shared experts' columns are last
-            logits, scores, shared = (
-                logits[:, :-num_shared],
-                scores[:, :-num_shared],
-                scores[:, -num_shared:],
-            )
+        if self.num_shared:  # the shared experts' columns are last
+            n = self.num_shared
+            logits, scores, shared = logits[:, :-n], scores[:, :-n], scores[:, -n:]
+        if self.score.sums_to_one:
+            return logits, scores, scores, shared
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
         return logits, scores, probs, shared
 
@@ -267,39 +320,39 @@ class Router(eqx.Module):
         *,
         experts: Int[Array, "tokens k"] | None = None,
     ) -> Routing:
-        """Routes tokens to experts.
+        """Routes tokens to experts: see [`moe_eqx.AbstractRouter`][].
 
-        **Arguments:**
-
-        - `x`: `[T, d_model]` token activations.
-        - `valid`: optional `[T]` mask; a token outside it (a non-finite or padding
-            token) is routed nowhere: its pairs get expert id `E +
-            num_identity` and weight 0, and it counts in no statistic (`counts`,
-            `mean_probs` and the losses are over the valid tokens). (A non-finite
-            token still meets the router's weight in its matmul: the weight's
-            gradient is NaN in a batch that has one. Masking `x` here instead
-            would keep a `[T, d_model]` float32 copy alive through the whole
-            layer, which the fallback's memory bound does not allow.)
-        - `experts`: optional `[T, k]` int forced expert ids (routing replay), used
-            instead of the top-k selection: the selection bias and the group mask
-            choose nothing, and the weights are these tokens' scores at the given ids,
-            normalised as configured (so the router's weight gets its gradient).
-            `E + j` is identity expert `j`. A token with an id out of `[0, E + I)` or
-            repeated is routed nowhere, like a token outside `valid`, and its bad ids
-            are counted in `bad_ids` (concrete ids are checked first: a
-            `ValueError`).
-
-        **Returns:**
-
-        A [`moe_eqx.Routing`][].
+        With forced `experts` (routing replay) the selection bias and the group mask
+        choose nothing, and the weights are these tokens' scores at the given ids,
+        normalised as configured (so the router's weight gets its gradient). A token
+        with an id out of `[0, E + I)` or repeated is routed nowhere, like a token
+        outside `valid`, and its bad ids are counted in `bad_ids` (concrete ids are
+        checked first: a `ValueError`). (A non-finite token still meets the
+        router's weight in its matmul: the weight's gradient is NaN in a batch that
+        has one. Masking `x` here instead would keep a `[T, d_model]` float32 copy
+        alive through the whole layer, which the fallback's memory bound does not
+        allow.)
         """
         with jax.named_scope("moe_eqx.router"):
-            logits, scores, probs, shared = self._scores(x)
+            logits, scores, probs, shared = self.scores(x)
             bad_ids = jnp.array(0, jnp.int32)
             if experts is None:
-                experts = self._select(logits, scores)
+                experts = self.selection(
+                    logits,
+                    scores,
+                    self.bias,
+                    top_k=self.top_k,
+                    num_groups=self.num_groups,
+                    top_groups=self.top_groups,
+                )
             else:
-                check_expert_ids(experts, x.shape[:-1], self.config)
+                check_expert_ids(
+                    experts,
+                    x.shape[:-1],
+                    top_k=self.top_k,
+                    num_experts=self.num_experts,
+                    num_identity=self.num_identity,
+                )
                 experts = experts.astype(jnp.int32)
                 bad = bad_expert_ids(experts, scores.shape[-1])
                 bad_ids = jnp.sum(bad).astype(jnp.int32)
@@ -308,65 +361,79 @@ class Router(eqx.Module):
                 # In range for the gather; the token is routed nowhere below.
                 experts = jnp.where(bad, 0, experts)
             chosen = jnp.take_along_axis(scores, experts, axis=-1)
-            shared_weights = shared
-            if self.norm_topk:
-                total = jnp.sum(chosen, axis=-1, keepdims=True)
-                if shared is not None:  # one denominator for routed and shared
-                    total = total + jnp.sum(shared, axis=-1, keepdims=True)
-                if self.config.norm_topk_min > 0:  # ERNIE-4.5's `moe_norm_min`
-                    total = jnp.maximum(total, self.config.norm_topk_min)
-                weights = chosen / total
-                if shared is not None:
-                    shared_weights = shared / total
-            else:
-                weights = chosen
-            num_experts = self.num_experts
-            z_tokens = jnp.square(jax.nn.logsumexp(logits, axis=-1))
-            if valid is None:
-                mean_probs = jnp.mean(probs, axis=0)
-                z = jnp.mean(z_tokens)
-            else:
-                # Past every expert, identity included.
-                nowhere = num_experts + self.num_identity
-                experts = jnp.where(valid[:, None], experts, nowhere)
-                weights = jnp.where(valid[:, None], weights, 0.0)
-                n = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
-                mean_probs = jnp.sum(jnp.where(valid[:, None], probs, 0.0), axis=0) / n
-                z = jnp.sum(jnp.where(valid, z_tokens, 0.0)) / n
-            counts = histogram(experts, num_experts)  # identity picks not counted
-            # Identity picks are ids E..E+I-1; a masked token's id E+I is in neither.
-            identity_counts = histogram(experts - num_experts, self.num_identity)
-            mean_probs = mean_probs[:num_experts]
-            lb = load_balance_loss(counts, mean_probs)
-            return Routing(
-                weights=weights,
-                experts=experts,
-                counts=counts,
-                mean_probs=mean_probs,
-                load_balance_loss=lb,
-                router_z_loss=z,
-                identity_counts=identity_counts,
+            weights, shared_weights = self.weighting(
+                chosen, shared, normalize=self.norm_topk
+            )
+            return routing_of(
+                experts,
+                weights,
+                logits,
+                probs,
+                valid,
+                num_experts=self.num_experts,
+                num_identity=self.num_identity,
                 bad_ids=bad_ids,
                 shared_weights=shared_weights,
             )
 
-    def _select(
-        self,
-        logits: Float[Array, "tokens experts"],
-        scores: Float[Array, "tokens experts"],
-    ) -> Int[Array, "tokens k"]:
-        """The top-k experts by score (plus the selection bias), within the best
-        groups with group-limited routing."""
-        # Scores are monotone in the logits: selecting on either is the same but for
-        # the bias (Kolibri-1 adds it to the logits).
-        select = jax.lax.stop_gradient(logits if self.config.bias_on_logits else scores)
-        if self.bias is not None:
-            select = select + jax.lax.stop_gradient(self.bias)[None, :]
-        if self.num_groups > 1:
-            fill = jnp.float32(self.config.group_fill)
-            select = jnp.where(self._group_mask(select), select, fill)
-        _, experts = jax.lax.top_k(select, self.top_k)
-        return experts.astype(jnp.int32)
+
+def routing_of(
+    experts: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    logits: Float[Array, "tokens columns"],
+    probs: Float[Array, "tokens columns"],
+    valid: Bool[Array, " tokens"] | None,
+    *,
+    num_experts: int,
+    num_identity: int = 0,
+    bad_ids: Int[Array, ""] | None = None,
+    shared_weights: Float[Array, "tokens shared"] | None = None,
+) -> Routing:
+    """A [`moe_eqx.Routing`][] from a router's choice: the tokens outside `valid`
+    routed nowhere, and the counts and losses over the valid ones. For a router of
+    your own.
+
+    **Arguments:**
+
+    - `experts`, `weights`: `[T, k]` the chosen experts (`E + j`: identity expert
+        `j`) and their weights.
+    - `logits`: `[T, E + I]` float32 logits, for the z-loss.
+    - `probs`: `[T, E + I]` per-expert scores normalised over the experts, for the
+        balance loss.
+    - `valid`: optional `[T]` mask of the tokens to route.
+    - `num_experts`, `num_identity`: `E` and `I`.
+    - `bad_ids`, `shared_weights`: as [`moe_eqx.Routing`][]'s.
+
+    **Returns:**
+
+    The [`moe_eqx.Routing`][].
+    """
+    z_tokens = jnp.square(jax.nn.logsumexp(logits, axis=-1))
+    if valid is None:
+        mean_probs = jnp.mean(probs, axis=0)
+        z = jnp.mean(z_tokens)
+    else:
+        nowhere = num_experts + num_identity  # past every expert, identity included
+        experts = jnp.where(valid[:, None], experts, nowhere)
+        weights = jnp.where(valid[:, None], weights, 0.0)
+        n = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+        mean_probs = jnp.sum(jnp.where(valid[:, None], probs, 0.0), axis=0) / n
+        z = jnp.sum(jnp.where(valid, z_tokens, 0.0)) / n
+    counts = histogram(experts, num_experts)  # identity picks not counted
+    # Identity picks are ids E..E+I-1; a masked token's id E+I is in neither.
+    identity_counts = histogram(experts - num_experts, num_identity)
+    mean_probs = mean_probs[:num_experts]
+    return Routing(
+        weights=weights.astype(jnp.float32),
+        experts=experts.astype(jnp.int32),
+        counts=counts,
+        mean_probs=mean_probs,
+        load_balance_loss=load_balance_loss(counts, mean_probs),
+        router_z_loss=z,
+        identity_counts=identity_counts,
+        bad_ids=jnp.array(0, jnp.int32) if bad_ids is None else bad_ids,
+        shared_weights=shared_weights,
+    )
 
 
 def sequence_balance_loss(
@@ -397,7 +464,7 @@ def sequence_balance_loss(
     *batch, seq, d_model = x.shape
     flat = x.reshape(-1, d_model)
     experts = router(flat).experts
-    _, _, probs, _ = router._scores(flat)
+    _, _, probs, _ = router.scores(flat)
     num_experts = router.num_experts
     chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=1)
     chosen = chosen.reshape(-1, seq, num_experts)

@@ -1,6 +1,6 @@
 """Rules that several stages share, each written once."""
 
-import zlib
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ def per_token_counts(*, top_k: int, local_groups: int, dedup: bool) -> tuple[int
     return pairs, 1 if dedup else pairs
 
 
-def unshared_zeros(shape, dtype, runtime: jax.Array, site: str, *like) -> jax.Array:
+def zeros_in_own_buffer(shape, dtype, runtime: jax.Array, *like) -> jax.Array:
     """`jnp.zeros(shape, dtype)` in a buffer of its own, for a user that writes into
     it in place (a loop's carry, a scatter).
 
@@ -54,16 +54,19 @@ def unshared_zeros(shape, dtype, runtime: jax.Array, site: str, *like) -> jax.Ar
     fill is one write, and the shared buffer stays alive from the first user to the
     last. Here the zero is `min(max(r + c, 0), 0)`, which XLA cannot prove is zero,
     so it is not merged: `r` is the first element of `runtime`, any integer array
-    known only at run time (counts, indices), `c` a constant derived from `site`, a
-    name that differs between the zeros of one program (equal expressions are merged
-    too). The value is 0 whatever `runtime` holds. Inside `shard_map` it varies
-    over the manual axes of `runtime` and of the arrays `like` (see
-    `match_varying`)."""
-    salt = zlib.crc32(site.encode()) % 4096
+    known only at run time (counts, indices), and `c` a constant that differs
+    between every two calls (a counter: equal expressions are merged too, so no two
+    zeros may share one, and no caller chooses it). The value is 0 whatever
+    `runtime` holds. Inside `shard_map` it varies over the manual axes of `runtime`
+    and of the arrays `like` (see `match_varying`)."""
+    salt = next(_SALTS) % 65521 + 1
     first = jnp.sum(jnp.ravel(runtime)[:1].astype(jnp.int32))
     zero = jnp.minimum(jnp.maximum(first + salt, 0), 0)
     zeros = jnp.broadcast_to(zero.astype(dtype), shape)
     return match_varying(zeros, *like)[0] if like else zeros
+
+
+_SALTS = itertools.count()
 
 
 # Index arithmetic on short arrays (shards, groups, experts) as fused compares and

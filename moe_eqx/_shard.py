@@ -1,14 +1,14 @@
 """The stages composed for one shard (the steps of the documentation's "How it works"):
 callable inside a user's own `shard_map`. [`moe_eqx.MoELayer`][] wraps it in one."""
 
-import dataclasses
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ._combine import add_identity, add_output_bias, norm_output
+from ._activation import AbstractActivation, WithBiasColumn
+from ._buffers import BufferSizes, buffer_sizes
+from ._combine import add_identity
 from ._compat import abstract_mesh_platform
 from ._config import MoEConfig
 from ._dispatch import send_counts
@@ -23,15 +23,16 @@ from ._experts import Experts, SharedExperts, expert_arrays
 from ._fallback import chunked_dropless, fallback_chunking
 from ._fsdp import gather_experts
 from ._gmm import AbstractGMMBackend, resolve_backend
-from ._overflow import (
-    BufferSizes,
-    buffer_sizes,
-    overflow_predicate,
-    required_buffer_factor,
-)
+from ._overflow import overflow_predicate, required_buffer_factor
 from ._placement import physical_routing
 from ._planner import assign_destinations, default_max_exports, plan_duplication
-from ._router import Router, Routing, check_expert_ids, load_balance_loss
+from ._router import (
+    AbstractRouter,
+    Routing,
+    check_expert_ids,
+    check_routing,
+    load_balance_loss,
+)
 from ._rules import div, local_experts, rem
 from ._slots import gather_slot_weights
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
@@ -153,14 +154,15 @@ def _max_over_mean(load: Int[Array, " shards"]) -> Float[Array, ""]:
 
 
 def add_shared(cfg: MoEConfig, routed, shared, x, shared_weights=None):
-    """`routed_scaling_factor * routed + shared_scale * shared(x)` (each shard on its
-    own tokens; `shared_weights`: the routing's, `config.shared_in_norm`)."""
+    """`routed_scaling_factor * routed + scale * shared(x)` (each shard on its own
+    tokens; `shared_weights`: the routing's, for shared experts the router
+    scores)."""
     if shared is None and cfg.routed_scaling_factor == 1:
         return routed
     y = routed.astype(jnp.float32) * jnp.float32(cfg.routed_scaling_factor)
     if shared is not None:
         s = shared(x, shared_weights).astype(jnp.float32)
-        y = y + (s if cfg.shared_scale == 1 else s * jnp.float32(cfg.shared_scale))
+        y = y + (s if shared.scale == 1 else s * jnp.float32(shared.scale))
     return y.astype(routed.dtype)
 
 
@@ -169,7 +171,7 @@ def expert_parallel_shard_body(
     num_shards: int,
     platform: str,
     data_axes: tuple[str, ...],
-    router: Router,
+    router: AbstractRouter,
     experts: Experts,
     shared: SharedExperts | None,
     expert_ids: Int[Array, " experts"],
@@ -194,7 +196,9 @@ def expert_parallel_shard_body(
     With `cfg.fsdp_axes`, `experts` is this device's part of the shard's experts,
     gathered here (`moe_eqx._fsdp`).
     """
-    setup = _ShardSetup.of(cfg, num_shards, platform, data_axes, tokens=x.shape[0])
+    setup = _ShardSetup.of(
+        cfg, num_shards, platform, data_axes, tokens=x.shape[0], experts=experts
+    )
     # A token with a non-finite value is routed nowhere (so never sent), and the
     # shared and identity experts see it as zeros (their gradients never meet its
     # NaNs); its output is NaN.
@@ -205,7 +209,7 @@ def expert_parallel_shard_body(
     routed = _route(setup, router, expert_ids, x, finite, forced)
     experts = gather_experts(cfg, experts, num_shards)
     # This shard's experts (biases folded into their weights: `fold_biases`).
-    x_in, w_gate_up, w_down, _ = expert_arrays(experts, x, setup.spec.activation)
+    x_in, w_gate_up, w_down, _ = expert_arrays(experts, x)
     inputs = _destinations(setup, routed, x_in, w_gate_up, w_down)
     sent = _send(setup, inputs)
     y, trip = _capped_or_fallback(setup, inputs, sent)
@@ -232,9 +236,14 @@ class _ShardSetup(eqx.Module):
     gmm_backend: AbstractGMMBackend = eqx.field(static=True)
     buffers: BufferSizes = eqx.field(static=True)
     num_chunks: int = eqx.field(static=True)  # 1: the capped trip alone
+    # The experts' activation (with their biases' column: `fold_biases`).
+    activation: AbstractActivation = eqx.field(static=True)
+    weight_on_input: bool = eqx.field(static=True)
 
     @classmethod
-    def of(cls, cfg, num_shards, platform, data_axes, *, tokens) -> "_ShardSetup":
+    def of(
+        cls, cfg, num_shards, platform, data_axes, *, tokens, experts
+    ) -> "_ShardSetup":
         num_local = local_experts(
             cfg.num_experts, num_shards, shards=f"mesh axis {cfg.axis_name!r}"
         )
@@ -267,6 +276,10 @@ class _ShardSetup(eqx.Module):
             gmm_backend=resolve_backend(cfg.gmm_backend, platform),
             buffers=buffers,
             num_chunks=num_chunks,
+            activation=experts.activation
+            if experts.b_gate_up is None
+            else WithBiasColumn(experts.activation),
+            weight_on_input=experts.weight_on_input,
         )
 
     @property
@@ -279,10 +292,8 @@ class _ShardSetup(eqx.Module):
             exchange=self.exchange,
             gmm_backend=self.gmm_backend,
             axis_name=self.cfg.axis_name,
-            activation=dataclasses.replace(
-                self.cfg.expert_activation, bias=self.cfg.expert_bias
-            ),
-            weight_on_input=self.cfg.weight_on_input,
+            activation=self.activation,
+            weight_on_input=self.weight_on_input,
         )
 
 
@@ -293,14 +304,14 @@ class _Routed(eqx.Module):
 
 
 def _route(
-    setup: _ShardSetup, router: Router, expert_ids, x, finite, forced
+    setup: _ShardSetup, router: AbstractRouter, expert_ids, x, finite, forced
 ) -> _Routed:
     """Steps 1-2: route (a non-finite token nowhere), then share the per-expert
     counts: every plan below is identical on all shards, so every shard takes the
     same path."""
     # Logical expert ids -> physical positions (`expert_ids[p]` is held at `p`): from
     # here on everything (plan, dispatch, GMM, slots) works in physical order.
-    routing = route_tokens(router, x, finite, forced)
+    routing = route_tokens(router, x, finite, forced, setup.cfg)
     routing, position = physical_routing(routing, expert_ids)
     counts = jax.lax.all_gather(routing.counts, setup.cfg.axis_name)
     return _Routed(routing=routing, position=position, counts=counts)
@@ -534,34 +545,23 @@ def resolve_platform(platform: str | None, devices: str | None) -> str:
     return PLATFORMS[platform]
 
 
-def check_stage_configs(layer) -> None:
-    """Each stage of `layer` holds the layer's own config (one value per setting),
-    else a `ValueError` naming the stage and the fields that differ (as after an
-    `eqx.tree_at` on `layer.config` alone). A stage of the user's own that holds no
-    config (e.g. a module wrapping the router) is not checked."""
-    cfg = layer.config
-    for name in ("router", "experts", "shared_experts"):
-        stage = getattr(layer, name)
-        if getattr(stage, "config", cfg) == cfg:
-            continue
-        fields = [
-            f.name
-            for f in dataclasses.fields(cfg)
-            if getattr(cfg, f.name) != getattr(stage.config, f.name)
-        ]
-        raise ValueError(
-            f"`layer.{name}.config` differs from `layer.config` in {fields}: change "
-            "a layer's config with `layer.with_config(...)`, which changes it in "
-            "every stage."
-        )
-
-
-def route_tokens(router, x, valid, forced) -> Routing:
-    """`router(x, valid)`, with `experts=forced` only when ids are forced, so that a
-    user's own router without routing replay still works."""
+def route_tokens(router, x, valid, forced, cfg: MoEConfig) -> Routing:
+    """`router(x, valid)`, with `experts=forced` only when ids are forced (so that a
+    user's own router without routing replay still works), its output checked
+    against the layer's config."""
     if forced is None:
-        return router(x, valid)
-    return router(x, valid, experts=forced)
+        routing = router(x, valid)
+    else:
+        routing = router(x, valid, experts=forced)
+    check_routing(
+        routing,
+        tokens=x.shape[0],
+        top_k=cfg.top_k,
+        num_experts=cfg.num_experts,
+        num_identity=cfg.num_identity_experts,
+        router=router,
+    )
+    return routing
 
 
 def _manual_axes() -> tuple[str, ...]:
@@ -621,7 +621,6 @@ def expert_parallel_shard(
     `(y, stats)`: `[T, d_model]` and [`moe_eqx.MoEStats`][], identical on every shard.
     """
     cfg = layer.config
-    check_stage_configs(layer)
     platform = resolve_platform(platform, abstract_mesh_platform())
     if x.ndim != 2 or x.shape[-1] != cfg.d_model:
         raise ValueError(f"`x` must be [tokens, {cfg.d_model}], got {x.shape}.")
@@ -631,7 +630,13 @@ def expert_parallel_shard(
             "(cast it first, e.g. x.astype(jnp.float32))."
         )
     if experts is not None:
-        check_expert_ids(experts, x.shape[:-1], cfg)
+        check_expert_ids(
+            experts,
+            x.shape[:-1],
+            top_k=cfg.top_k,
+            num_experts=cfg.num_experts,
+            num_identity=cfg.num_identity_experts,
+        )
     manual = _manual_axes()
     if manual and cfg.axis_name not in manual:
         raise ValueError(
@@ -677,5 +682,4 @@ def expert_parallel_shard(
         x,
         experts,
     )
-    y = add_output_bias(y, layer.output_bias)
-    return norm_output(y, layer.output_norm, cfg.output_norm_eps), stats
+    return cfg.output(y, layer.output_bias, layer.output_norm), stats

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from ._activation import SWIGLU, AbstractActivation
 from ._autodiff import custom_linear, symbolic_zeros_to_none
+from ._buffers import BufferSizes
 from ._combine import combine, weight_inputs
 from ._dispatch import WireRows, dedup_rows, expand_rows
 from ._exchange import (
@@ -25,8 +27,6 @@ from ._exchange import (
 )
 from ._experts import expert_ffn
 from ._gmm import AbstractGMMBackend, GradAcc
-from ._gmm._base import SWIGLU, Activation
-from ._overflow import BufferSizes
 from ._permute import sum_rows
 from ._quant import QuantizedArray
 from ._rules import acc_dtype, count_at_or_below
@@ -49,7 +49,7 @@ class TripSpec(eqx.Module):
         `moe_eqx.internal.exchange_name` for the config's `"auto"`).
     - `gmm_backend`: a GMM backend name or instance, as in [`moe_eqx.MoEConfig`][].
     - `axis_name`: the expert-parallel mesh axis.
-    - `activation`: the experts' [`moe_eqx.Activation`][].
+    - `activation`: the experts' [`moe_eqx.AbstractActivation`][].
     - `weight_on_input`: the routing weight scales the expert's input (Llama-4),
         not its output.
     """
@@ -61,7 +61,7 @@ class TripSpec(eqx.Module):
     exchange: str | AbstractExchange = eqx.field(static=True)
     gmm_backend: str | AbstractGMMBackend = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
-    activation: Activation = eqx.field(static=True, default=SWIGLU)
+    activation: AbstractActivation = eqx.field(static=True, default=SWIGLU)
     weight_on_input: bool = eqx.field(static=True, default=False)
 
 

@@ -26,6 +26,7 @@ from ._autodiff import (
     custom_linear as custom_linear,
     symbolic_zeros_to_none as symbolic_zeros_to_none,
 )
+from ._buffers import BufferSizes as BufferSizes, buffer_sizes as buffer_sizes
 from ._combine import scatter_to_tokens as scatter_to_tokens
 from ._dispatch import (
     SortedPairs as SortedPairs,
@@ -43,7 +44,7 @@ from ._exchange import (
     make_exchange as make_exchange,
     make_exchange_plan as make_exchange_plan,
 )
-from ._experts import expert_ffn as expert_ffn
+from ._experts import expert_ffn as expert_ffn, fold_biases as fold_biases
 from ._fallback import fallback_chunking as fallback_chunking
 from ._gmm import (
     DenseGMM as DenseGMM,
@@ -55,11 +56,7 @@ from ._gmm import (
     mosaic_gpu_available as mosaic_gpu_available,
     resolve_backend as resolve_backend,
 )
-from ._overflow import (
-    BufferSizes as BufferSizes,
-    buffer_sizes as buffer_sizes,
-    required_buffer_factor as required_buffer_factor,
-)
+from ._overflow import required_buffer_factor as required_buffer_factor
 from ._permute import (
     inverse_permutation as inverse_permutation,
     permute_rows as permute_rows,

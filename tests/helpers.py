@@ -209,40 +209,17 @@ def run_python(code: str, *, timeout: int = 120) -> str:
     return proc.stdout
 
 
-def recording_safe_open(read: list):
-    """A `safetensors.safe_open` that appends every read to `read`: `[name, start,
-    stop]` for rows of a tensor (`get_slice`), `[name, None, None]` for a whole one."""
-    import safetensors
+def recording_read(read: list):
+    """A replacement of the importer's safetensors reader's `TensorFile.read` that
+    appends every read to `read`: `[name, start, stop]` for rows of a tensor,
+    `[name, None, None]` for a whole one."""
+    from moe_eqx._hf.safetensors_file import TensorFile
 
-    real_open = safetensors.safe_open
+    real_read = TensorFile.read
 
-    class Slice:
-        def __init__(self, name, inner):
-            self.name, self.inner = name, inner
+    def recorded(self, name, start=0, stop=None):
+        whole = start == 0 and stop is None
+        read.append([name, None if whole else start, None if whole else stop])
+        return real_read(self, name, start, stop)
 
-        def __getitem__(self, rows):
-            read.append([self.name, rows.start, rows.stop])
-            return self.inner[rows]
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.file = self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.file.keys()
-
-        def get_tensor(self, name):
-            read.append([name, None, None])
-            return self.file.get_tensor(name)
-
-        def get_slice(self, name):
-            return Slice(name, self.file.get_slice(name))
-
-    return Recording
+    return recorded

@@ -1,8 +1,9 @@
-"""Expert variants as config settings: every activation (gated, clamped, ungated),
-routing weights on the experts' inputs (Llama-4) and `sqrt(softplus)` scores, through
-every path (one device; EP with the fallback and slot copies; drop; bfloat16), each
-against the oracle, whose activations are written out from the config's fields; and
-the FFN of every CPU backend against a plain-JAX reference."""
+"""Expert variants as stage objects: every built-in activation (gated, clamped,
+ungated), the shared experts' own activation, routing weights on the experts' inputs
+(Llama-4) and `sqrt(softplus)` scores, through every path (one device; EP with the
+fallback and slot copies; drop; bfloat16), each against the oracle, whose built-in
+activations are written out from their fields; and the FFN of every CPU backend
+against a plain-JAX reference."""
 
 import equinox as eqx
 import jax
@@ -23,15 +24,12 @@ import moe_eqx.internal as mi
 
 ACTIVATIONS = [
     dict(activation="swiglu"),
-    dict(activation="swiglu", activation_limit=0.5),
-    dict(activation="swiglu_oai", activation_limit=0.7),
-    dict(activation="swiglu_softcap", activation_softcap=(0.9, 1.1)),
+    dict(activation=me.SwiGLU(limit=0.5)),
+    dict(activation=me.ClampedSwiGLU(limit=0.7)),
+    dict(activation=me.SoftcapSwiGLU(gate_cap=0.9, up_cap=1.1)),
     dict(
-        activation="swiglu",
-        activation_limit=0.5,
-        activation_limit_after=True,
-        limit_shared=False,
-        shared_activation_limit=0.3,
+        activation=me.SwiGLU(limit=0.5, limit_after=True),
+        shared=me.SharedCombination(activation=me.SwiGLU(limit=0.3, limit_after=True)),
     ),
     dict(activation="geglu"),
     dict(activation="geglu_tanh"),
@@ -53,12 +51,9 @@ def test_activation_matches_oracle(getkey, act):
     key = getkey()
     x = tokens(getkey(), 64)
     one = make_layer(key, d_ff=8, shared_d_ff=6, **act)
-    width = one.config.expert_activation.width(8)
-    assert one.experts.w_gate_up.shape == (8, 16, width)
-    assert one.shared_experts.w_gate_up.shape == (
-        16,
-        one.config.expert_activation.width(6),
-    )
+    gated = one.experts.activation.gated
+    assert one.experts.w_gate_up.shape == (8, 16, 16 if gated else 8)
+    assert one.shared_experts.w_gate_up.shape == (16, 12 if gated else 6)
     assert_matches_oracle(one, x, None)
     ep = make_layer(
         key, mesh_size=4, bias_kind="one_shard", d_ff=8, num_slots=1,
@@ -83,13 +78,16 @@ def test_weights_on_the_inputs(getkey, overrides):
     key = getkey()
     x = tokens(getkey(), 64)
     kw = dict(
-        weight_on_input=True, score_func="sigmoid", norm_topk=False, shared_d_ff=8
+        expert_options=me.ExpertOptions(weight_on_input=True),
+        score_func="sigmoid",
+        norm_topk=False,
+        shared_d_ff=8,
     )
     assert_matches_oracle(make_layer(key, **kw), x, None)
     layer = make_layer(key, mesh_size=4, bias_kind="one_shard", **kw, **overrides)
     assert_matches_oracle(layer, x, mesh(4))
     # Not the same function as weights on the outputs (same weights, same key).
-    on_out = make_layer(key, **(kw | dict(weight_on_input=False)))
+    on_out = make_layer(key, **(kw | dict(expert_options=me.ExpertOptions())))
     on_in = make_layer(key, **kw)
     diff = me.reference_moe(on_in, x) - me.reference_moe(on_out, x)
     assert float(jnp.max(jnp.abs(diff))) > 1e-2
@@ -116,8 +114,8 @@ def test_forward_mode_through_variants(getkey):
     """`jax.jvp` through an ungated, input-weighted layer under EP4 equals the same
     transform of the oracle."""
     layer = make_layer(
-        getkey(), activation="relu2", weight_on_input=True, score_func="sigmoid",
-        norm_topk=False,
+        getkey(), activation="relu2", score_func="sigmoid", norm_topk=False,
+        expert_options=me.ExpertOptions(weight_on_input=True),
     )  # fmt: skip
     x = tokens(getkey(), 32)
     t = tokens(getkey(), 32)
@@ -135,10 +133,10 @@ def test_forward_mode_through_variants(getkey):
 @pytest.mark.parametrize(
     "act",
     [
-        me.Activation("relu2"),
-        me.Activation("swiglu_oai", limit=0.6),
-        me.Activation("geglu_tanh"),
-        me.Activation("swiglu", limit=0.5),
+        me.ReLU2(),
+        me.ClampedSwiGLU(limit=0.6),
+        me.GeGLU(approximate=True),
+        me.SwiGLU(limit=0.5),
     ],
     ids=["relu2", "swiglu_oai", "geglu_tanh", "swiglu_limit"],
 )
@@ -155,7 +153,7 @@ def test_backend_ffn_with_activation(act, backend):
     sizes = jnp.asarray([7, 0, 30, 3], jnp.int32)
     m, d, f = 48, 6, 5
     x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
-    w1 = jnp.asarray(rng.standard_normal((4, d, act.width(f))) / 2, jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((4, d, f * (1 + act.gated))) / 2, jnp.float32)
     w2 = jnp.asarray(rng.standard_normal((4, f, d)) / 2, jnp.float32)
     dy = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
 
@@ -187,13 +185,15 @@ def test_backend_ffn_with_activation(act, backend):
 
 def _written_out(act, h):
     if not act.gated:
-        return {"relu2": lambda u: jnp.maximum(u, 0) ** 2}[act.name](h)
+        assert isinstance(act, me.ReLU2)
+        return jnp.maximum(h, 0) ** 2
     gate, up = jnp.split(h, 2, axis=-1)
-    if act.limit is not None:
-        gate, up = jnp.minimum(gate, act.limit), jnp.clip(up, -act.limit, act.limit)
-    if act.name == "swiglu_oai":
+    limit = getattr(act, "limit", None)
+    if limit is not None:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    if isinstance(act, me.ClampedSwiGLU):
         return gate * jax.nn.sigmoid(1.702 * gate) * (up + 1)
-    if act.name == "geglu_tanh":
+    if isinstance(act, me.GeGLU):
         c = np.sqrt(2 / np.pi)
         return 0.5 * gate * (1 + jnp.tanh(c * (gate + 0.044715 * gate**3))) * up
     return gate * jax.nn.sigmoid(gate) * up
@@ -203,11 +203,10 @@ def _written_out(act, h):
     ("overrides", "message"),
     [
         (dict(activation="tanh"), "`activation` must be one of"),
-        (dict(activation="relu", activation_limit=1.0), "applies to 'swiglu'"),
-        (dict(activation="swiglu_oai"), "needs a `limit`"),
-        (dict(activation_limit=-1.0), "`activation_limit` must be a positive"),
-        (dict(weight_on_input=1), "`weight_on_input` must be True or False"),
+        (dict(activation="swiglu_oai"), r"needs its settings: pass .*ClampedSwiGLU"),
+        (dict(activation="swiglu_softcap"), r"needs its settings: .*SoftcapSwiGLU"),
         (dict(score_func="tanh"), "`score_func` must be one of"),
+        (dict(selection=me.Weighting()), "`selection` must be an `moe_eqx.Selection`"),
     ],
 )
 def test_bad_variant_settings_are_refused(overrides, message):
@@ -215,14 +214,52 @@ def test_bad_variant_settings_are_refused(overrides, message):
         me.MoEConfig(d_model=8, d_ff=4, num_experts=4, top_k=2, **overrides)
 
 
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: me.SwiGLU(limit=-1.0), "`SwiGLU.limit` must be a positive"),
+        (lambda: me.SwiGLU(limit_after=True), "`SwiGLU.limit_after` needs a `limit`"),
+        (lambda: me.ClampedSwiGLU(limit=0.0), "`ClampedSwiGLU.limit` must be"),
+        (lambda: me.SoftcapSwiGLU(gate_cap=1.0, up_cap=-1.0), "`SoftcapSwiGLU.up_cap`"),
+        (
+            lambda: me.ExpertOptions(weight_on_input=1),
+            "`ExpertOptions.weight_on_input`",
+        ),
+        (lambda: me.Sigmoid(softcap=-1.0), r"`Sigmoid.softcap` must be .* >= 0"),
+        (lambda: me.Selection(group_top=0), "`Selection.group_top` must be a positive"),
+        (lambda: me.Weighting(floor=float("nan")), "`Weighting.floor` must be"),
+        (lambda: me.SharedCombination(scored=-1), "`SharedCombination.scored` must"),
+        (lambda: me.OutputTransform(norm_eps=0.0), "`OutputTransform.norm_eps` must"),
+    ],
+)
+def test_bad_stage_objects_are_refused(make, message):
+    """Each stage object checks its own fields, naming the object and the field."""
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_removed_fields_name_their_replacement():
+    """A field of the earlier flat config is a `TypeError` naming the object it moved
+    to, as a keyword and as an attribute; a misspelt field suggests the right one."""
+    with pytest.raises(TypeError, match=r"`activation=me.SwiGLU\(limit=...\)`"):
+        me.MoEConfig(d_model=8, d_ff=4, num_experts=4, top_k=2, activation_limit=1.0)
+    with pytest.raises(TypeError, match=r"me.ExpertOptions\(bias=True\)"):
+        me.MoEConfig(d_model=8, d_ff=4, num_experts=4, top_k=2, expert_bias=True)
+    config = me.MoEConfig(d_model=8, d_ff=4, num_experts=4, top_k=2)
+    with pytest.raises(AttributeError, match=r"me.Selection\(group_fill=...\)"):
+        _ = config.group_fill
+    with pytest.raises(TypeError, match="did you mean `num_slots`"):
+        me.MoEConfig(d_model=8, d_ff=4, num_experts=4, top_k=2, num_slot=1)
+
+
 def test_weights_of_the_wrong_width_are_refused(getkey):
     """Gated weights given to an ungated activation name the mismatch."""
     layer = make_layer(getkey())
     x = tokens(getkey(), 8)
-    with pytest.raises(ValueError, match="'relu2' activation with d_ff=24 needs 24"):
+    with pytest.raises(ValueError, match=r"ReLU2\(\) activation with d_ff=24 needs 24"):
         mi.expert_ffn(
             x, layer.experts.w_gate_up, layer.experts.w_down,
-            jnp.asarray([8, 0, 0, 0, 0, 0, 0, 0]), activation=me.Activation("relu2"),
+            jnp.asarray([8, 0, 0, 0, 0, 0, 0, 0]), activation=me.ReLU2(),
         )  # fmt: skip
 
 
@@ -244,13 +281,18 @@ def _with_random_biases(layer, key):
     )  # fmt: skip
 
 
-BIASED = dict(expert_bias=True, router_logit_bias=True, output_bias=True, d_ff=8)
+BIASED = dict(
+    expert_options=me.ExpertOptions(bias=True),
+    score_func=me.Softmax(logit_bias=True),
+    output=me.OutputTransform(bias=True),
+    d_ff=8,
+)
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(activation="swiglu_oai", activation_limit=0.7),
+        dict(activation=me.ClampedSwiGLU(limit=0.7)),
         dict(activation="relu2", shared_d_ff=6),
         dict(on_overflow="drop", buffer_factor=None),
     ],
@@ -299,7 +341,7 @@ def test_biases_in_bfloat16_expert_parallel(getkey):
     bfloat16 precision of the float32 oracle of the same parameters."""
     config = me.MoEConfig(
         d_model=16, d_ff=8, num_experts=8, top_k=2, buffer_factor=0.3, num_slots=1,
-        activation="swiglu_oai", activation_limit=0.7, **BIASED_FIELDS,
+        activation=me.ClampedSwiGLU(limit=0.7), **BIASED_FIELDS,
     )  # fmt: skip
     layer = me.MoELayer(config, key=getkey(), dtype=jnp.bfloat16)
     layer = _with_random_biases(layer, getkey())
@@ -314,11 +356,8 @@ BIASED_FIELDS = {k: v for k, v in BIASED.items() if k != "d_ff"}
 
 
 def test_weights_on_inputs_with_biases_refused():
-    with pytest.raises(ValueError, match="`weight_on_input=True` with `expert_bias"):
-        me.MoEConfig(
-            d_model=8, d_ff=4, num_experts=4, top_k=2, weight_on_input=True,
-            expert_bias=True,
-        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"weight_on_input=True, bias=True\)` is not"):
+        me.ExpertOptions(weight_on_input=True, bias=True)
 
 
 @pytest.mark.parametrize(

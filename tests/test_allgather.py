@@ -308,7 +308,11 @@ def test_fsdp_fallback_matches_oracle():
     "overrides",
     [
         dict(num_identity_experts=3, top_k=3, shared_d_ff=8),
-        dict(weight_on_input=True, score_func="sigmoid", norm_topk=False),
+        dict(
+            expert_options=me.ExpertOptions(weight_on_input=True),
+            score_func="sigmoid",
+            norm_topk=False,
+        ),
     ],
     ids=["identity+shared", "weight_on_input"],
 )

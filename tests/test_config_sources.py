@@ -1,6 +1,7 @@
-"""One value per setting: the layer's stages read their settings from the layer's
-config, `MoELayer.with_config` changes it everywhere (no frozen module mutated), and a
-layer whose stages hold another config is refused."""
+"""One value per setting: the layer holds its config once, each stage holds the
+settings it computes with, `MoELayer.with_config` rebuilds the stages a change
+describes (no frozen module mutated), and a router whose output does not fit the
+layer's config is refused."""
 
 import dataclasses
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cpu_devices, make_layer, tokens
+from helpers import cpu_devices, make_layer, mesh, tokens
 
 import moe_eqx as me
 
@@ -27,13 +28,32 @@ def _geglu_experts(experts, rows, sizes):
     return np.concatenate(out)
 
 
+def _configs(tree) -> list:
+    """Every `MoEConfig` anywhere in `tree` (static fields included)."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, me.MoEConfig):
+            found.append(node)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name))
+        elif isinstance(node, (list, tuple)):
+            for n in node:
+                walk(n)
+
+    walk(tree)
+    return found
+
+
 def test_a_changed_setting_changes_every_stage(getkey):
     """`with_config(activation="geglu")`: the layer, `Experts.__call__` and the
     oracle all compute GeGLU; the original layer is unchanged."""
     layer = make_layer(getkey())
     new = layer.with_config(activation="geglu")
-    assert layer.config.activation == layer.experts.activation.name == "swiglu"
-    assert new.experts.activation.name == "geglu"
+    assert layer.config.activation == "swiglu"
+    assert isinstance(layer.experts.activation, me.SwiGLU)
+    assert isinstance(new.experts.activation, me.GeGLU)
     rows, sizes = tokens(getkey(), 16), jnp.full((8,), 2, jnp.int32)
     out = new.experts(rows, sizes)
     np.testing.assert_allclose(
@@ -46,25 +66,57 @@ def test_a_changed_setting_changes_every_stage(getkey):
     assert not np.allclose(y, layer(x)[0], atol=1e-3)
 
 
-def test_stages_hold_no_copies_of_settings(getkey):
-    layer = make_layer(getkey(), top_k=3)
-    for stage in (layer.router, layer.experts):
-        assert stage.config is layer.config
-        static = [f.name for f in dataclasses.fields(stage) if f.metadata.get("static")]
-        assert static == []
+def test_the_config_is_held_once(getkey):
+    """The layer holds one `MoEConfig`; its stages hold their own settings, not a
+    copy of it."""
+    layer = make_layer(getkey(), top_k=3, shared_d_ff=8, num_slots=1)
+    assert _configs(layer) == [layer.config]
+    for stage in (layer.router, layer.experts, layer.shared_experts):
+        assert not hasattr(stage, "config")
     assert layer.router.top_k == 3
+    # And the count can fail: a second config beside the layer's is found.
+    assert len(_configs((layer, [layer.config]))) == 2
+
+
+def test_routing_settings_change_through_with_config(getkey):
+    """`with_config` rebuilds the router it describes: `top_k`, the score and the
+    selection bias take effect, against the oracle on one device and at EP4."""
+    layer = make_layer(getkey())
+    new = layer.with_config(top_k=3, score_func="sigmoid", norm_topk=False)
+    assert (new.router.top_k, type(new.router.score)) == (3, me.Sigmoid)
+    assert new.router.weight is layer.router.weight
+    x = tokens(getkey(), 32)
+    for m in (None, mesh(4)):
+        y, stats = new(x, mesh=m)
+        assert int(jnp.sum(stats.expert_counts)) == 32 * 3
+        np.testing.assert_allclose(y, me.reference_moe(new, x), rtol=2e-5, atol=2e-5)
 
 
 def test_a_config_changed_in_one_place_is_refused(getkey):
+    """A config swapped in with `eqx.tree_at` alone, whose router still routes to 2
+    experts per token: the layer refuses the router's output, naming it."""
     layer = make_layer(getkey())
-    cfg = dataclasses.replace(layer.config, activation="geglu")
+    cfg = dataclasses.replace(layer.config, top_k=3)
     bad = eqx.tree_at(lambda l: l.config, layer, cfg)
     x = tokens(getkey(), 8)
-    match = r"`layer\.router\.config` differs .* \['activation'\]"
+    match = r"router Router returned `Routing.weights` of shape \(\d+, 2\)"
     with pytest.raises(ValueError, match=match):
         bad(x)
     with pytest.raises(ValueError, match=match):
-        me.reference_moe(bad, x)
+        bad(x, mesh=mesh(4))
+
+
+def test_with_config_keeps_a_router_of_ones_own(getkey):
+    """A user's router is kept as it is by `with_config` (the built-in router's
+    settings do not apply to it)."""
+    from test_own_stages import HashRouter
+
+    layer = make_layer(getkey())
+    own = HashRouter.of(layer.router, vocab=11, key=getkey())
+    mine = eqx.tree_at(lambda l: l.router, layer, own)
+    new = mine.with_config(num_slots=1, activation="geglu")
+    assert eqx.tree_equal(new.router, own)
+    assert isinstance(new.experts.activation, me.GeGLU)
 
 
 def test_with_config_refuses_arrays_that_do_not_fit(getkey):
@@ -78,4 +130,23 @@ def test_shard_model_with_fsdp_axes_leaves_the_layer(getkey):
     m = jax.make_mesh((2, 4), ("data", "expert"), devices=cpu_devices())
     placed = me.shard_model(layer, m, fsdp_axes="data")
     assert layer.config.fsdp_axes == ()
-    assert placed.config.fsdp_axes == placed.experts.config.fsdp_axes == ("data",)
+    assert placed.config.fsdp_axes == ("data",)
+
+
+def test_with_config_turns_parameters_on_and_off(getkey):
+    """A change that adds a parameter gives it the constructor's value (a zero
+    selection bias, a norm weight of ones), the others kept; one that removes a
+    parameter drops it."""
+    layer = make_layer(getkey())
+    on = layer.with_config(
+        use_router_bias=True, output=me.OutputTransform(bias=True, norm_eps=1e-6)
+    )
+    np.testing.assert_array_equal(on.router.bias, np.zeros(8))
+    np.testing.assert_array_equal(on.output_bias, np.zeros(16))
+    np.testing.assert_array_equal(on.output_norm, np.ones(16))
+    assert on.experts.w_gate_up is layer.experts.w_gate_up
+    off = on.with_config(use_router_bias=False, output=me.OutputTransform())
+    assert off.router.bias is None and off.output_bias is None
+    x = tokens(getkey(), 16)
+    np.testing.assert_allclose(off(x)[0], layer(x)[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(on(x)[0], me.reference_moe(on, x), rtol=2e-5, atol=2e-5)

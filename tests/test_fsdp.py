@@ -49,7 +49,9 @@ def test_placement_splits_every_expert_array(getkey, num_experts, dim):
     """`shard_model` puts 1/8 of each expert array on each device of a 2 x 4 mesh
     (1/4 replicated today), in the documented split; `shard_specs` says the same."""
     m = _mesh()
-    layer = make_layer(getkey(), num_experts=num_experts, expert_bias=True)
+    layer = make_layer(
+        getkey(), num_experts=num_experts, expert_options=me.ExpertOptions(bias=True)
+    )
     placed = me.shard_model(_fsdp(layer), m)
     plain = me.shard_model(layer, m)
     e, h, f = num_experts, 16, 24

@@ -2,6 +2,7 @@
 (built from tiny configs, every parameter and buffer drawn at random): outputs and
 input gradients on one device and under EP4; refused configs; dtypes kept."""
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -10,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mesh, recording_safe_open
+from helpers import mesh, recording_read
 
 import moe_eqx as me
+from moe_eqx._hf.safetensors_file import TensorFile
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -363,16 +365,16 @@ def test_family_matches_its_transformers_block(getkey, name, num_shards):
     ("name", "change"),
     [
         ("deepseek_v3", dict(num_groups=1, top_groups=1)),
-        ("deepseek_v2_grouped", dict(group_score="top2")),
-        ("deepseek_v4", dict(activation_limit=None)),
+        ("deepseek_v2_grouped", dict(selection=me.Selection(group_top=2))),
+        ("deepseek_v4", dict(activation="swiglu")),
         ("deepseek_v4", dict(score_func="sigmoid")),
-        ("deepseek_v4", dict(limit_shared=False)),
-        ("hy_v4", dict(limit_shared=True)),
-        ("llama4_text", dict(weight_on_input=False)),
+        ("deepseek_v4", dict(shared=me.SharedCombination(activation="swiglu"))),
+        ("hy_v4", dict(shared=me.SharedCombination())),
+        ("llama4_text", dict(expert_options=me.ExpertOptions())),
         ("nemotron_h", dict(activation="relu")),
-        ("gpt_oss", dict(activation_alpha=1.0)),
+        ("gpt_oss", dict(activation=me.ClampedSwiGLU(limit=7.0, alpha=1.0))),
         ("longcat_flash", dict(norm_topk=True)),
-        ("gpt_oss", dict(activation_limit=None, activation="swiglu")),
+        ("gpt_oss", dict(activation="swiglu")),
     ],
 )
 def test_a_wrong_config_would_be_caught(getkey, name, change):
@@ -382,9 +384,8 @@ def test_a_wrong_config_would_be_caught(getkey, name, change):
     far more than the tolerance."""
     cfg, block = _block(name)
     config = me.config_from_hf(cfg.to_dict())
-    wrong = me.MoEConfig(
-        **{f: getattr(config, f) for f in config.__dataclass_fields__} | change
-    )
+    wrong = dataclasses.replace(config, **change)
+    assert wrong != config
     layer = me.layer_from_hf_state_dict(
         wrong, _state_dict(block), transposed_experts=name in TRANSPOSED
     )
@@ -393,18 +394,60 @@ def test_a_wrong_config_would_be_caught(getkey, name, change):
     assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2 * np.max(np.abs(y_hf))
 
 
-def test_deepseek_v4_hash_layers_are_refused():
-    """DeepSeek-V4's first layers choose experts by token id (`gate.tid2eid`): the
-    importer names that instead of importing a different routing."""
+def _hash_block(seed=0):
+    """DeepSeek-V4's hash layer (its layer 0): every parameter drawn, and a table of
+    distinct experts per token id drawn too."""
     cfg, _ = _block("deepseek_v4")
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
         DeepseekV4SparseMoeBlock,
     )
 
-    block = DeepseekV4SparseMoeBlock(cfg, 0)
-    config = me.config_from_hf(cfg)
-    with pytest.raises(ValueError, match="tid2eid: this block routes by token id"):
-        me.layer_from_hf_state_dict(config, _state_dict(block))
+    torch.manual_seed(seed)
+    block = DeepseekV4SparseMoeBlock(cfg, 0).eval()
+    rng = np.random.default_rng(seed)
+    table = np.stack([rng.permutation(8)[:2] for _ in range(cfg.vocab_size)])
+    with torch.no_grad():
+        for tensor in block.parameters():
+            tensor.normal_(0.0, 0.3)
+        block.gate.tid2eid.copy_(torch.tensor(table))
+    return cfg, block
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_deepseek_v4_hash_layers(getkey, num_shards):
+    """DeepSeek-V4's first layers choose experts by token id (`gate.tid2eid`): the
+    importer gives the layer a `HashRouter`, which the caller hands the token ids;
+    outputs and input gradients equal the block's, on one device and at EP4."""
+    cfg, block = _hash_block()
+    layer = me.layer_from_hf_state_dict(
+        me.config_from_hf(cfg.to_dict(), buffer_factor=None), _state_dict(block)
+    )
+    assert isinstance(layer.router, me.HashRouter)
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    ids = jax.random.randint(getkey(), (32,), 0, cfg.vocab_size)
+    xt = torch.tensor(np.asarray(x), requires_grad=True)
+    y_hf = block(xt[None], torch.tensor(np.asarray(ids))[None])[0]
+    (y_hf.double() ** 2).sum().backward()
+    m = None if num_shards == 1 else mesh(num_shards)
+    forced = layer.router.experts_for(ids)
+
+    def loss(x):
+        y, stats = layer(x, mesh=m, experts=forced)
+        return jnp.sum(y**2), (y, stats)
+
+    (_, (y, stats)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    stats.check()
+    scale = float(jnp.max(jnp.abs(y)))
+    np.testing.assert_allclose(y, y_hf.detach().numpy(), rtol=1e-5, atol=1e-5 * scale)
+    g_hf = xt.grad.numpy()
+    np.testing.assert_allclose(g, g_hf, rtol=1e-5, atol=1e-5 * np.max(np.abs(g_hf)))
+    # The table decides: other ids, another output; no ids, a clear error.
+    other = layer(x, mesh=m, experts=layer.router.experts_for((ids + 1) % 100))[0]
+    assert np.max(np.abs(np.asarray(other) - np.asarray(y))) > 1e-2 * scale
+    with pytest.raises(ValueError, match="experts=layer.router.experts_for"):
+        layer(x, mesh=m)
+    with pytest.raises(ValueError, match=r"`token_ids` must be in \[0, 100\)"):
+        layer.router.experts_for(jnp.asarray([100]))
 
 
 @pytest.mark.parametrize(
@@ -579,7 +622,6 @@ def test_layers_from_a_model_directory(tmp_path, getkey, monkeypatch):
     """A sharded model directory (config.json, index, safetensors shards): every MoE
     layer (the dense layer 1 skipped) equals the model's own block; asking for one
     layer reads only that layer's tensors."""
-    import safetensors
 
     model = _save_model(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").exists()
@@ -591,7 +633,7 @@ def test_layers_from_a_model_directory(tmp_path, getkey, monkeypatch):
         np.testing.assert_allclose(np.asarray(layer(x)[0]), y_hf, rtol=1e-5, atol=1e-5)
 
     read = []
-    monkeypatch.setattr(safetensors, "safe_open", recording_safe_open(read))
+    monkeypatch.setattr(TensorFile, "read", recording_read(read))
     (only,) = me.layers_from_hf(tmp_path, 2).values()
     assert read and all(n.startswith("model.layers.2.mlp.") for n, _, _ in read)
     assert jnp.array_equal(only.experts.w_down, layers[2].experts.w_down)
@@ -690,9 +732,8 @@ def test_layers_from_hub_layouts(tmp_path, getkey, name):
         np.testing.assert_allclose(
             np.asarray(layer(x)[0]), want, rtol=1e-5, atol=1e-5 * scale
         )
-    if name == "deepseek_v4":
-        with pytest.raises(ValueError, match="routes by token id"):
-            me.layers_from_hf(tmp_path, 0)
+    if name == "deepseek_v4":  # layer 0 routes by token id
+        assert isinstance(me.layers_from_hf(tmp_path, 0)[0].router, me.HashRouter)
     # Placed on a data x expert mesh: the same arrays, the experts split.
     m = jax.make_mesh((2, 4), ("data", "expert"), devices=jax.devices("cpu"))
     placed = me.layers_from_hf(tmp_path, moe_layers, mesh=m)
@@ -718,18 +759,18 @@ jax.distributed.initialize(
     initialization_timeout=60,
 )
 import numpy as np
-import safetensors
 import moe_eqx as me
+from moe_eqx._hf.safetensors_file import TensorFile
 
 sys.path.insert(0, sys.argv[4])  # the tests' helpers
-from helpers import recording_safe_open
+from helpers import recording_read
 
 read = []
-real_open = safetensors.safe_open
-safetensors.safe_open = recording_safe_open(read)
+real_read = TensorFile.read
+TensorFile.read = recording_read(read)
 mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
 placed = me.layers_from_hf(sys.argv[3], mesh=mesh)
-safetensors.safe_open = real_open
+TensorFile.read = real_read
 full = me.layers_from_hf(sys.argv[3])  # everything, to check against
 x = np.asarray(jax.random.normal(jax.random.key(0), (32, 16)))
 for i, layer in placed.items():

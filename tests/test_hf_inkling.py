@@ -1,6 +1,6 @@
 """Inkling (`inkling_text`, and `inkling_mm_model` wrapping it): its shared experts
 are scored by the router and normalised with the chosen routed experts
-(`MoEConfig.shared_in_norm`); the layer against `transformers`' own block through
+(`SharedCombination.scored`); the layer against `transformers`' own block through
 `config_from_hf(config.to_dict())` and the importer, on one device and EP4, and
 `layers_from_hf` on a `save_pretrained` model directory; the config feature against
 the dense oracle, and its settings validated."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import mesh
 from test_hf_config import H, _torch_value_and_grad
-from test_hf_families import _assert_matches_block, _drawn, _module, _saved
+from test_hf_family_settings import _assert_matches_block, _drawn, _module, _saved
 
 import moe_eqx as me
 
@@ -42,7 +42,8 @@ def test_inkling_matches_its_block(num_shards, x):
     """Output, input gradient and the dense oracle equal the block's."""
     cfg, block = _block()
     layer = _assert_matches_block(block, cfg.to_dict(), x, num_shards)
-    assert layer.config.shared_in_norm == 2 and layer.config.shared_d_ff == 24
+    assert layer.config.shared.scored == 2 and layer.config.shared_d_ff == 24
+    assert layer.shared_experts.num_scored == layer.router.num_shared == 2
 
 
 # The wrapper: the text model's config under `text_config`, its weights under
@@ -100,23 +101,25 @@ def test_settings_it_does_not_compute_are_refused_by_name(change, message):
         (dict(shared_d_ff=0), "positive multiple"),
         (dict(shared_gate=True), "no `shared_gate`"),
         (dict(score_func="softmax"), "per-expert scores"),
-        (dict(shared_in_norm=-1), "`shared_in_norm` must be an integer >= 0"),
     ],
 )
 def test_shared_in_norm_is_validated(fields, message):
-    base = dict(score_func="sigmoid", shared_d_ff=12, shared_in_norm=4)
+    shared = me.SharedCombination(scored=4)
+    base = dict(score_func="sigmoid", shared_d_ff=12, shared=shared)
     with pytest.raises(ValueError, match=message):
         me.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, **(base | fields))
 
 
 @pytest.mark.parametrize("num_shards", [1, 4])
 def test_shared_in_norm_layer_matches_the_oracle(num_shards, x):
-    """A drawn layer with `shared_in_norm` (no Hugging Face block) equals the dense
+    """A drawn layer whose router scores its shared experts (no Hugging Face block)
+    equals the dense
     oracle on one device and under EP4, with forced expert ids (routing replay)
     too; each token's routed and shared weights sum to 1."""
     config = me.MoEConfig(
         d_model=H, d_ff=8, num_experts=8, top_k=2, score_func="sigmoid",
-        shared_d_ff=16, shared_in_norm=2, use_router_bias=True, shared_scale=1.5,
+        shared_d_ff=16, use_router_bias=True,
+        shared=me.SharedCombination(scored=2, scale=1.5),
         buffer_factor=None,
     )  # fmt: skip
     layer = me.MoELayer(config, key=jax.random.key(0))

@@ -13,7 +13,9 @@ import pytest
 from helpers import cpu_devices
 
 import moe_eqx as me
-from moe_eqx import _hf, _hf_quant, _quant
+from moe_eqx import _quant
+from moe_eqx._hf import quantized as _hf_quant, state_dict as _hf_state_dict
+from moe_eqx._hf.safetensors_file import TensorFile
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -359,13 +361,13 @@ def test_ep4_load_reads_each_expert_once(model, float32_layer, monkeypatch):
     read once, expert by expert (an MXFP4 tensor by its rows `i:i+1`, never whole),
     so a process reads only the experts its devices hold."""
     reads = []
-    real_read = _hf_quant._File.read
+    real_read = TensorFile.read
 
     def read(self, name, start=0, stop=None):
         reads.append((name, start, stop))
         return real_read(self, name, start, stop)
 
-    monkeypatch.setattr(_hf_quant._File, "read", read)
+    monkeypatch.setattr(TensorFile, "read", read)
     m = jax.make_mesh((4,), ("expert",), devices=cpu_devices()[:4])
     (placed,) = me.layers_from_hf(model["dir"], dtype=jnp.float32, mesh=m).values()
     assert placed.experts.w_down.sharding.spec == jax.P("expert")
@@ -375,8 +377,9 @@ def test_ep4_load_reads_each_expert_once(model, float32_layer, monkeypatch):
     quantized = [
         n for n in model["tensors"] if n.endswith(("_scale_inv", "_blocks", "_scales"))
     ]
+    weights = {n.removesuffix("_scale_inv") for n in quantized}
+    reads = [r for r in reads if r[0] in set(quantized) | weights]
     if model["kind"] == "fp8":
-        weights = {n.removesuffix("_scale_inv") for n in quantized}
         assert {n for n, _, _ in reads} == set(quantized) | weights
         assert all(stop is None for _, _, stop in reads)
     else:
@@ -500,8 +503,8 @@ def test_keep_quantized_builds_no_float_experts(model, float32_layer, monkeypatc
     scales, each read once (MXFP4: by its rows `i:i+1` of the fused tensors), equal to
     the one-device load's; in float32 the output is the dequantizing import's."""
     built, dequantized, reads = [], [], []
-    real_to_device = _hf._PerExpert.to_device
-    real_read = _hf_quant._File.read
+    real_to_device = _hf_state_dict.PerExpert.to_device
+    real_read = TensorFile.read
 
     def to_device(self, dtype):
         built.append(self.shape)
@@ -519,8 +522,8 @@ def test_keep_quantized_builds_no_float_experts(model, float32_layer, monkeypatc
         reads.append((name, start, stop))
         return real_read(self, name, start, stop)
 
-    monkeypatch.setattr(_hf._PerExpert, "to_device", to_device)
-    monkeypatch.setattr(_hf_quant._File, "read", read)
+    monkeypatch.setattr(_hf_state_dict.PerExpert, "to_device", to_device)
+    monkeypatch.setattr(TensorFile, "read", read)
     for name in ("dequantize_fp8_blocks", "dequantize_mxfp4"):
         monkeypatch.setattr(_hf_quant, name, spy(getattr(_hf_quant, name)))
     shared = 3 if model["kind"] == "fp8" else 0
@@ -542,8 +545,48 @@ def test_keep_quantized_builds_no_float_experts(model, float32_layer, monkeypatc
     assert len(reads) == len(set(reads))
     if model["kind"] == "mxfp4":
         fused = [n for n in model["tensors"] if n.endswith(("_blocks", "_scales"))]
+        reads = [r for r in reads if r[0] in fused]
         assert sorted(reads) == sorted((n, i, i + 1) for n in fused for i in range(E))
     x = jax.random.normal(jax.random.key(3), (32, model["d_model"]))
     got, _ = jax.jit(lambda l, x: l(x, mesh=m))(placed, x)
     want, _ = float32_layer(x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_the_reader_reads_what_safetensors_reads(tmp_path):
+    """The importer's one safetensors reader against the `safetensors` package's own
+    NumPy reader, on every dtype both read (and rows of each, and a scalar); FP8,
+    which the package's NumPy reader lacks, against the bytes torch wrote."""
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        f"t{i}": rng.standard_normal((5, 3, 2)).astype(dtype)
+        for i, dtype in enumerate(
+            (np.float64, np.float32, np.float16, jnp.bfloat16, np.int64, np.int32)
+        )
+    } | {
+        "u8": rng.integers(0, 255, (4, 3), dtype=np.uint8),
+        "i8": rng.integers(-9, 9, (4, 3), dtype=np.int8),
+        "b": rng.random((4,)) > 0.5,
+        "scalar": np.array(3.5, np.float32),
+    }
+    path = tmp_path / "a.safetensors"
+    save_file(tensors, str(path))
+    want = load_file(str(path))
+    f = TensorFile(path)
+    assert sorted(f.keys()) == sorted(want)
+    for name, value in want.items():
+        got = f.read(name)
+        assert got.dtype == value.dtype and got.shape == value.shape, name
+        np.testing.assert_array_equal(got, value)
+        if value.ndim:
+            np.testing.assert_array_equal(f.read(name, 1, 3), value[1:3])
+    fp8 = torch.randn(6, 4).to(torch.float8_e4m3fn)
+    from safetensors.torch import save_file as save_torch
+
+    save_torch({"w": fp8}, str(tmp_path / "b.safetensors"))
+    got = TensorFile(tmp_path / "b.safetensors").read("w", 2, 5)
+    np.testing.assert_array_equal(
+        got.view(np.uint8), fp8[2:5].view(torch.uint8).numpy()
+    )

@@ -98,15 +98,14 @@ def test_leading_dimensions(getkey, shape):
             buffer_factor=0.5,
             num_slots=1,
             activation="relu2",
-            weight_on_input=True,
+            expert_options=me.ExpertOptions(weight_on_input=True),
             score_func="sigmoid",
             norm_topk=False,
         ),  # fmt: skip
         dict(
             on_overflow="drop",
             buffer_factor=None,
-            activation="swiglu_oai",
-            activation_limit=1.0,
+            activation=me.ClampedSwiGLU(limit=1.0),
         ),
     ],
     ids=[

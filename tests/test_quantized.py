@@ -320,7 +320,7 @@ def test_forward_temporaries_hold_one_dequantized_expert(float_temps, fmt):
 def test_expert_biases_get_gradients(x):
     """Experts with biases (GPT-OSS): the quantized weights are dequantized before
     the bias rows join them; the biases get the dequantized layer's gradient."""
-    cfg = dataclasses.replace(CONFIG, expert_bias=True)
+    cfg = dataclasses.replace(CONFIG, expert_options=me.ExpertOptions(bias=True))
     layer = me.MoELayer(cfg, key=jr.key(9))
     bias = 0.1 * jr.normal(jr.key(10), layer.experts.b_gate_up.shape)
     layer = eqx.tree_at(lambda m: m.experts.b_gate_up, layer, bias)

@@ -89,7 +89,7 @@ def test_router_weights_are_the_scores_at_the_forced_ids(getkey):
     # Group-limited routing with a selection bias: neither may choose anything.
     cfg = me.MoEConfig(
         d_model=8, d_ff=16, num_experts=8, top_k=2, num_groups=4, top_groups=1,
-        use_router_bias=True, norm_topk_min=0.0,
+        use_router_bias=True, weighting=me.Weighting(floor=0.0),
     )  # fmt: skip
     router = me.Router(cfg, key=getkey())
     router = eqx.tree_at(lambda r: r.bias, router, jnp.arange(8.0) * 10)

@@ -15,7 +15,7 @@ from moe_eqx._rules import (
     cumsum,
     exclusive_cumsum,
     histogram,
-    unshared_zeros,
+    zeros_in_own_buffer,
 )
 
 
@@ -56,37 +56,39 @@ def _copies_of_broadcasts(hlo: str) -> list[str]:
     return copies
 
 
-def test_unshared_zeros():
+def test_zeros_in_own_buffer():
     """Zero for any run-time value; two arrays written in place (a scatter, a loop's
     carry) of one shape get a buffer each, where `jnp.zeros` makes XLA share one
     filled buffer and copy it for each."""
     for value in (0, 7, -1, 2**31 - 1, -(2**31)):
-        out = jax.jit(lambda r: unshared_zeros((3, 2), jnp.float32, r, "a"))(
+        out = jax.jit(lambda r: zeros_in_own_buffer((3, 2), jnp.float32, r))(
             jnp.int32(value)
         )
         np.testing.assert_array_equal(out, np.zeros((3, 2), np.float32))
         assert out.dtype == jnp.float32
-    assert jax.jit(lambda r: unshared_zeros((2,), jnp.int32, r, "a"))(
+    assert jax.jit(lambda r: zeros_in_own_buffer((2,), jnp.int32, r))(
         jnp.zeros((0,), jnp.int32)
     ).tolist() == [0, 0]
 
     def program(zeros):
         def f(idx, vals, n):
-            a = zeros(idx, "scatter").at[idx].add(vals)
+            a = zeros(idx).at[idx].add(vals)
 
             def body(i, c):
                 return c.at[i].set(vals[i])
 
-            b = jax.lax.fori_loop(0, n, body, zeros(n, "carry"))
-            return a, b
+            b = jax.lax.fori_loop(0, n, body, zeros(n))
+            # Two more from one call site, as a loop over weights makes them.
+            c, d = (zeros(idx).at[idx].add(v) for v in (vals, 2 * vals))
+            return a, b, c, d
 
         idx = jnp.arange(64, dtype=jnp.int32) % 9
         vals = jnp.ones((64, 32), jnp.float32)
         return jax.jit(f).lower(idx, vals, jnp.int32(5)).compile().as_text()
 
-    shared = program(lambda i, site: jnp.zeros((64, 32), jnp.float32))
+    shared = program(lambda i: jnp.zeros((64, 32), jnp.float32))
     assert _copies_of_broadcasts(shared), "the check finds no copy: it cannot fail"
-    own = program(lambda i, site: unshared_zeros((64, 32), jnp.float32, i, site))
+    own = program(lambda i: zeros_in_own_buffer((64, 32), jnp.float32, i))
     assert not _copies_of_broadcasts(own)
 
 

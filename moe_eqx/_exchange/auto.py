@@ -9,7 +9,7 @@ Per shard and direction, in rows of `d_model` activations (plus small metadata):
     [`moe_eqx.internal.expected_wire_rows`][]), and holds `B` rows.
 """
 
-from .._overflow import buffer_sizes
+from .._buffers import buffer_sizes
 
 # `allgather` holds `R * T` gathered rows: it is refused when that exceeds this many
 # times the capped receive buffer (`B` rows) the other exchanges hold...

@@ -9,7 +9,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
-from .._rules import all_to_all, count_at_or_below, unshared_zeros
+from .._rules import all_to_all, count_at_or_below, zeros_in_own_buffer
 from ._base import AbstractRowExchange, ExchangePlan
 
 
@@ -123,7 +123,8 @@ def _scatter_rows(x: Array, idx: Array, num_rows: int) -> Array:
     """`[num_rows, ...]` zeros with row `idx[j]` set to `x[j]` (an index of
     `num_rows` or more drops the row). A scatter, not a gather: it materialises the
     blocks for `all_to_all` itself (see `moe_eqx._rules.all_to_all`)."""
-    out = unshared_zeros((num_rows, *x.shape[1:]), x.dtype, idx, "exchange.blocks")
+    # The blocks are scattered into in place: shared zeros would be copied first.
+    out = zeros_in_own_buffer((num_rows, *x.shape[1:]), x.dtype, idx)
     return out.at[idx].set(x, mode="drop", unique_indices=True)
 
 

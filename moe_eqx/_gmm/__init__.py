@@ -5,9 +5,7 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from ._base import (
-    ACTIVATIONS as ACTIVATIONS,
     AbstractGMMBackend as AbstractGMMBackend,
-    Activation as Activation,
     GradAcc as GradAcc,
     gmm_ffn as gmm_ffn,
 )

@@ -1,15 +1,12 @@
-"""The grouped-matmul backend interface, the experts' activations, and the expert FFN
-built on them."""
+"""The grouped-matmul backend interface and the expert FFN built on it."""
 
 import abc
-import dataclasses
-import math
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._activation import SWIGLU, AbstractActivation, apply_activation
 from .._autodiff import symbolic_zeros_to_none
 from .._quant import QuantizedArray, as_float
 from .._rules import HIDDEN, remat_name
@@ -17,145 +14,6 @@ from .._rules import HIDDEN, remat_name
 GradAcc = tuple[
     Float[Array, "groups d_in two_d_ff"], Float[Array, "groups d_ff d_model"]
 ]
-
-
-_GATED = ("swiglu", "geglu", "geglu_tanh", "swiglu_oai", "swiglu_softcap")
-_UNGATED = ("relu", "relu2", "gelu", "gelu_tanh", "silu")
-ACTIVATIONS = _GATED + _UNGATED
-
-
-@dataclasses.dataclass(frozen=True)
-class Activation:
-    """An expert's activation, applied in float32 to the first product `h = x @ W1`.
-
-    Gated activations split `h` into `[gate | up]` halves (`W1` is `[d_model, 2 d_ff]`);
-    ungated ones take `h` whole (`W1` is `[d_model, d_ff]`).
-
-    - `"swiglu"`: `silu(gate) * up`; with `limit`, `gate` is clamped to at most
-        `limit` and `up` to `[-limit, limit]` first; with `limit_after` too, `silu(gate)`
-        is clamped to at most `limit` instead of `gate` (Step-3.7).
-    - `"geglu"`, `"geglu_tanh"`: `gelu(gate) * up` (exact, or the tanh approximation).
-    - `"swiglu_oai"`: `gate * sigmoid(alpha * gate) * (up + 1)` after the clamps above
-        (`limit` required).
-    - `"swiglu_softcap"`: `cap(gate, c_g) * sigmoid(gate) * cap(up, c_u)` with
-        `cap(v, c) = c * tanh(v / c)` and `softcap = (c_g, c_u)` (required; Inkling-2).
-    - `"relu"`, `"relu2"` (`relu(h)**2`), `"gelu"`, `"gelu_tanh"`, `"silu"`: ungated.
-
-    With `bias`, `h` carries one more column, a constant 1 that is passed through to
-    the output's last column: the experts' biases ride in their weights as one more
-    row (`x @ W1 + b1 = [x, 1] @ [W1; b1]`, and the same for `Wd`), so every backend,
-    the exchange, the slot copies and the fallback compute them without knowing.
-
-    Its derivatives are JAX's own (`jvp`, `vjp` below), in float32.
-    """
-
-    name: str = "swiglu"
-    limit: float | None = None
-    alpha: float = 1.702
-    bias: bool = False
-    softcap: tuple[float, ...] | None = None
-    limit_after: bool = False
-
-    def __post_init__(self):
-        if self.name not in ACTIVATIONS:
-            raise ValueError(
-                f"Unknown activation {self.name!r}; expected one of {ACTIVATIONS}."
-            )
-        if (self.name == "swiglu_softcap") != (self.softcap is not None):
-            raise ValueError(
-                "`activation_softcap` (a pair of positive caps) is needed by "
-                f"'swiglu_softcap' and by no other activation; got "
-                f"{self.softcap!r} for {self.name!r}."
-            )
-        if self.softcap is not None and not (
-            isinstance(self.softcap, tuple)
-            and len(self.softcap) == 2
-            and all(
-                isinstance(c, int | float)
-                and not isinstance(c, bool)
-                and math.isfinite(c)
-                and c > 0
-                for c in self.softcap
-            )
-        ):
-            raise ValueError(
-                "`activation_softcap` must be a pair of positive finite numbers "
-                f"(gate cap, up cap), got {self.softcap!r}."
-            )
-        if self.limit is not None and not (
-            self.name in ("swiglu", "swiglu_oai") and self.limit > 0
-        ):
-            raise ValueError(
-                f"An activation `limit` applies to 'swiglu' and 'swiglu_oai' and must "
-                f"be positive; got limit={self.limit!r} for {self.name!r}."
-            )
-        if self.limit_after and self.name != "swiglu":
-            raise ValueError(
-                "`activation_limit_after` (a clamp after the activation) applies to "
-                f"'swiglu' only; got {self.name!r}."
-            )
-        if self.name == "swiglu_oai" and self.limit is None:
-            raise ValueError("The 'swiglu_oai' activation needs a `limit`.")
-
-    @property
-    def gated(self) -> bool:
-        return self.name in _GATED
-
-    def width(self, d_ff: int) -> int:
-        """Columns of the first product for hidden width `d_ff` (biases not
-        counted)."""
-        return 2 * d_ff if self.gated else d_ff
-
-    def in_width(self, rows: int) -> int:
-        """Columns of the first product for a down projection of `rows` rows (with
-        `bias`, both count the bias's column)."""
-        return self.width(rows - 1) + 1 if self.bias else self.width(rows)
-
-    def __call__(self, h: Array) -> Array:
-        """The activation of `h` (`[..., 2 d_ff]` gated, `[..., d_ff]` ungated, one
-        more column with `bias`), in float32."""
-        h = h.astype(jnp.float32)
-        if self.bias:
-            core = dataclasses.replace(self, bias=False)
-            return jnp.concatenate([core(h[..., :-1]), h[..., -1:]], axis=-1)
-        if not self.gated:
-            if self.name == "relu":
-                return jax.nn.relu(h)
-            if self.name == "relu2":
-                return jnp.square(jax.nn.relu(h))
-            if self.name == "silu":
-                return jax.nn.silu(h)
-            return jax.nn.gelu(h, approximate=self.name == "gelu_tanh")
-        gate, up = jnp.split(h, 2, axis=-1)
-        if self.limit is not None:
-            if not self.limit_after:
-                gate = jnp.minimum(gate, self.limit)
-            up = jnp.clip(up, -self.limit, self.limit)
-        if self.name == "swiglu":
-            activated = jax.nn.silu(gate)
-            if self.limit_after and self.limit is not None:
-                activated = jnp.minimum(activated, self.limit)
-            return activated * up
-        if self.name == "swiglu_oai":
-            return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
-        if self.name == "swiglu_softcap":
-            c_gate, c_up = self.softcap
-            capped_up = c_up * jnp.tanh(up / c_up)
-            return c_gate * jnp.tanh(gate / c_gate) * jax.nn.sigmoid(gate) * capped_up
-        return jax.nn.gelu(gate, approximate=self.name == "geglu_tanh") * up
-
-    def jvp(self, h: Array, t_h: Array) -> tuple[Array, Array]:
-        """`(self(h), its tangent along t_h)`, both float32."""
-        f32 = jnp.float32
-        return jax.jvp(self, (h.astype(f32),), (t_h.astype(f32),))
-
-    def vjp(self, h: Array, d_act: Array) -> Array:
-        """The cotangent of `h` for the cotangent `d_act` of `self(h)`, float32."""
-        _, pullback = jax.vjp(self, h.astype(jnp.float32))
-        return pullback(d_act.astype(jnp.float32))[0]
-
-
-SWIGLU = Activation()
 
 
 class AbstractGMMBackend(eqx.Module):
@@ -195,7 +53,7 @@ class AbstractGMMBackend(eqx.Module):
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
-        activation: Activation = SWIGLU,
+        activation: AbstractActivation = SWIGLU,
     ):
         """The expert FFN of each group: `out[i] = act(x[i] @ W1) @ Wd` with the
         group's weights (`w_gate_up[g] = W1`, `[Wg | Wu]` for a gated activation, so
@@ -207,7 +65,7 @@ class AbstractGMMBackend(eqx.Module):
         - `w_gate_up`: `[G, d_model, 2 d_ff]` (`[G, d_model, d_ff]` for an ungated
             activation); `w_down`: `[G, d_ff, d_model]`.
         - `group_sizes`: `[G]` int32, `sum <= M`.
-        - `activation`: the [`moe_eqx.Activation`][] (SwiGLU by default).
+        - `activation`: the [`moe_eqx.AbstractActivation`][] (SwiGLU by default).
         - `grad_acc`: optional float32 accumulators shaped like the weights, for
             the chunked fallback's backward, which sums its chunks' weight gradients
             in one buffer. The function is then `(ffn(x, w + acc - acc'), acc)`
@@ -232,7 +90,7 @@ def gmm_ffn(
     w_down: Array | QuantizedArray,
     group_sizes: Array,
     grad_acc: GradAcc | None = None,
-    activation: Activation = SWIGLU,
+    activation: AbstractActivation = SWIGLU,
 ) -> Array | tuple[Array, GradAcc]:
     """`AbstractGMMBackend.ffn` as two calls of `backend` (for backends without a
     fused FFN)."""
@@ -258,7 +116,7 @@ def two_products(product, x, w_gate_up, w_down, group_sizes, activation):
     matmul in `lhs.dtype` that takes the weights as given (float or quantized)."""
     gate_up = product(x, w_gate_up, group_sizes)
     gate_up = remat_name(gate_up, HIDDEN)
-    act = activation(gate_up).astype(x.dtype)
+    act = apply_activation(activation, gate_up).astype(x.dtype)
     return product(act, w_down, group_sizes)
 
 

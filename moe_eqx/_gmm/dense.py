@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._activation import SWIGLU, AbstractActivation
 from .._quant import QuantizedArray
 from .._rules import acc_dtype
-from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, gmm_ffn
+from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
 
 
 def group_ids(group_sizes: Int[Array, " groups"], num_rows: int) -> Int[Array, " rows"]:
@@ -60,6 +61,6 @@ class DenseGMM(AbstractGMMBackend):
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
-        activation: Activation = SWIGLU,
+        activation: AbstractActivation = SWIGLU,
     ):
         return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)

@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._activation import SWIGLU, AbstractActivation
 from .._quant import QuantizedArray
 from .._rules import acc_dtype, match_varying
 from ._base import (
-    SWIGLU,
     AbstractGMMBackend,
-    Activation,
     GradAcc,
     two_products,
     with_tangent_of,
@@ -80,7 +79,7 @@ class GatheredGMM(AbstractGMMBackend):
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
-        activation: Activation = SWIGLU,
+        activation: AbstractActivation = SWIGLU,
     ):
         with jax.named_scope("moe_eqx.gmm.gathered"):
             if grad_acc is not None:  # see `AbstractGMMBackend.ffn`

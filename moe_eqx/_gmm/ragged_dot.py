@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from .._activation import SWIGLU, AbstractActivation
 from .._quant import QuantizedArray
-from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, gmm_ffn
+from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
 from ._products import AbstractProducts, gmm
 
 # `a_i @ b[g]^T` (`a`'s columns against `b`'s last axis), and `a_g^T d_g` (the ragged
@@ -80,6 +81,6 @@ class RaggedDotGMM(AbstractGMMBackend):
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
-        activation: Activation = SWIGLU,
+        activation: AbstractActivation = SWIGLU,
     ):
         return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from .._activation import SWIGLU, AbstractActivation, apply_activation
 from .._autodiff import custom_linear, fused, symbolic_zeros_to_none
 from .._quant import QuantizedArray, as_float
 from .._rules import (
@@ -47,9 +48,9 @@ from .._rules import (
     div,
     match_varying,
     remat_name,
-    unshared_zeros,
+    zeros_in_own_buffer,
 )
-from ._base import SWIGLU, AbstractGMMBackend, Activation, GradAcc, with_tangent_of
+from ._base import AbstractGMMBackend, GradAcc, with_tangent_of
 from ._products import AbstractProducts, gmm, gmm_t, tgmm
 from .gathered import GatheredGMM
 
@@ -252,7 +253,8 @@ def _gmm_forward(lhs, rhs, group_sizes, windows, transpose_rhs=False):
     """`lhs_i @ rhs[g]` (`rhs[g]^T` with `transpose_rhs`) in `lhs.dtype`."""
     num_rows = lhs.shape[0]
     columns = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    out = unshared_zeros((num_rows, columns), lhs.dtype, group_sizes, "gmm", lhs, rhs)
+    # The windows' loop writes its rows in place.
+    out = zeros_in_own_buffer((num_rows, columns), lhs.dtype, group_sizes, lhs, rhs)
     if num_rows == 0:
         return out
 
@@ -277,19 +279,16 @@ def _gmm_backward(lhs, rhs, group_sizes, d_out, windows, want_lhs, want_rhs):
     d_out = d_out.astype(lhs.dtype)
     acc = acc_dtype(lhs.dtype)
     like = (lhs, d_out) if rhs is None else (lhs, d_out, rhs)
+    # The backward loop's outputs and scratch, each written in place.
     d_lhs = (
-        unshared_zeros(lhs.shape, lhs.dtype, sizes, "gmm.d_lhs", *like)
-        if want_lhs
-        else None
+        zeros_in_own_buffer(lhs.shape, lhs.dtype, sizes, *like) if want_lhs else None
     )
     shape = (num_groups, lhs.shape[1], d_out.shape[1])
-    d_rhs = unshared_zeros(shape, acc, sizes, "gmm.d_rhs", *like) if want_rhs else None
+    d_rhs = zeros_in_own_buffer(shape, acc, sizes, *like) if want_rhs else None
     # A group's `d_rhs` block is summed in a `[K, N]` scratch carried from group to
     # group (its first window writes it) and stored once per group.
     outs = (d_rhs,) if want_rhs else ()
-    scratch = (
-        (unshared_zeros(shape[1:], acc, sizes, "gmm.block", *like),) if want_rhs else ()
-    )
+    scratch = (zeros_in_own_buffer(shape[1:], acc, sizes, *like),) if want_rhs else ()
     # Rows a window does not own are masked out of `d_rhs` on the narrower of its
     # two operands (`d_lhs` keeps only the owned rows anyway).
     mask_lhs = lhs.shape[1] <= d_out.shape[1]
@@ -353,13 +352,12 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, windows, act, keep_gate_up: 
     the backward's residual."""
     num_rows = x.shape[0]
     like = (x, w_gate_up, w_down)
-    out = unshared_zeros(
-        (num_rows, w_down.shape[2]), x.dtype, group_sizes, "ffn", *like
-    )
+    # The windows' loop writes the output (and the kept first product) in place.
+    out = zeros_in_own_buffer((num_rows, w_down.shape[2]), x.dtype, group_sizes, *like)
     gate_up = None
     if keep_gate_up:
         shape = (num_rows, w_gate_up.shape[2])
-        gate_up = unshared_zeros(shape, x.dtype, group_sizes, "ffn.gate_up", *like)
+        gate_up = zeros_in_own_buffer(shape, x.dtype, group_sizes, *like)
     if num_rows == 0:
         return out, gate_up
 
@@ -373,7 +371,7 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, windows, act, keep_gate_up: 
         window = keep.shape[0]
         (out, gate_up), (w_gu, w_dn) = carry, ctx
         gu = _dot(_take(x, start, window), w_gu, x.dtype)
-        y = _dot(act(gu).astype(x.dtype), w_dn, x.dtype)
+        y = _dot(apply_activation(act, gu).astype(x.dtype), w_dn, x.dtype)
         if gate_up is not None:
             gate_up = _put(gate_up, gu, start, keep)
         return (_put(out, y, start, keep), gate_up), ctx
@@ -384,7 +382,9 @@ def _ffn_forward(x, w_gate_up, w_down, group_sizes, windows, act, keep_gate_up: 
 def _ffn_unfused(x, w_gate_up, w_down, group_sizes, windows, act):
     products = _TiledProducts(windows)
     gate_up = gmm(products, x, w_gate_up, group_sizes)
-    out = gmm(products, act(gate_up).astype(x.dtype), w_down, group_sizes)
+    out = gmm(
+        products, apply_activation(act, gate_up).astype(x.dtype), w_down, group_sizes
+    )
     return out, gate_up
 
 
@@ -401,7 +401,7 @@ class _FFNRes(NamedTuple):
     gate_up: Array
     group_sizes: Array
     windows: Windows
-    act: Activation
+    act: AbstractActivation
     acc: tuple | None = None  # the accumulators' `ShapeDtypeStruct`s, if any
 
 
@@ -409,9 +409,8 @@ def _ffn_tangent_fused(res: _FFNRes, t_x, t_gu, t_dn):
     x = res.x
     num_rows = x.shape[0]
     shape = (num_rows, res.w_down.shape[2])
-    out = unshared_zeros(
-        shape, x.dtype, res.group_sizes, "ffn.tangent", x, res.w_gate_up
-    )
+    # The tangent loop writes its rows in place.
+    out = zeros_in_own_buffer(shape, x.dtype, res.group_sizes, x, res.w_gate_up)
 
     def enter(out, g):
         ws = (res.w_gate_up if t_x is not None else None, t_gu, res.w_down, t_dn)
@@ -491,19 +490,16 @@ def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool)
     # accumulators' blocks; stored once per group either way.
     fresh = acc_in is None
     want_w = want_w or not fresh
-    d_x = unshared_zeros(x.shape, x.dtype, sizes, "ffn.d_x", *like) if want_x else None
+    # The backward loop's outputs and scratch, each written in place.
+    d_x = zeros_in_own_buffer(x.shape, x.dtype, sizes, *like) if want_x else None
     outs = scratch = ()
     if not fresh:
         outs = tuple(match_varying(*(a.astype(acc) for a in acc_in), *like)[:2])
     elif want_w:
         weights = (res.w_gate_up, res.w_down)
-        outs = tuple(
-            unshared_zeros(w.shape, acc, sizes, f"ffn.d_w{i}", *like)
-            for i, w in enumerate(weights)
-        )
+        outs = tuple(zeros_in_own_buffer(w.shape, acc, sizes, *like) for w in weights)
         scratch = tuple(
-            unshared_zeros(w.shape[1:], acc, sizes, f"ffn.block{i}", *like)
-            for i, w in enumerate(weights)
+            zeros_in_own_buffer(w.shape[1:], acc, sizes, *like) for w in weights
         )
 
     def enter(carry, g):
@@ -523,7 +519,7 @@ def _ffn_backward_fused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: bool)
         if want_x:
             d_x = _put(d_x, _dot(d_gate_up, w_gu.T, x.dtype), start, keep)
         if want_w:
-            act = res.act(gu).astype(x.dtype)
+            act = apply_activation(res.act, gu).astype(x.dtype)
             x_w = _take(x, start, window)
             blocks = (
                 _add(blocks[0], _dot(x_w.T, d_gate_up, acc), first),
@@ -561,7 +557,7 @@ def _ffn_backward_unfused(res: _FFNRes, d_out, acc_in, want_x: bool, want_w: boo
     if want_x:
         d_x = gmm_t(products, d_gate_up, w_gate_up, group_sizes)
     if want_w or acc_in is not None:
-        a = act(gate_up).astype(x.dtype)
+        a = apply_activation(act, gate_up).astype(x.dtype)
         d_gu = tgmm(products, x, d_gate_up, group_sizes).astype(acc)
         d_dn = tgmm(products, a, d_out, group_sizes).astype(acc)
         if acc_in is not None:
@@ -651,7 +647,7 @@ def tiled_ffn(
     *,
     tile_rows: int | tuple[int, int] | None = None,
     grad_acc: GradAcc | None = None,
-    activation: Activation = SWIGLU,
+    activation: AbstractActivation = SWIGLU,
 ):
     """The expert FFN over groups of rows in one loop of windows; see
     `moe_eqx.AbstractGMMBackend.ffn` for the arguments and results."""
@@ -722,7 +718,7 @@ class TiledGMM(AbstractGMMBackend):
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
-        activation: Activation = SWIGLU,
+        activation: AbstractActivation = SWIGLU,
     ):
         if x.shape[0] < w_gate_up.shape[0]:
             return GatheredGMM().ffn(

@@ -6,12 +6,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..._activation import SWIGLU, AbstractActivation
 from ..._quant import QuantizedArray
 from ..._rules import match_varying
 from .._base import (
-    SWIGLU,
     AbstractGMMBackend,
-    Activation,
     GradAcc,
     gmm_ffn,
     two_products,
@@ -129,7 +128,7 @@ class MosaicGPUGMM(AbstractGMMBackend):
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
-        activation: Activation = SWIGLU,
+        activation: AbstractActivation = SWIGLU,
     ):
         if x.dtype not in _SUPPORTED_DTYPES:
             return self.fallback.ffn(

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import mesh
 from test_hf_config import H, _state_dict, _torch_value_and_grad
-from test_hf_families import _drawn, _module, _saved
+from test_hf_family_settings import _drawn, _module, _saved
 
 import moe_eqx as me
 
@@ -177,8 +177,8 @@ _HONOURED = [
     ("mistral4", "norm_topk_prob", False, "norm_topk", False),
     ("mistral4", "topk_group", 2, "top_groups", 2),
     ("mistral_large4_text", "n_shared_experts", 0, "shared_d_ff", 0),
-    ("axk2", "n_group", None, "group_fill", -float("inf")),
-    ("axk1", "rms_norm_eps", 0.5, "output_norm_eps", 0.5),
+    ("axk2", "n_group", None, "selection", me.Selection()),
+    ("axk1", "rms_norm_eps", 0.5, "output", me.OutputTransform(norm_eps=0.5)),
 ]
 
 
@@ -194,8 +194,8 @@ def test_axk2_zero_fill_is_computed(getkey):
     A.X-K2's block on these tokens: the 0 fill is what the layer matches."""
     cfg, block = _family("axk2")
     config = me.config_from_hf(cfg.to_dict())
-    assert config.group_fill == 0.0
-    wrong = dataclasses.replace(config, group_fill=-float("inf"))
+    assert config.selection.group_fill == 0.0
+    wrong = dataclasses.replace(config, selection=me.Selection())
     layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
     x = jax.random.normal(getkey(), (32, H), jnp.float32)
     y_hf, _ = _torch_value_and_grad(block, x)
@@ -203,10 +203,9 @@ def test_axk2_zero_fill_is_computed(getkey):
 
 
 def test_group_fill_is_validated():
-    base = dict(d_model=8, d_ff=8, num_experts=4, top_k=2)
     for bad in (float("nan"), float("inf"), True, "0"):
-        with pytest.raises(ValueError, match="`group_fill`"):
-            me.MoEConfig(**base, group_fill=bad)
+        with pytest.raises(ValueError, match="`Selection.group_fill`"):
+            me.Selection(group_fill=bad)
 
 
 def test_mistral_large4_always_renormalises():
@@ -375,7 +374,7 @@ def test_axk1_output_norm_in_the_callers_shard_map(getkey):
     )
     scale = np.max(np.abs(y_hf))
     np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * scale)
-    plain = layer.with_config(output_norm_eps=None)
+    plain = layer.with_config(output=me.OutputTransform())
     plain = eqx.tree_at(lambda l: l.output_norm, plain, None)
     plain = me.reference_moe(plain, x)
     assert np.max(np.abs(np.asarray(plain) - y_hf)) > 1e-2 * scale

@@ -1,5 +1,9 @@
-"""Hugging Face families, batch 2, each against `transformers`' own block, and the
-check that `config_from_hf` never ignores a key that changes the MoE computation."""
+"""Hugging Face families whose blocks reuse OLMoE's, Qwen3-MoE's, GraniteMoE's or
+GPT-OSS's with a change (`flex_olmo`, `mellum`, `flint`, `lara_mini`, `laguna`,
+`kolibri1`, `qwen4_exp`, `granitemoe_swa`, `openai_privacy_filter`), each against
+`transformers`' own block: a key honoured or refused by name, the variant each adds
+(a soft-cap, a selection bias on the logits, gate and up in halves) shown to bite;
+and the families refused with their reason (`zaya`, `doge`, `vitpose_backbone`)."""
 
 import dataclasses
 import re
@@ -10,129 +14,14 @@ import numpy as np
 import pytest
 from helpers import mesh
 from test_hf_config import H, _state_dict, _torch_value_and_grad
-from test_hf_families import _assert_matches_block, _drawn, _module
+from test_hf_family_settings import _assert_matches_block, _drawn, _module
 
 import moe_eqx as me
-from moe_eqx import _hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-# ---------------------------------------------------------------------------------
-# 1. Keys that change the computation: read by the family's reader or refused.
-
-# A value other than the neutral ones for each key of `_COMPUTATION_KEYS`.
-_NOT_NEUTRAL = {
-    "hidden_act": "gelu",
-    "mlp_hidden_act": "gelu",
-    "activation_function": "gelu",
-    "expert_hidden_act": "gelu",
-    "swiglu_limit": 3.0,
-    "swiglu_alpha": 1.5,
-    "mlp_bias": True,
-    "use_bias": True,
-    "expert_bias": True,
-    "router_bias": True,
-    "use_routing_bias": True,
-    "use_expert_bias": True,
-    "moe_router_bias": True,
-    "scoring_func": "sigmoid",
-    "score_func": "sigmoid",
-    "expert_selection_fn": "sigmoid",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "normalize_expert_weights": 2.0,
-    "n_group": 2,
-    "topk_group": 2,
-    "routed_scaling_factor": 2.0,
-    "route_scale": 2.0,
-    "router_scaling_factor": 2.0,
-    "moe_routed_scaling_factor": 2.0,
-    "moe_norm_min": 0.5,
-    "router_temperature": 2.0,
-    "router_logit_softcapping": 30.0,
-    "moe_router_logit_softcapping": 30.0,
-    "moe_apply_router_weight_on_input": True,
-    "router_jitter_noise": 0.1,
-    "input_jitter_noise": 0.1,
-    "jitter_noise": 0.1,
-    "moe_jitter_eps": 0.1,
-    "n_shared_experts": 2,
-    "num_shared_experts": 2,
-    "moe_num_shared_experts": 2,
-    "shared_expert_intermediate_size": 8,
-    "shared_intermediate_size": 8,
-    "moe_shared_expert_intermediate_size": 8,
-    "shared_expert_combination_strategy": "average",
-    "zero_expert_num": 2,
-    "moe_latent_size": 8,
-}
-# Keys a default config leaves unset that its family's reader needs.
-_FILL = {
-    "num_experts_per_tok": 2,
-    "n_routed_experts": 8,
-    "num_experts": 8,
-    "top_k_experts": 2,
-    "moe_intermediate_size": 16,
-}
-# Families whose default config has no MoE block, and the keys that give it one.
-_MOE_ON = {"gemma4_text": {"enable_moe_block": True}}
-
-
-def _default_config(model_type):
-    hf = transformers.CONFIG_MAPPING[model_type]().to_dict()
-    hf = hf | _MOE_ON.get(model_type, {})
-    return hf | {k: v for k, v in _FILL.items() if k in hf and hf[k] is None}
-
-
-def test_every_key_has_a_value_that_is_not_neutral():
-    assert set(_NOT_NEUTRAL) == set(_hf._COMPUTATION_KEYS)
-    for key, value in _NOT_NEUTRAL.items():
-        assert value not in _hf._COMPUTATION_KEYS[key], key
-
-
-@pytest.mark.parametrize("model_type", sorted(_hf._FAMILIES))
-def test_computation_keys_are_read_or_refused(model_type):
-    """Each family's default `transformers` config maps (no false refusal); each key
-    of the table that its reader does not read, given a value that is not neutral,
-    is refused by name, unless the family lists it as unused by its block (then the
-    config stays as it is)."""
-    if model_type not in transformers.CONFIG_MAPPING:
-        pytest.skip(f"transformers has no config class for {model_type}")
-    hf = _default_config(model_type)
-    base = me.config_from_hf(hf)
-    reader = _hf._Reader(hf)
-    _hf._FAMILIES[model_type](reader)
-    ignored = _hf._IGNORED_KEYS.get(model_type, ())
-    unread = [k for k in _NOT_NEUTRAL if k not in reader.read and k not in ignored]
-    assert len(unread) > len(_NOT_NEUTRAL) // 2  # most keys are other families'
-    for key in unread:
-        value = _NOT_NEUTRAL[key]
-        with pytest.raises(ValueError, match=re.escape(f"config: {key}={value!r}")):
-            me.config_from_hf(hf | {key: value})
-    for key in ignored:
-        assert me.config_from_hf(hf | {key: _NOT_NEUTRAL[key]}) == base, key
-
-
-def test_an_unread_key_is_refused_by_name(monkeypatch):
-    """A real mistake the check catches: Flint's block subclasses Qwen3-MoE's, but
-    adds a shared expert; read with Qwen3-MoE's reader (which never reads
-    `shared_expert_intermediate_size`) its config is refused, naming the key,
-    instead of giving a layer without the shared expert."""
-    hf = transformers.FlintConfig(hidden_size=16, num_experts=8).to_dict()
-    monkeypatch.setitem(_hf._FAMILIES, "flint", _hf._qwen3_moe)
-    with pytest.raises(
-        ValueError,
-        match=r"flint config: shared_expert_intermediate_size=1024 changes the MoE "
-        r"computation and is not read for this family",
-    ):
-        me.config_from_hf(hf)
-    # And a neutral value of the same key is accepted.
-    me.config_from_hf(hf | {"shared_expert_intermediate_size": 0})
-
-
-# ---------------------------------------------------------------------------------
-# 2. Families, each against its block (one device and EP4) through
+# Families, each against its block (one device and EP4) through
 # `config_from_hf(config.to_dict())` and the importer.
 
 _SMALL = dict(
@@ -247,7 +136,13 @@ def test_family_matches_its_block(x, name, num_shards):
         ("flint", "norm_topk_prob", False, "norm_topk", False),
         ("flint", "shared_expert_intermediate_size", 0, "shared_d_ff", 0),
         ("laguna", "moe_routed_scaling_factor", 2.5, "routed_scaling_factor", 2.5),
-        ("laguna", "moe_router_logit_softcapping", 30.0, "router_softcap", 30.0),
+        (
+            "laguna",
+            "moe_router_logit_softcapping",
+            30.0,
+            "score_func",
+            me.Sigmoid(softcap=30.0),
+        ),
         ("lara_mini", "norm_topk_prob", True, "norm_topk", True),
         ("mellum", "norm_topk_prob", False, "norm_topk", False),
         ("mellum", "hidden_act", "gelu", "activation", "geglu"),
@@ -314,21 +209,22 @@ def test_refused_families_name_their_reason(model_type, message):
 
 def test_kolibri1_selects_on_the_biased_logits(x):
     """Kolibri-1 adds its selection bias to the logits, not to their sigmoids: the
-    same layer with the bias on the scores (`bias_on_logits=False`) picks other
-    experts for some tokens and differs from the block."""
+    same layer with the bias on the scores (`Selection(bias_on_logits=False)`)
+    picks other experts for some tokens and differs from the block."""
     cfg, block = _kolibri1()
     block = _drawn(block)
     config = me.config_from_hf(cfg.to_dict())
-    assert config.bias_on_logits and config.use_router_bias
-    wrong = dataclasses.replace(config, bias_on_logits=False)
+    assert config.selection.bias_on_logits and config.use_router_bias
+    wrong = dataclasses.replace(config, selection=me.Selection())
     layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
     y_hf, _ = _torch_value_and_grad(block, x)
     assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2 * np.abs(y_hf).max()
 
 
 def test_bias_on_logits_is_validated():
-    base = dict(d_model=8, d_ff=8, num_experts=4, top_k=2, bias_on_logits=True)
-    with pytest.raises(ValueError, match="`bias_on_logits=True` needs"):
+    on_logits = me.Selection(bias_on_logits=True)
+    base = dict(d_model=8, d_ff=8, num_experts=4, top_k=2, selection=on_logits)
+    with pytest.raises(ValueError, match=r"`Selection\(bias_on_logits=True\)` needs"):
         me.MoEConfig(**base)
     with pytest.raises(ValueError, match="with group-limited routing"):
         me.MoEConfig(**base, use_router_bias=True, num_groups=2)
@@ -381,17 +277,17 @@ def test_laguna_softcap_changes_the_routing(x):
     cfg, block = _laguna_softcap()
     block = _drawn(block)
     config = me.config_from_hf(cfg.to_dict())
-    wrong = dataclasses.replace(config, router_softcap=0.0)
+    assert config.score_func == me.Sigmoid(softcap=1.0)
+    wrong = dataclasses.replace(config, score_func="sigmoid")
     layer = me.layer_from_hf_state_dict(wrong, _state_dict(block))
     y_hf, _ = _torch_value_and_grad(block, x)
     assert np.max(np.abs(np.asarray(layer(x)[0]) - y_hf)) > 1e-2 * np.abs(y_hf).max()
 
 
 def test_router_softcap_is_validated():
-    base = dict(d_model=8, d_ff=8, num_experts=4, top_k=2)
     for bad in (-1.0, float("inf")):
-        with pytest.raises(ValueError, match="`router_softcap` must be"):
-            me.MoEConfig(**base, router_softcap=bad)
+        with pytest.raises(ValueError, match="`Sigmoid.softcap` must be"):
+            me.Sigmoid(softcap=bad)
 
 
 def test_granitemoe_swa_model_directory(x, tmp_path):

@@ -75,7 +75,8 @@ def test_ernie_moe_norm_min_floors_the_divisor(getkey, num_shards):
     cfg, block = _ernie(0.9)
     x = jax.random.normal(getkey(), (32, H), jnp.float32)
     layer = _assert_matches_block(block, cfg.to_dict(), x, num_shards)
-    assert layer.config.norm_topk_min == 0.9
+    assert layer.config.weighting == me.Weighting(floor=0.9)
+    assert layer.router.weighting.floor == 0.9
     # The floor is active for some tokens (else this test could not tell).
     routing = layer.router(x)
     chosen = jax.nn.softmax(x @ layer.router.weight, axis=-1)
@@ -83,12 +84,12 @@ def test_ernie_moe_norm_min_floors_the_divisor(getkey, num_shards):
     assert int(jnp.sum(sums < 0.9)) > len(x) // 4
 
 
-def test_norm_topk_min_is_validated():
+def test_weighting_floor_is_validated():
     base = dict(d_model=8, d_ff=8, num_experts=4, top_k=2)
-    with pytest.raises(ValueError, match="`norm_topk_min`"):
-        me.MoEConfig(**base, norm_topk_min=-1.0)
-    with pytest.raises(ValueError, match="`norm_topk_min`.*`norm_topk=True`"):
-        me.MoEConfig(**base, norm_topk_min=0.5, norm_topk=False)
+    with pytest.raises(ValueError, match="`Weighting.floor`"):
+        me.Weighting(floor=-1.0)
+    with pytest.raises(ValueError, match=r"`Weighting\(floor=...\)`.*`norm_topk=True`"):
+        me.MoEConfig(**base, weighting=me.Weighting(floor=0.5), norm_topk=False)
 
 
 # ---------------------------------------------------------------------------------

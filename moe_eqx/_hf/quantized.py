@@ -3,7 +3,6 @@ and its quantized tensors, read from the safetensors files and dequantized one e
 at a time (`moe_eqx._quant` holds the formats' rules)."""
 
 import dataclasses
-import json
 import math
 import pathlib
 from collections.abc import Callable, Mapping
@@ -12,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._quant import (
+from .._quant import (
     FP8_BLOCK,
     MXFP4_BLOCK,
     QuantizedArray,
@@ -20,6 +19,7 @@ from ._quant import (
     dequantize_mxfp4,
     e8m0_to_float32,
 )
+from .safetensors_file import TensorFile
 
 _METHODS = "fp8 (FP8 E4M3 with block scales), mxfp4"
 _FP8_SCALE = "_scale_inv"  # `x.weight` -> `x.weight_scale_inv`
@@ -100,51 +100,6 @@ def checkpoint_dtype(hf: Mapping):
     )
 
 
-# safetensors dtype names -> NumPy dtypes (E8M0 scales kept as their bytes).
-_NUMPY = {
-    "F8_E4M3": jnp.float8_e4m3fn,
-    "F8_E8M0": np.uint8,
-    "U8": np.uint8,
-    "F32": np.float32,
-    "BF16": jnp.bfloat16,
-    "F16": np.float16,
-}
-
-
-class _File:
-    """One safetensors file's tensors, each read by rows of its first axis with
-    plain file reads (the `safetensors` package's NumPy reader has no FP8 dtype,
-    and reads into a memory map whose pages stay resident)."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            self.header = json.loads(f.read(size))
-        self.start = 8 + size
-
-    def dtype(self, name: str) -> str:
-        return self.header[name]["dtype"]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.header[name]["shape"])
-
-    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        dtype = self.dtype(name)
-        if dtype not in _NUMPY:
-            raise ValueError(f"{name} is stored as {dtype}, which is not read.")
-        shape = self.shape(name)
-        stop = shape[0] if stop is None else stop
-        item = np.dtype(_NUMPY[dtype]).itemsize
-        row = math.prod(shape[1:]) * item
-        out = np.empty((stop - start) * row, np.uint8)
-        with open(self.path, "rb") as f:
-            f.seek(self.start + self.header[name]["data_offsets"][0] + start * row)
-            if f.readinto(out) != out.size:
-                raise ValueError(f"{self.path} ends inside the tensor {name}.")
-        return out.view(_NUMPY[dtype]).reshape(stop - start, *shape[1:])
-
-
 class Stored:
     """A quantized tensor of a checkpoint, standing for the floats it holds: `shape`
     and `dtype` are the dequantized tensor's. Nothing is read until it is converted
@@ -168,7 +123,7 @@ def quantized_tensors(
     names: Mapping[str, str],
     files: Mapping[str, pathlib.Path],
     dtype,
-    opened: dict[pathlib.Path, _File],
+    opened: dict[pathlib.Path, TensorFile],
 ) -> tuple[dict[str, str], dict[str, Stored]]:
     """One layer's quantized tensors, each as the dequantized tensor it stands for.
 
@@ -191,7 +146,7 @@ def quantized_tensors(
     def file(name):
         path = files[name]
         if path not in opened:
-            opened[path] = _File(path)
+            opened[path] = TensorFile(path)
         return opened[path]
 
     group = _fp8_group if quant.method == "fp8" else _mxfp4_group
@@ -326,7 +281,7 @@ def stored_experts(
     than per-expert FP8 weights (DeepSeek-V3) or GPT-OSS's fused MXFP4 tensors, or
     FP8 blocks other than 128 x 128, is a `ValueError`.
     """
-    opened: dict[pathlib.Path, _File] = {}
+    opened: dict[pathlib.Path, TensorFile] = {}
     start, stop = (0, num_experts) if experts is None else experts
 
     def read(name, rows=None):
@@ -334,7 +289,7 @@ def stored_experts(
             raise ValueError(f"{name} is missing (`keep_quantized=True`).")
         path = files[name]
         if path not in opened:
-            opened[path] = _File(path)
+            opened[path] = TensorFile(path)
         return opened[path].read(name, *(rows or ()))
 
     n = stop - start

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import mesh
 from test_hf_config import H, _torch_value_and_grad
-from test_hf_families import _assert_matches_block, _drawn, _module, _saved
+from test_hf_family_settings import _assert_matches_block, _drawn, _module, _saved
 
 import moe_eqx as me
 
@@ -284,25 +284,20 @@ def test_settings_it_does_not_compute_are_refused_by_name(name, change, message)
 
 
 @pytest.mark.parametrize(
-    ("fields", "message"),
+    ("make", "message"),
     [
-        (dict(activation="swiglu_softcap"), "needed by 'swiglu_softcap'"),
-        (dict(activation_softcap=(1.0, 2.0)), "and by no other activation"),
+        (lambda: me.SoftcapSwiGLU(gate_cap=1.0, up_cap=-2.0), "`SoftcapSwiGLU.up_cap`"),
+        (lambda: me.SoftcapSwiGLU(1.0, float("inf")), "`SoftcapSwiGLU.up_cap`"),
+        (lambda: me.SwiGLU(limit_after=True), "`SwiGLU.limit_after` needs a `limit`"),
         (
-            dict(activation="swiglu_softcap", activation_softcap=(1.0, -2.0)),
-            "pair of positive finite numbers",
+            lambda: me.SharedCombination(activation="swiglu_softcap"),
+            r"`SharedCombination.activation='swiglu_softcap'` needs its settings",
         ),
-        (
-            dict(activation="swiglu_softcap", activation_softcap=(1.0,)),
-            "pair of positive finite numbers",
-        ),
-        (dict(activation="geglu", activation_limit_after=True), "'swiglu' only"),
-        (dict(shared_activation_limit=-1.0), "`shared_activation_limit` must be"),
     ],
 )
-def test_new_activation_settings_are_validated(fields, message):
+def test_new_activation_settings_are_validated(make, message):
     with pytest.raises(ValueError, match=message):
-        me.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, **fields)
+        make()
 
 
 def test_step3p7_per_layer_clamps(tmp_path, x):
@@ -322,9 +317,10 @@ def test_step3p7_per_layer_clamps(tmp_path, x):
     _saved(model, tmp_path)
     layers = me.layers_from_hf(tmp_path)
     limits = [
-        (c.activation_limit, c.shared_activation_limit)
-        for c in (layers[i].config for i in (0, 1))
-    ]
+        (getattr(l.experts.activation, "limit", None),
+         getattr(l.shared_experts.activation, "limit", None))
+        for l in (layers[i] for i in (0, 1))
+    ]  # fmt: skip
     assert limits == [(None, 0.6), (0.5, None)]
     # Its checkpoints' layout: `layers.{i}.moe.{gate,up,down}_proj.weight` stacked,
     # `moe.gate.weight`, `moe.router_bias`, the shared expert beside the block at
