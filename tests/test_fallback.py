@@ -358,7 +358,7 @@ def test_fallback_peak_memory_within_capped(getkey, pass_, dtype, exchange):
     # One [T, d_model] buffer of this shard's tokens (in the float32 the trip sums
     # them in), plus XLA:CPU's tuple tables for the fallback's loop (a few KiB).
     one_buffer = 32 * 64 * 4
-    print("PEAKS", peaks); assert peaks["fallback"] <= peaks["drop"] + one_buffer + 8 * 1024, peaks
+    assert peaks["fallback"] <= peaks["drop"] + one_buffer + 8 * 1024, peaks
 
 
 @pytest.mark.parametrize(
@@ -385,7 +385,7 @@ def test_fallback_step_memory_within_capped_activations_dominate(getkey, exchang
     shape = dict(d_model=32, d_ff=64, num_experts=16, top_k=4)
     peaks = _peaks(getkey(), x, "fwd+bwd", exchange, **shape)
     one_buffer = 128 * 32 * 4
-    print("PEAKS", peaks); assert peaks["fallback"] <= peaks["drop"] + one_buffer + 8 * 1024, peaks
+    assert peaks["fallback"] <= peaks["drop"] + one_buffer + 8 * 1024, peaks
 
 
 @pytest.mark.parametrize("overflow", [False, True])

@@ -154,6 +154,59 @@ def swiglu(r: Reader) -> None:
     r.require("hidden_act", ("silu", "swish"), default="silu")
 
 
+def unset(r: Reader, key: str, why: str = " (biases on the projections)") -> None:
+    """`key` must be absent, None or false: a setting the layer does not compute."""
+    r.require(key, (False,), default=False, why=why)
+
+
+def biased_sigmoid(
+    r: Reader,
+    *,
+    d_ff: tuple[str, ...] = ("moe_intermediate_size",),
+    experts: tuple[str, ...] = ("num_experts",),
+    scale: tuple[str, ...] | None = None,
+    **fields,
+) -> dict:
+    """Sigmoid scores with a selection bias, always renormalised, then the factor at
+    `scale` (1 without): MiniMax-M2's routing and the families that share it, under
+    their own key names (`d_ff`, `experts`: the first key present)."""
+    factor = 1.0 if scale is None else float(r.get(*scale, default=1.0))
+    return dict(
+        d_ff=r.get(*d_ff),
+        num_experts=r.get(*experts),
+        score_func="sigmoid",
+        use_router_bias=True,
+        norm_topk=True,
+        routed_scaling_factor=factor,
+        **fields,
+    )
+
+
+def softmax_with_shared(
+    r: Reader,
+    *,
+    d_ff: str,
+    experts: str,
+    top_k: str,
+    shared: str,
+    **fields,
+) -> dict:
+    """Softmax top-k renormalised over SwiGLU experts of width `d_ff`, and `shared`
+    shared experts of that width (ERNIE-4.5's and Aria's blocks, under their key
+    names)."""
+    swiglu(r)
+    f = int(r.get(d_ff))
+    return dict(
+        d_ff=f,
+        num_experts=r.get(experts),
+        top_k=r.get(top_k),
+        score_func="softmax",
+        norm_topk=True,
+        shared_d_ff=shared_width(r, shared, f),
+        **fields,
+    )
+
+
 # `hidden_act` -> the gated activation `act(x @ Wg) * (x @ Wu)` of experts that apply
 # `ACT2FN[hidden_act]` to their gate projection.
 GATED_ACTIVATIONS = {

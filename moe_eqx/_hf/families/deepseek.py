@@ -11,6 +11,7 @@ from ..reader import (
     gated_activation,
     shared_width,
     swiglu,
+    unset,
     v3_block,
     v3_routing,
 )
@@ -24,31 +25,21 @@ def deepseek_v2(r: Reader) -> dict:
     method = r.require(
         "topk_method", ("greedy", "group_limited_greedy"), default="greedy"
     )
-    n_group = int(r.get("n_group", default=1) or 1) if method != "greedy" else 1
+    groups = int(r.get("n_group", default=1) or 1) if method != "greedy" else 1
+    kept = int(r.get("topk_group", default=groups) or groups) if groups > 1 else 1
     f = int(r.get("moe_intermediate_size"))
+    shared = shared_width(r, "n_shared_experts", f)
+    scale = float(r.get("routed_scaling_factor", default=1.0))
     return dict(
-        d_ff=f,
-        num_experts=r.get("n_routed_experts"),
-        score_func="softmax",
-        num_groups=n_group,
-        top_groups=int(r.get("topk_group", default=n_group) or n_group)
-        if n_group > 1
-        else 1,
-        selection=Selection(group_top=1),
-        norm_topk=False,
-        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
-        shared_d_ff=shared_width(r, "n_shared_experts", f),
-    )
+        d_ff=f, num_experts=r.get("n_routed_experts"), score_func="softmax",
+        num_groups=groups, top_groups=kept, selection=Selection(group_top=1),
+        norm_topk=False, routed_scaling_factor=scale, shared_d_ff=shared,
+    )  # fmt: skip
 
 
 def no_shared_bias(r: Reader) -> None:
     # The block always builds its shared experts, with biases when `mlp_bias`.
-    r.require(
-        "mlp_bias",
-        (False,),
-        default=False,
-        why=" (biases on the shared experts' projections)",
-    )
+    unset(r, "mlp_bias", why=" (biases on the shared experts' projections)")
 
 
 def deepseek_v3(r: Reader) -> dict:
@@ -174,7 +165,7 @@ def nemotron_h(r: Reader) -> dict:
     r.require(
         "moe_latent_size", (None,), why=" (latent projections around the experts)"
     )
-    r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
+    unset(r, "mlp_bias")
     return dict(
         v3_routing(r),
         shared_d_ff=int(r.get("moe_shared_expert_intermediate_size", default=0) or 0),
@@ -191,7 +182,7 @@ def deepseek_v4(r: Reader) -> dict:
     score = r.require(
         "scoring_func", ("sqrtsoftplus", "sigmoid"), default="sqrtsoftplus"
     )
-    r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
+    unset(r, "mlp_bias")
     f = int(r.get("moe_intermediate_size"))
     return dict(
         d_ff=f,

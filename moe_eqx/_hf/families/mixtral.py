@@ -12,8 +12,10 @@ from ..reader import (
     one_per_model,
     shared_width,
     softmax_family,
+    softmax_with_shared,
     swiglu,
     ungated_shared,
+    unset,
 )
 from .deepseek import no_shared_bias
 
@@ -94,19 +96,16 @@ def granitemoe_shared(r: Reader) -> dict:
 
 
 def ernie4_5_moe(r: Reader) -> dict:
-    swiglu(r)
-    r.require("use_bias", (False,), default=False, why=" (biases on the projections)")
-    f = int(r.get("moe_intermediate_size"))
-    return dict(
-        d_ff=f,
-        num_experts=r.get("moe_num_experts"),
-        top_k=r.get("moe_k"),
-        score_func="softmax",
+    # A selection bias; its router divides by `max(sum, moe_norm_min)`.
+    unset(r, "use_bias")
+    return softmax_with_shared(
+        r,
+        d_ff="moe_intermediate_size",
+        experts="moe_num_experts",
+        top_k="moe_k",
+        shared="moe_num_shared_experts",
         use_router_bias=True,
-        norm_topk=True,
-        # Its router divides by `max(sum, moe_norm_min)`.
         weighting=Weighting(floor=float(r.get("moe_norm_min", default=0.0))),
-        shared_d_ff=shared_width(r, "moe_num_shared_experts", f),
     )
 
 
@@ -176,16 +175,13 @@ def dbrx(r: Reader) -> dict:
 def aria(r: Reader) -> dict:
     # Softmax over the chosen logits; shared experts of `moe_num_shared_experts` times
     # the experts' width. Its experts are stored transposed (`transposed_experts`).
-    swiglu(r)
     no_shared_bias(r)
-    f = int(r.get("intermediate_size"))
-    return dict(
-        d_ff=f,
-        num_experts=r.get("moe_num_experts"),
-        top_k=r.get("moe_topk"),
-        score_func="softmax",
-        norm_topk=True,
-        shared_d_ff=shared_width(r, "moe_num_shared_experts", f),
+    return softmax_with_shared(
+        r,
+        d_ff="intermediate_size",
+        experts="moe_num_experts",
+        top_k="moe_topk",
+        shared="moe_num_shared_experts",
     )
 
 

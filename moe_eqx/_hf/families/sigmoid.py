@@ -7,6 +7,7 @@ from ..._experts import ExpertOptions, SharedCombination
 from ..._scoring import Selection, Sigmoid
 from ..reader import (
     Reader,
+    biased_sigmoid,
     clamped_swiglu,
     gated_activation,
     norm_topk_prob,
@@ -15,20 +16,17 @@ from ..reader import (
     softmax_family,
     swiglu,
     ungated_shared,
+    unset,
 )
 
 
 def minimax_m2(r: Reader) -> dict:
+    # Its block adds `e_score_correction_bias` whatever `use_routing_bias` says.
     swiglu(r)
     r.require("router_jitter_noise", (0, 0.0), default=0.0)
     r.require("scoring_func", ("sigmoid",), default="sigmoid")
-    return dict(
-        d_ff=r.get("intermediate_size"),
-        num_experts=r.get("num_local_experts", "num_experts"),
-        score_func="sigmoid",
-        # Its block adds `e_score_correction_bias` whatever `use_routing_bias` says.
-        use_router_bias=True,
-        norm_topk=True,
+    return biased_sigmoid(
+        r, d_ff=("intermediate_size",), experts=("num_local_experts", "num_experts")
     )
 
 
@@ -40,13 +38,11 @@ def minimax_m3_vl_text(r: Reader) -> dict:
     # `hidden_act` nor `router_jitter_noise`.
     for unused in ("hidden_act", "router_jitter_noise"):
         r.get(unused, default=None)
-    return dict(
-        d_ff=r.get("intermediate_size"),
-        num_experts=r.get("num_local_experts", "num_experts"),
-        score_func="sigmoid",
-        use_router_bias=True,
-        norm_topk=True,
-        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+    return biased_sigmoid(
+        r,
+        d_ff=("intermediate_size",),
+        experts=("num_local_experts", "num_experts"),
+        scale=("routed_scaling_factor",),
         shared_d_ff=int(r.get("shared_intermediate_size")),
         activation=ClampedSwiGLU(
             limit=float(r.get("swiglu_limit")), alpha=float(r.get("swiglu_alpha"))
@@ -60,7 +56,7 @@ def step3p5(r: Reader) -> dict:
     # shared gated expert of `share_expert_dim`. Its per-layer clamps come after the
     # activation, `min(silu(gate), limit)`, with the shared expert's own limit.
     act = gated_activation(r)
-    r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
+    unset(r, "mlp_bias")
     routed, shared = (
         float(v) if v else None
         for v in (
@@ -73,13 +69,10 @@ def step3p5(r: Reader) -> dict:
             f"{r.model_type} config: hidden_act={r.hf.get('hidden_act')!r} with "
             "swiglu_limits is not supported (the layer clamps SwiGLU only)."
         )
-    out = dict(
-        d_ff=r.get("moe_intermediate_size"),
-        num_experts=r.get("n_routed_experts", "num_local_experts"),
-        score_func="sigmoid",
-        use_router_bias=True,
-        norm_topk=True,
-        routed_scaling_factor=float(r.get("moe_router_scaling_factor", default=1.0)),
+    out = biased_sigmoid(
+        r,
+        experts=("n_routed_experts", "num_local_experts"),
+        scale=("moe_router_scaling_factor",),
         shared_d_ff=int(r.get("share_expert_dim")),
         activation=act if routed is None else clamped_swiglu(routed, after=True),
     )
@@ -101,36 +94,28 @@ def lfm2_moe(r: Reader) -> dict:
     )
 
 
-def afmoe(r: Reader) -> dict:
-    # Sigmoid scores, a selection bias, always renormalised (its 1e-20 is below
-    # float32's resolution of the sum), `route_scale` on the weights.
-    swiglu(r)
-    f = int(r.get("moe_intermediate_size"))
-    return dict(
-        d_ff=f,
-        num_experts=r.get("num_experts"),
-        score_func="sigmoid",
-        use_router_bias=True,
-        norm_topk=True,
-        routed_scaling_factor=float(r.get("route_scale", default=1.0)),
-        shared_d_ff=shared_width(r, "num_shared_experts", f),
-    )
+# MiniMax-M2's routing over SwiGLU experts, with `num_shared_experts` summed shared
+# experts of their width, under each family's key names: AFMoE's (its 1e-20 in the
+# renormalisation is below float32's resolution of the sum) and HY-V3's (its selection
+# bias on the block).
+_SHARED_SIGMOID = {
+    "afmoe": dict(scale=("route_scale",)),
+    "hy_v3": dict(
+        experts=("num_experts", "num_local_experts"),
+        scale=("router_scaling_factor",),
+        unset=("mlp_bias",),
+    ),
+}
 
 
-def hy_v3(r: Reader) -> dict:
-    # Sigmoid scores with a selection bias (on the block), always renormalised, then
-    # `router_scaling_factor`; a summed shared SwiGLU.
+def shared_sigmoid(r: Reader) -> dict:
+    keys = dict(_SHARED_SIGMOID[r.model_type])
+    for key in keys.pop("unset", ()):
+        unset(r, key)
     swiglu(r)
-    r.require("mlp_bias", (False,), default=False, why=" (biases on the projections)")
-    f = int(r.get("moe_intermediate_size"))
-    return dict(
-        d_ff=f,
-        num_experts=r.get("num_experts", "num_local_experts"),
-        score_func="sigmoid",
-        use_router_bias=True,
-        norm_topk=True,
-        routed_scaling_factor=float(r.get("router_scaling_factor", default=1.0)),
-        shared_d_ff=shared_width(r, "num_shared_experts", f),
+    width = int(r.get("moe_intermediate_size"))
+    return biased_sigmoid(
+        r, **keys, shared_d_ff=shared_width(r, "num_shared_experts", width)
     )
 
 
@@ -153,10 +138,9 @@ def laguna(r: Reader) -> dict:
     # Sigmoid scores of the (optionally tanh soft-capped) logits with a selection
     # bias, always renormalised, the routed sum times `moe_routed_scaling_factor`,
     # plus an ungated shared expert.
-    r.require(
+    unset(
+        r,
         "moe_apply_router_weight_on_input",
-        (False,),
-        default=False,
         why=" (transformers does not implement it)",
     )
     out = softmax_family(r, "moe_intermediate_size", True)
@@ -189,13 +173,12 @@ def inkling2_text(r: Reader) -> dict:
     # `cap(gate) * sigmoid(gate) * cap(up)`; no shared expert.
     r.get("hidden_act", default=None)  # read by its vision tower only
     r.require("scoring_func", ("sigmoid",), default="sigmoid")
-    return dict(
-        d_ff=r.get("moe_intermediate_size", "intermediate_size"),
-        num_experts=r.get("n_routed_experts", "num_local_experts"),
-        score_func="sigmoid",
-        use_router_bias=True,
-        norm_topk=True,
-        routed_scaling_factor=float(r.get("route_scale", "routed_scaling_factor")),
+    r.get("route_scale", "routed_scaling_factor")  # required
+    return biased_sigmoid(
+        r,
+        d_ff=("moe_intermediate_size", "intermediate_size"),
+        experts=("n_routed_experts", "num_local_experts"),
+        scale=("route_scale", "routed_scaling_factor"),
         activation=SoftcapSwiGLU(
             gate_cap=float(r.get("mlp_gate_softcap")),
             up_cap=float(r.get("mlp_up_softcap")),
@@ -219,18 +202,15 @@ def inkling_text(r: Reader) -> dict:
         )
     # A checkpoint's config.json with `dense_intermediate_size` gives the experts'
     # width as `intermediate_size` (its config class moves it).
-    if r.get("dense_intermediate_size", default=None) is not None:
-        f = int(r.get("intermediate_size"))
-    else:
-        f = int(r.get("moe_intermediate_size"))
+    dense = r.get("dense_intermediate_size", default=None) is not None
+    d_ff = "intermediate_size" if dense else "moe_intermediate_size"
+    f = int(r.get(d_ff))
     scale = float(r.get("route_scale"))
-    return dict(
-        d_ff=f,
-        num_experts=r.get("n_routed_experts"),
-        score_func="sigmoid",
-        use_router_bias=True,
-        norm_topk=True,
-        routed_scaling_factor=scale,
+    return biased_sigmoid(
+        r,
+        d_ff=(d_ff,),
+        experts=("n_routed_experts",),
+        scale=("route_scale",),
         shared_d_ff=shared * f,
         shared=SharedCombination(scale=scale, scored=shared),
         activation=act,
@@ -242,9 +222,7 @@ def longcat_flash(r: Reader) -> dict:
     # selection bias over both, the chosen scores not renormalised, then
     # `routed_scaling_factor`; identity experts return their input.
     swiglu(r)
-    r.require(
-        "router_bias", (False,), default=False, why=" (its block creates it, unused)"
-    )
+    unset(r, "router_bias", why=" (its block creates it, unused)")
     return dict(
         d_ff=r.get("expert_ffn_hidden_size", "moe_intermediate_size"),
         num_experts=r.get("n_routed_experts", "num_local_experts"),
@@ -262,8 +240,7 @@ FAMILIES = {
     "minimax_m3_vl_text": minimax_m3_vl_text,
     "step3p5": step3p5,  # a `step3p7` config's `text_config`
     "lfm2_moe": lfm2_moe,
-    "afmoe": afmoe,
-    "hy_v3": hy_v3,
+    **dict.fromkeys(_SHARED_SIGMOID, shared_sigmoid),
     "llama4_text": llama4_text,
     "laguna": laguna,
     "kolibri1": kolibri1,
