@@ -17,7 +17,7 @@ from ._activation import (
     first_width,
 )
 from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
-from ._quant import QuantizedArray, as_float
+from ._quant import QuantizedArray, QuantizedWeight, QuantizedWithBias, as_float
 from ._rules import DISPATCHED, EXPERT_OUT, remat_name
 from ._settings import boolean, integer, real
 
@@ -115,7 +115,9 @@ class Experts(eqx.Module):
 
     def with_biases_folded(
         self, x: Float[Array, "rows d_model"]
-    ) -> tuple[Array, Array, Array, AbstractActivation]:
+    ) -> tuple[
+        Array, Array | QuantizedWeight, Array | QuantizedWeight, AbstractActivation
+    ]:
         """`(x, w_gate_up, w_down, activation)` for [`moe_eqx.internal.expert_ffn`][],
         with the biases (if any) folded into the weights: `x` gets a column of ones,
         `w_gate_up` the row `b_gate_up` and a column that carries that one through the
@@ -150,8 +152,8 @@ class Experts(eqx.Module):
 
 def expert_ffn(
     x: Float[Array, "rows d_in"],
-    w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
-    w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
+    w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
+    w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
     group_sizes: Int[Array, " groups"],
     *,
     backend: str | AbstractGMMBackend = "auto",
@@ -189,6 +191,12 @@ def expert_ffn(
             )
         impl = resolve_backend(backend)
         sizes = group_sizes.astype(jnp.int32)
+        if grad_acc is not None:
+            # The accumulators are the folded weights' gradients: the floats.
+            w_gate_up, w_down = (
+                as_float(w, w.dtype) if isinstance(w, QuantizedWithBias) else w
+                for w in (w_gate_up, w_down)
+            )
         x = remat_name(x, DISPATCHED)
         if activation == SWIGLU:  # any backend, including one written before
             out = impl.ffn(x, w_gate_up, w_down, sizes, grad_acc)
@@ -204,12 +212,10 @@ def expert_arrays(experts: Experts, x):
     (if any) folded in (`fold_biases`)."""
     if experts.b_gate_up is None:
         return x, experts.w_gate_up, experts.w_down, experts.activation
-    # The bias rows join the weights as floats: quantized weights are dequantized
-    # whole here.
     return fold_biases(
         x,
-        as_float(experts.w_gate_up, experts.w_gate_up.dtype),
-        as_float(experts.w_down, experts.w_down.dtype),
+        experts.w_gate_up,
+        experts.w_down,
         experts.b_gate_up,
         experts.b_down,
         experts.activation,
@@ -220,16 +226,27 @@ def fold_biases(x, w_gate_up, w_down, b_gate_up, b_down, activation):
     """Per-expert biases as one more weight row: `[x, 1] @ [[W1, 0], [b1, 1]]` gives
     `[x @ W1 + b1, 1]`, the activation passes the 1 through (`WithBiasColumn`), and
     `[act, 1] @ [Wd; bd]` adds `bd`. Returns `(x, w_gate_up, w_down, activation)` for
-    `expert_ffn`."""
+    `expert_ffn`. A quantized weight keeps its bias beside it
+    (`QuantizedWithBias`), folded where an expert is loaded: no float copy of every
+    expert is made here."""
     ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
-    x = jnp.concatenate([x, ones], axis=-1)
-    dtype = w_gate_up.dtype
-    e = w_gate_up.shape[0]
-    one_col = jnp.zeros((e, w_gate_up.shape[1] + 1, 1), dtype).at[:, -1].set(1)
-    w1 = jnp.concatenate([w_gate_up, b_gate_up[:, None, :].astype(dtype)], axis=1)
-    w1 = jnp.concatenate([w1, one_col], axis=2)
-    w2 = jnp.concatenate([w_down, b_down[:, None, :].astype(w_down.dtype)], axis=1)
-    return x, w1, w2, WithBiasColumn(activation)
+    return (
+        jnp.concatenate([x, ones], axis=-1),
+        _with_bias(w_gate_up, b_gate_up, one_column=True),
+        _with_bias(w_down, b_down, one_column=False),
+        WithBiasColumn(activation),
+    )
+
+
+def _with_bias(w, bias, *, one_column: bool):
+    """`w` with `bias` as one more row (and the column carrying the 1)."""
+    if isinstance(w, QuantizedArray):
+        return QuantizedWithBias(w, bias, one_column)
+    folded = jnp.concatenate([w, bias[:, None, :].astype(w.dtype)], axis=1)
+    if not one_column:
+        return folded
+    column = jnp.zeros((*folded.shape[:-1], 1), w.dtype).at[:, -1].set(1)
+    return jnp.concatenate([folded, column], axis=2)
 
 
 class SharedCombination(eqx.Module):

@@ -366,9 +366,73 @@ def _quantize_mxfp4_jit(w):
     return packed, byte.astype(jnp.uint8)
 
 
+class QuantizedWithBias(eqx.Module):
+    """A quantized expert weight `[E, K, N]` with a per-expert bias `[E, N]` folded in
+    as one more row, and with `one_column` one more column carrying a constant 1
+    (`[0, ..., 0, 1]`): `[E, K + 1, N + one_column]`, the layout of
+    `moe_eqx.internal.fold_biases`, built only where an expert is loaded (one at a
+    time) instead of as a float copy of every expert. The bias is a float array: it
+    gets its gradient through `dequantize`, the quantized part none.
+
+    **Fields:**
+
+    - `weight`: the [`moe_eqx.QuantizedArray`][].
+    - `bias`: `[E, N]`, floating point.
+    - `one_column`: append the column that carries the 1 (the first projection's).
+    """
+
+    weight: QuantizedArray
+    bias: Array
+    one_column: bool = eqx.field(static=True)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, k, n = self.weight.shape
+        return (*lead, k + 1, n + int(self.one_column))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.weight.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.bias.nbytes
+
+    def map_experts(self, fn) -> "QuantizedWithBias":
+        """`fn` applied to the weight's arrays and to the bias alike (leading axes
+        only)."""
+        return dataclasses.replace(
+            self, weight=self.weight.map_experts(fn), bias=fn(self.bias)
+        )
+
+    def dequantize(self, dtype=None) -> Array:
+        """The folded weight as floats, `[..., K + 1, N + one_column]`."""
+        dtype = self.dtype if dtype is None else dtype
+        w = self.weight.dequantize(dtype)
+        w = jnp.concatenate([w, self.bias[..., None, :].astype(dtype)], axis=-2)
+        if not self.one_column:
+            return w
+        column = jnp.zeros((*w.shape[:-1], 1), dtype).at[..., -1, :].set(1)
+        return jnp.concatenate([w, column], axis=-1)
+
+
+# A weight the backends take: floats, or stored quantized (with its bias, folded).
+QuantizedWeight = QuantizedArray | QuantizedWithBias
+
+
+def is_quantized(w) -> bool:
+    """`w` is stored quantized (dequantized where a backend loads it)."""
+    return isinstance(w, QuantizedArray | QuantizedWithBias)
+
+
 def as_float(w, dtype) -> Array:
-    """`w` in `dtype`: a [`moe_eqx.QuantizedArray`][] dequantized, a float array
-    cast."""
-    if isinstance(w, QuantizedArray):
-        return w.dequantize(dtype)
+    """`w` in `dtype`: a quantized weight ([`moe_eqx.QuantizedArray`][], or one with
+    its bias folded in) dequantized to its own `dtype`, as the float weight it stands
+    for, then cast (the same values in every compute dtype); a float array cast."""
+    if is_quantized(w):
+        return w.dequantize(w.dtype).astype(dtype)
     return w.astype(dtype)

@@ -28,7 +28,7 @@ from ._exchange import (
 from ._experts import expert_ffn
 from ._gmm import AbstractGMMBackend, GradAcc
 from ._permute import sum_rows
-from ._quant import QuantizedArray
+from ._quant import QuantizedWeight
 from ._rules import acc_dtype, count_at_or_below
 
 
@@ -105,8 +105,8 @@ class TripInputs(eqx.Module):
     dest_shard: Int[Array, "tokens k"]
     dest_group: Int[Array, "tokens k"]
     valid: Bool[Array, "tokens k"]
-    w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray
-    w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray
+    w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight
+    w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight
 
 
 def expert_parallel_trip(

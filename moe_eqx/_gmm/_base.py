@@ -4,11 +4,12 @@ import abc
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._activation import SWIGLU, AbstractActivation, apply_activation
 from .._autodiff import symbolic_zeros_to_none
-from .._quant import QuantizedArray, as_float
+from .._quant import QuantizedWeight, as_float
 from .._rules import HIDDEN, remat_name
 
 GradAcc = tuple[
@@ -48,8 +49,8 @@ class AbstractGMMBackend(eqx.Module):
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
-        w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
@@ -86,8 +87,8 @@ class AbstractGMMBackend(eqx.Module):
 def gmm_ffn(
     backend: AbstractGMMBackend,
     x: Array,
-    w_gate_up: Array | QuantizedArray,
-    w_down: Array | QuantizedArray,
+    w_gate_up: Array | QuantizedWeight,
+    w_down: Array | QuantizedWeight,
     group_sizes: Array,
     grad_acc: GradAcc | None = None,
     activation: AbstractActivation = SWIGLU,
@@ -118,6 +119,50 @@ def two_products(product, x, w_gate_up, w_down, group_sizes, activation):
     gate_up = remat_name(gate_up, HIDDEN)
     act = apply_activation(activation, gate_up).astype(x.dtype)
     return product(act, w_down, group_sizes)
+
+
+def biased_two_products(product, x, w_gate_up, w_down, group_sizes, activation):
+    """The expert FFN of quantized experts with their biases beside them
+    (`QuantizedWithBias`, `x` with the column of ones `fold_biases` appended,
+    `activation` passing it through): `act(x @ W1 + b1[g]) @ Wd + bd[g]` as
+    `product`s on the quantized weights, with each row's group's biases added between
+    them (plain JAX: the biases get their gradient, the quantized weights none), so
+    that no float copy of the experts is made. `product(lhs, w, group_sizes)` as for
+    `two_products`."""
+    x = x[:, :-1]  # the ones that carry the biases of the folded layout
+    activation = activation.inner
+    gid = group_ids(group_sizes, x.shape[0])
+    num_groups = group_sizes.shape[0]
+    real = (gid < num_groups)[:, None]
+    index = jnp.minimum(gid, num_groups - 1)
+
+    def biased(lhs, w):
+        # The product in float32 (exact on the `x.dtype` values), its bias added
+        # before one rounding to `x.dtype`, as in the folded product.
+        rows = product(lhs.astype(jnp.float32), w.weight, group_sizes)
+        b = jnp.where(real, w.bias[index].astype(jnp.float32), 0.0)
+        return (rows + b).astype(x.dtype)
+
+    gate_up = remat_name(biased(x, w_gate_up), HIDDEN)
+    act = apply_activation(activation, gate_up).astype(x.dtype)
+    return biased(act, w_down)
+
+
+def group_ids(group_sizes: Int[Array, " groups"], num_rows: int) -> Int[Array, " rows"]:
+    """Group of each row; `len(group_sizes)` for rows past `sum(group_sizes)`.
+
+    **Arguments:**
+
+    - `group_sizes`: `[G]` non-negative sizes.
+    - `num_rows`: `M`, the number of rows.
+
+    **Returns:**
+
+    `[M]` int32 group ids in `[0, G]`.
+    """
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
 
 
 @jax.custom_jvp

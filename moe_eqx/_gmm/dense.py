@@ -5,26 +5,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._activation import SWIGLU, AbstractActivation
-from .._quant import QuantizedArray
+from .._quant import QuantizedWeight
 from .._rules import acc_dtype
-from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
-
-
-def group_ids(group_sizes: Int[Array, " groups"], num_rows: int) -> Int[Array, " rows"]:
-    """Group of each row; `len(group_sizes)` for rows past `sum(group_sizes)`.
-
-    **Arguments:**
-
-    - `group_sizes`: `[G]` non-negative sizes.
-    - `num_rows`: `M`, the number of rows.
-
-    **Returns:**
-
-    `[M]` int32 group ids in `[0, G]`.
-    """
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
-    return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+from ._base import AbstractGMMBackend, GradAcc, gmm_ffn, group_ids
 
 
 class DenseGMM(AbstractGMMBackend):
@@ -56,8 +39,8 @@ class DenseGMM(AbstractGMMBackend):
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
-        w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,

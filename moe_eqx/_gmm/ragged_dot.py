@@ -16,7 +16,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .._activation import SWIGLU, AbstractActivation
-from .._quant import QuantizedArray
+from .._quant import QuantizedWeight
 from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
 from ._products import AbstractProducts, gmm
 
@@ -76,8 +76,8 @@ class RaggedDotGMM(AbstractGMMBackend):
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
-        w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,

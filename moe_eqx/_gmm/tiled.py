@@ -40,7 +40,7 @@ from jaxtyping import Array, Float, Int
 
 from .._activation import SWIGLU, AbstractActivation, apply_activation
 from .._autodiff import custom_linear, fused, symbolic_zeros_to_none
-from .._quant import QuantizedArray, as_float
+from .._quant import QuantizedArray, QuantizedWeight, QuantizedWithBias, as_float
 from .._rules import (
     HIDDEN,
     acc_dtype,
@@ -50,7 +50,7 @@ from .._rules import (
     remat_name,
     zeros_in_own_buffer,
 )
-from ._base import AbstractGMMBackend, GradAcc, with_tangent_of
+from ._base import AbstractGMMBackend, GradAcc, biased_two_products, with_tangent_of
 from ._products import AbstractProducts, gmm, gmm_t, tgmm
 from .gathered import GatheredGMM
 
@@ -641,8 +641,8 @@ _tiled_ffn.defjvp(_tiled_ffn_jvp, symbolic_zeros=True)
 
 def tiled_ffn(
     x: Float[Array, "rows d_in"],
-    w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
-    w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
+    w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
+    w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
     group_sizes: Int[Array, " groups"],
     *,
     tile_rows: int | tuple[int, int] | None = None,
@@ -713,8 +713,8 @@ class TiledGMM(AbstractGMMBackend):
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
-        w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
@@ -724,6 +724,25 @@ class TiledGMM(AbstractGMMBackend):
             return GatheredGMM().ffn(
                 x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
             )
+        if isinstance(w_gate_up, QuantizedWithBias) and grad_acc is None:
+            # Two products on the quantized weights with the biases added between
+            # them (the fused loop's derivatives take float weights whole).
+            windows = window_rows(x.shape[0], w_gate_up.shape[0], self.tile_rows)
+            products = _TiledProducts(windows)
+
+            def product(lhs, w, sizes):
+                lhs, w, sizes = match_varying(lhs, w, sizes)
+                return gmm(products, lhs, w, sizes)
+
+            with jax.named_scope("moe_eqx.gmm.tiled"):
+                sizes = group_sizes.astype(jnp.int32)
+                return biased_two_products(
+                    product, x, w_gate_up, w_down, sizes, activation
+                )
+        w_gate_up, w_down = (
+            as_float(w, w.dtype) if isinstance(w, QuantizedWithBias) else w
+            for w in (w_gate_up, w_down)
+        )
         with jax.named_scope("moe_eqx.gmm.tiled"):
             return tiled_ffn(
                 x,

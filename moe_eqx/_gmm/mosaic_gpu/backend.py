@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..._activation import SWIGLU, AbstractActivation
-from ..._quant import QuantizedArray
+from ..._quant import QuantizedArray, QuantizedWeight, is_quantized
 from ..._rules import match_varying
 from .._base import (
     AbstractGMMBackend,
@@ -123,8 +123,8 @@ class MosaicGPUGMM(AbstractGMMBackend):
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedArray,
-        w_down: Float[Array, "groups d_ff d_model"] | QuantizedArray,
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
         group_sizes: Int[Array, " groups"],
         grad_acc: GradAcc | None = None,
         *,
@@ -135,7 +135,7 @@ class MosaicGPUGMM(AbstractGMMBackend):
                 x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
             )
         weights = (w_gate_up, w_down)
-        if any(isinstance(w, QuantizedArray) for w in weights):
+        if any(is_quantized(w) for w in weights):
             if grad_acc is None and all(dequantizes_in_kernel(w) for w in weights):
                 return two_products(
                     self._quantized_gmm, x, w_gate_up, w_down, group_sizes, activation
