@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._checks import check_array
 from ._dispatch import SortedPairs
 from ._permute import unpermute_sum
 from ._rules import zeros_in_own_buffer
@@ -39,6 +40,18 @@ def combine(
 
     `[num_rows, d_model]` in `expert_out.dtype` (summed in float32).
     """
+    where = "combine"
+    check_array("expert_out", expert_out, ndim=2, kind="float", where=where)
+    num_pairs = expert_out.shape[0]
+    check_array("pairs.weight", pairs.weight, shape=(num_pairs,), where=where)
+    check_array("pairs.row", pairs.row, shape=(num_pairs,), kind="int", where=where)
+    if not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"{where}: `num_rows` must be an int >= 0, got {num_rows!r}.")
+    if pairs.inverse is not None and pairs.inverse.shape[0] % max(num_rows, 1):
+        raise ValueError(
+            f"{where}: `pairs.inverse` has {pairs.inverse.shape[0]} entries, not a "
+            f"multiple of `num_rows` ({num_rows}): the pairs were built for other rows."
+        )
     with jax.named_scope("moe_eqx.combine"):
         if pairs.order is not None and pairs.inverse is not None:
             return unpermute_sum(

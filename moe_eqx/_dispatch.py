@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._checks import check_array
 from ._permute import inverse_permutation, permute_rows
 from ._rules import cumsum, div, histogram, rem
 
@@ -83,6 +84,13 @@ def sort_by_expert(
     `inverse` set (a full permutation of the `T * k` pairs): the weights' gradient,
     [`moe_eqx.combine`][] and [`moe_eqx.internal.permute_rows`][] are then gathers.
     """
+    where = "sort_by_expert"
+    check_array("experts", experts, ndim=2, kind="int", where=where)
+    check_array("weights", weights, shape=experts.shape, kind="float", where=where)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(
+            f"{where}: `num_experts` must be a positive int, got {num_experts!r}."
+        )
     with jax.named_scope("moe_eqx.dispatch"):
         tokens, k = experts.shape
         flat = experts.ravel()

@@ -16,6 +16,7 @@ from ._activation import (
     as_activation,
     first_width,
 )
+from ._checks import check_array, check_group_sizes
 from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
 from ._quant import QuantizedArray, QuantizedWeight, QuantizedWithBias, as_float
 from ._rules import DISPATCHED, EXPERT_OUT, remat_name
@@ -144,6 +145,11 @@ class Experts(eqx.Module):
 
         `[M, d_model]`; rows beyond `sum(group_sizes)` are zero.
         """
+        d_model, num_experts = self.w_gate_up.shape[1], self.num_experts
+        check_array("x", x, shape=(None, d_model), kind="float", where="Experts")
+        check_group_sizes(
+            "group_sizes", group_sizes, num_experts, x.shape[0], "Experts"
+        )
         x_in, w_gate_up, w_down, activation = self.with_biases_folded(x)
         return expert_ffn(
             x_in, w_gate_up, w_down, group_sizes, backend=backend, activation=activation
@@ -181,6 +187,9 @@ def expert_ffn(
     `[M, d_model]` in `x.dtype`; rows beyond `sum(group_sizes)` are zero. With
     `grad_acc`, `(out, grad_acc)`.
     """
+    where = "expert_ffn"
+    check_array("x", x, shape=(None, w_gate_up.shape[-2]), kind="float", where=where)
+    check_group_sizes("group_sizes", group_sizes, w_gate_up.shape[0], x.shape[0], where)
     with jax.named_scope("moe_eqx.experts"):
         want = first_width(activation, w_down.shape[-2])
         if w_gate_up.shape[-1] != want:
@@ -374,6 +383,13 @@ class SharedExperts(eqx.Module):
 
         `[T, d_model]` in `x.dtype`.
         """
+        where = "SharedExperts"
+        check_array(
+            "x", x, shape=(None, self.w_gate_up.shape[0]), kind="float", where=where
+        )
+        if weights is not None:
+            shape = (x.shape[0], self.num_scored)
+            check_array("weights", weights, shape=shape, kind="float", where=where)
         with jax.named_scope("moe_eqx.shared_experts"):
             gate_up = jnp.dot(x, self.w_gate_up.astype(x.dtype))
             act = apply_activation(self.activation, gate_up)

@@ -38,9 +38,16 @@ from jaxtyping import Array, Bool, Float
 
 from ._autodiff import fused, primal_and_tangent, symbolic_zeros_to_none
 from ._buffers import BufferSizes
+from ._checks import check_array
 from ._compat import sub_jaxpr
 from ._rules import acc_dtype, match_varying, per_token_counts, zeros_in_own_buffer
-from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
+from ._trip import (
+    TripInputs,
+    TripSpec,
+    TripStats,
+    check_trip_inputs,
+    expert_parallel_trip,
+)
 
 
 def fallback_chunking(
@@ -118,8 +125,12 @@ def chunked_dropless(
     `(y, stats)`: `[T, d_model]`, and the pieces' [`moe_eqx.internal.TripStats`][] summed
     (counted from what each trip did, so a drop inside the fallback would show).
     """
-    if num_chunks < 1:
-        raise ValueError(f"`num_chunks` must be >= 1, got {num_chunks}.")
+    check_trip_inputs(inputs, spec, where="chunked_dropless")
+    check_array("overflow", overflow, shape=(), kind="bool", where="chunked_dropless")
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(
+            f"chunked_dropless: `num_chunks` must be an int >= 1, got {num_chunks!r}."
+        )
     with jax.named_scope("moe_eqx.fallback"):
         return _dropless(spec, num_chunks, overflow, inputs)
 

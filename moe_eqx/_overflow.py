@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._buffers import BufferSizes
+from ._checks import check_array
 
 
 def overflow_predicate(
@@ -28,6 +29,17 @@ def overflow_predicate(
 
     A boolean scalar.
     """
+    where = "overflow_predicate"
+    check_array("wire_counts", wire_counts, ndim=2, kind="int", where=where)
+    num_shards = wire_counts.shape[0]
+    check_array("wire_counts", wire_counts, shape=(num_shards, num_shards), where=where)
+    check_array(
+        "pair_counts", pair_counts, shape=(num_shards, None), kind="int", where=where
+    )
+    if not isinstance(buffers, BufferSizes):
+        raise TypeError(
+            f"{where}: `buffers` must be a `BufferSizes`, got {type(buffers).__name__}."
+        )
     with jax.named_scope("moe_eqx.overflow"):
         recv_rows = jnp.sum(wire_counts, axis=0)
         recv_pairs = jnp.sum(pair_counts, axis=1)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from ._checks import check_array
 from ._rules import local_experts
 
 __all__ = [
@@ -588,6 +589,7 @@ def plan_duplication(
     candidate levels (one loop runs all rounds), and `O(E R (L + S) + (R S)^2)`
     element-wise work. On CPU at `R=64, E=256` this is about a millisecond.
     """
+    check_array("counts", counts, ndim=2, kind="int", where="plan_duplication")
     num_shards, num_experts = counts.shape
     local = local_experts(num_experts, num_shards)
     _check_int("num_slots", num_slots)

@@ -9,6 +9,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from ._checks import check_array
 from ._rules import histogram
 from ._scoring import AbstractScore, Selection, Weighting, as_score, soft_cap
 
@@ -333,6 +334,12 @@ class Router(AbstractRouter):
         alive through the whole layer, which the fallback's memory bound does not
         allow.)
         """
+        where = "Router"
+        check_array(
+            "x", x, shape=(None, self.weight.shape[0]), kind="float", where=where
+        )
+        if valid is not None:
+            check_array("valid", valid, shape=(x.shape[0],), kind="bool", where=where)
         with jax.named_scope("moe_eqx.router"):
             logits, scores, probs, shared = self.scores(x)
             bad_ids = jnp.array(0, jnp.int32)

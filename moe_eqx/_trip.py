@@ -17,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ._activation import SWIGLU, AbstractActivation
 from ._autodiff import custom_linear, symbolic_zeros_to_none
 from ._buffers import BufferSizes
+from ._checks import check_array
 from ._combine import combine, weight_inputs
 from ._dispatch import WireRows, dedup_rows, expand_rows
 from ._exchange import (
@@ -107,6 +108,31 @@ class TripInputs(eqx.Module):
     valid: Bool[Array, "tokens k"]
     w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight
     w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight
+
+
+def check_trip_inputs(inputs: TripInputs, spec: TripSpec, *, where: str) -> None:
+    """`inputs` fit one another and `spec`, else a `TypeError` or `ValueError` naming
+    the field (checked at trace time, whether or not runtime type checking is on)."""
+    if not isinstance(inputs, TripInputs) or not isinstance(spec, TripSpec):
+        raise TypeError(
+            f"{where}: `inputs` must be `TripInputs` and `spec` a `TripSpec`, got "
+            f"{type(inputs).__name__} and {type(spec).__name__}."
+        )
+    check_array("inputs.x", inputs.x, ndim=2, kind="float", where=where)
+    tokens = inputs.x.shape[0]
+    k = inputs.weights.shape[-1] if inputs.weights.ndim == 2 else None
+    for name, kind in (
+        ("weights", "float"),
+        ("dest_shard", "int"),
+        ("dest_group", "int"),
+        ("valid", "bool"),
+    ):
+        a = getattr(inputs, name)
+        check_array(f"inputs.{name}", a, shape=(tokens, k), kind=kind, where=where)
+    groups = (spec.local_groups, inputs.x.shape[1], None)
+    check_array("inputs.w_gate_up", inputs.w_gate_up, shape=groups, where=where)
+    shape = (spec.local_groups, None, None)
+    check_array("inputs.w_down", inputs.w_down, shape=shape, where=where)
 
 
 def expert_parallel_trip(

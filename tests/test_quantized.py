@@ -338,3 +338,29 @@ def test_rebalance_moves_quantized_experts(layer, x):
     assert not np.array_equal(moved.expert_ids, np.arange(4))
     assert isinstance(moved.experts.w_down, me.QuantizedArray)
     np.testing.assert_allclose(_forward(moved, x), _forward(q, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", _quant.QUANT_FORMATS)
+def test_quantized_arrays_cannot_be_built_or_indexed_invalid(fmt):
+    """A `QuantizedArray` checks its values' and scales' dtypes and the scales'
+    shape against the values' (uint8 values read as int8 would dequantize to
+    0..255), and indexes its leading (expert) axes only: `q[:, 0]` of a
+    `(4, 64, 96)` MXFP4 weight would have given a `(64, 4)` one."""
+    q = _quant.quantize(jr.normal(jr.key(0), (4, 64, 96)), fmt)
+    assert q[1].shape == (64, 96) and q[1:3].shape == (2, 64, 96)
+    assert q[jnp.asarray([0, 3])].shape == (2, 64, 96)
+    np.testing.assert_array_equal(q[2].dequantize(), q.dequantize()[2])
+    for index in ((slice(None), 0), (0, 0), Ellipsis, None, 0.5, (1, slice(None), 3)):
+        with pytest.raises(ValueError, match="QuantizedArray"):
+            q[index]
+    wrong_values = (
+        q.values.view(jnp.uint8) if fmt == "int8" else q.values.view(jnp.int8)
+    )
+    with pytest.raises(
+        ValueError, match=r"`QuantizedArray.values` of format .* must be"
+    ):
+        _quant.QuantizedArray(wrong_values, q.scales, fmt, jnp.float32)
+    with pytest.raises(ValueError, match=r"`QuantizedArray.scales` of format .* must"):
+        _quant.QuantizedArray(q.values, q.scales[:2], fmt, jnp.float32)
+    with pytest.raises(ValueError, match=r"`QuantizedArray.dtype` must be a floating"):
+        _quant.QuantizedArray(q.values, q.scales, fmt, jnp.int32)

@@ -4,6 +4,7 @@ backends."""
 import jax
 from jaxtyping import Array, Float, Int
 
+from .._checks import check_array, check_group_sizes
 from ._base import (
     AbstractGMMBackend as AbstractGMMBackend,
     GradAcc as GradAcc,
@@ -93,15 +94,13 @@ def gmm(
     `sum(group_sizes)` are zero. Differentiable with respect to `lhs` and `rhs`, in
     forward and reverse mode.
     """
+    check_array("lhs", lhs, ndim=2, kind="float", where="gmm")
+    check_array("rhs", rhs, ndim=3, kind="float", where="gmm")
     if lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             f"gmm: contracting dims differ: lhs {lhs.shape} vs rhs {rhs.shape}."
         )
-    if group_sizes.shape != (rhs.shape[0],):
-        raise ValueError(
-            f"gmm: `group_sizes` has shape {group_sizes.shape}, expected "
-            f"({rhs.shape[0]},)."
-        )
+    check_group_sizes("group_sizes", group_sizes, rhs.shape[0], lhs.shape[0], "gmm")
     if lhs.dtype != rhs.dtype:
         raise ValueError(
             f"gmm: `lhs` ({lhs.dtype}) and `rhs` ({rhs.dtype}) must have the same "

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from .._activation import SWIGLU, AbstractActivation
 from .._quant import QuantizedWeight
+from .._rules import acc_dtype
 from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
 from ._products import AbstractProducts, gmm
 
@@ -35,13 +36,14 @@ _TGMM = lax.RaggedDotDimensionNumbers(
 
 
 def _ragged(a, b, group_sizes, dims=None):
-    """`ragged_dot_general` of `a` and `b` (cast to `a.dtype`) with float32
-    accumulation, in float32."""
+    """`ragged_dot_general` of `a` and `b` (cast to `a.dtype`) accumulated, and
+    returned, in `acc_dtype` (float32; float64 for float64 inputs)."""
     b = b.astype(a.dtype)
     sizes = group_sizes.astype(jnp.int32)
+    acc = acc_dtype(a.dtype)
     if dims is None:
-        return lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
-    return lax.ragged_dot_general(a, b, sizes, dims, preferred_element_type=jnp.float32)
+        return lax.ragged_dot(a, b, sizes, preferred_element_type=acc)
+    return lax.ragged_dot_general(a, b, sizes, dims, preferred_element_type=acc)
 
 
 class _RaggedDotProducts(AbstractProducts):
