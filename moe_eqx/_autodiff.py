@@ -409,22 +409,42 @@ class _Pair:
     def args(self, dynamic):
         return _unflatten(dynamic, self.treedef, self.static)
 
-    def split(self, *dynamic):
+    def split(self, *dynamic, policy=None):
         """`(primal(res), custom_linear(fn, fn_t, res, lin))`."""
         res, lin = self.args(dynamic)
-        return _split(self.primal, self.keep, self.fn, self.fn_t, res, lin, self.out_t)
+        return _split(
+            self.primal, self.keep, self.fn, self.fn_t, res, lin, self.out_t, policy
+        )
 
-    def split_flat(self, *dynamic):
-        return jtu.tree_leaves(self.split(*dynamic))
+    def split_flat(self, *dynamic, policy=None):
+        return jtu.tree_leaves(self.split(*dynamic, policy=policy))
 
 
-def _split(primal, keep, fn, fn_t, res, lin, out_t):
+def _split(primal, keep, fn, fn_t, res, lin, out_t, policy=None):
     """`(primal(res), custom_linear(fn, fn_t, res, lin))`, or with `keep` the tangent
-    on what `keep` returns with the primal."""
+    on what `keep` returns with the primal (under a `jax.checkpoint` policy, what
+    `keep(res, policy)` keeps)."""
     if keep is None:
         return primal(res), custom_linear(fn, fn_t, res, lin, out_t)
-    out, res_t = keep(res)
+    out, res_t = keep(res) if policy is None else keep(res, policy)
     return out, custom_linear(fn, fn_t, res_t, lin, out_t)
+
+
+# The `checkpoint_name` of what a `keep` function keeps under a `jax.checkpoint`
+# policy: chosen by that policy already, so always saved.
+KEPT = "moe_eqx_kept"
+
+
+def _saving_kept(saveable):
+    """`saveable`, the policy of a `jax.checkpoint`, also saving the arrays named
+    `KEPT`."""
+
+    def policy(prim, *avals, **params):
+        if prim.name == "name" and params.get("name") == KEPT:
+            return True
+        return saveable(prim, *avals, **params)
+
+    return policy
 
 
 def _pair_impl(*dynamic, pair):
@@ -475,9 +495,21 @@ def _pair_partial_eval(trace, *tracers, pair):
 
 def _pair_partial_eval_jaxpr(saveable, unks_in, inst_in, eqn):
     """The same on a jaxpr (`jax.checkpoint`): the equation as a call of the split
-    form (traced when the primitive was bound, where its axis names were known)."""
-    split_jaxpr = eqn.params["pair"].split_jaxpr
-    return partial_eval_as_call(saveable, unks_in, inst_in, eqn, split_jaxpr)
+    form (traced when the primitive was bound, where its axis names were known).
+
+    With `keep`, the split form is traced again with the checkpoint's policy
+    (inside `shard_map`, whose rule binds its axis names while it partially
+    evaluates its body): `keep(res, saveable)` keeps what that policy saves, named
+    `KEPT`, which the call's partial evaluation then saves rather than recomputing
+    the primal that computed it."""
+    pair = eqn.params["pair"]
+    if pair.keep is None:
+        return partial_eval_as_call(saveable, unks_in, inst_in, eqn, pair.split_jaxpr)
+    avals = [v.aval for v in eqn.invars]
+    split_jaxpr = jax.make_jaxpr(ft.partial(pair.split_flat, policy=saveable))(*avals)
+    return partial_eval_as_call(
+        _saving_kept(saveable), unks_in, inst_in, eqn, split_jaxpr
+    )
 
 
 _pair_p = jax.extend.core.Primitive("moe_eqx_primal_and_tangent")
@@ -514,11 +546,14 @@ def primal_and_tangent(
     - `joint`: `(res, lin) -> (primal_out, tangent_out)`, equal to the two calls.
     - `fn`, `fn_t`, `res`, `lin`: as for `custom_linear` (`fn` the tangent).
     - `out_t`: `fn`'s output as `jax.ShapeDtypeStruct`s.
-    - `keep`: optional `res -> (primal_out, res_t)`, the primal computed together with
-        what its transpose keeps from it, wherever the tangent is staged rather than
-        evaluated (reverse mode): `fn` and `fn_t` then get `res_t` in place of `res`.
-        It must equal `primal` in its first output, and be differentiable as it (see
-        `fused`).
+    - `keep`: optional `(res, policy=None) -> (primal_out, res_t)`, the primal
+        computed together with what its transpose keeps from it, wherever the
+        tangent is staged rather than evaluated (reverse mode): `fn` and `fn_t` then
+        get `res_t` in place of `res`. It must equal `primal` in its first output,
+        and be differentiable as it (see `fused`). Under `jax.checkpoint` it gets the
+        checkpoint's `policy` (`saveable(prim, *avals, **params)`): it then keeps
+        only what that policy saves (and recomputes the rest in `fn_t`), naming
+        what it keeps `KEPT` with `jax.ad_checkpoint.checkpoint_name`.
 
     **Returns:**
 

@@ -34,9 +34,10 @@ import jax.extend.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float
 
-from ._autodiff import fused, primal_and_tangent, symbolic_zeros_to_none
+from ._autodiff import KEPT, fused, primal_and_tangent, symbolic_zeros_to_none
 from ._buffers import BufferSizes
 from ._checks import check_array
 from ._compat import sub_jaxpr
@@ -251,12 +252,14 @@ def _grad_acc(inputs: TripInputs):
     )
 
 
-def _piece_vjp(res: _Res, p):
+def _piece_vjp(res: _Res, p, policy=None):
     """Piece `p`'s trip and its pullback: `(y, stats, pullback)`, where
     `pullback((dy, acc))` gives the wanted `d_x`, `d_weights` and `acc +
     d_expert_weights` (the accumulator is summed in place by the grouped matmul's
     backward, see `moe_eqx.AbstractGMMBackend.ffn`; the expert weights themselves are
-    closed over)."""
+    closed over). With a `jax.checkpoint` `policy`, the trip is differentiated under
+    it: the pullback keeps what the policy saves (the layer's named arrays, say) and
+    recomputes the rest."""
     inputs, want = res.inputs, res.want
 
     def trip(*diff):
@@ -274,8 +277,36 @@ def _piece_vjp(res: _Res, p):
     diff = [inputs.x] if want.x else []
     diff += [inputs.weights] if want.weights else []
     diff += [_grad_acc(inputs)] if want.experts else []
+    if policy is not None:
+        trip = jax.checkpoint(_without_acc_residual(trip, want.experts), policy=policy)
     out, pullback, stats = jax.vjp(trip, *diff, has_aux=True)
     return (out[0] if want.experts else out), stats, pullback
+
+
+@jax.custom_jvp
+def _fresh_zeros(acc):
+    """Zeros like `acc` (the accumulators' primal, zeros too), with the tangent of
+    `acc`: a checkpointed trip then needs no residual of them."""
+    return jtu.tree_map(jnp.zeros_like, acc)
+
+
+@_fresh_zeros.defjvp
+def _fresh_zeros_jvp(primals, tangents):
+    return _fresh_zeros(*primals), tangents[0]
+
+
+def _without_acc_residual(trip, with_acc: bool):
+    """`trip`, its gradient accumulators' primal (zeros, only a route for their
+    cotangents) made inside it: recomputing the trip in the backward then needs no
+    saved copy of them (as large as the expert weights)."""
+    if not with_acc:
+        return trip
+
+    def fn(*diff):
+        *rest, acc = diff
+        return trip(*rest, _fresh_zeros(acc))
+
+    return fn
 
 
 def _piece_pullback(res: _Res, p):
@@ -293,11 +324,19 @@ def _res_arrays(res: _Res) -> list:
     return [a for a in jtu.tree_leaves(res.inputs) if eqx.is_array(a)]
 
 
+class _Broadcast(NamedTuple):
+    """A residual that is a scalar broadcast to `shape` (the gradient accumulators'
+    zeros a checkpointed trip keeps): carried as the scalar."""
+
+    shape: tuple
+
+
 class _Saved(NamedTuple):
     """How a piece's pullback is carried out of a loop: its structure, and for each
     of its residuals the index of the input it is (the expert weights, passed on
-    unchanged: read from the inputs again, never copied into the loop carry) or
-    `None` (carried; `shapes` lists these)."""
+    unchanged: read from the inputs again, never copied into the loop carry), a
+    `_Broadcast` (carried as its scalar) or `None` (carried; `shapes` lists what is
+    carried)."""
 
     treedef: Any
     inputs_at: tuple
@@ -305,7 +344,11 @@ class _Saved(NamedTuple):
 
     def carried(self, pullback, res: _Res) -> tuple:
         leaves = jtu.tree_leaves(pullback)
-        kept = [a for a, i in zip(leaves, self.inputs_at, strict=True) if i is None]
+        kept = [
+            a[(0,) * a.ndim] if isinstance(i, _Broadcast) else a
+            for a, i in zip(leaves, self.inputs_at, strict=True)
+            if not isinstance(i, int)
+        ]
         return tuple(_varying_like(kept, res))
 
     def zeros(self, res: _Res) -> tuple:
@@ -316,8 +359,25 @@ class _Saved(NamedTuple):
 
     def pullback(self, carried, res: _Res):
         arrays, carried = _res_arrays(res), iter(carried)
-        leaves = [next(carried) if i is None else arrays[i] for i in self.inputs_at]
-        return jtu.tree_unflatten(self.treedef, leaves)
+
+        def leaf(i):
+            if isinstance(i, int):
+                return arrays[i]
+            if isinstance(i, _Broadcast):
+                return jnp.broadcast_to(next(carried), i.shape)
+            return next(carried)
+
+        return jtu.tree_unflatten(self.treedef, [leaf(i) for i in self.inputs_at])
+
+
+def _broadcast_scalar(jaxpr, var) -> bool:
+    """`var` is a scalar broadcast (`broadcast_in_dim` of a shape-`()` value)."""
+    eqn = next((e for e in jaxpr.eqns if var in e.outvars), None)
+    return (
+        eqn is not None
+        and eqn.primitive.name == "broadcast_in_dim"
+        and eqn.invars[0].aval.shape == ()
+    )
 
 
 def _input_index(jaxpr, var):
@@ -338,39 +398,48 @@ def _input_index(jaxpr, var):
     return jaxpr.invars.index(var)
 
 
-def _saved_layout(res: _Res) -> _Saved:
-    """The pullback's layout (traced, not computed)."""
+def _saved_layout(res: _Res, policy=None) -> _Saved:
+    """The pullback's layout (traced, not computed), under `policy` if given."""
     arrays = _res_arrays(res)
     found = []
 
-    def trace(*arrays):
+    def trace(*arrays_and_piece):
+        *arrays, p = arrays_and_piece
         it = iter(arrays)
         inputs = jtu.tree_map(lambda a: next(it) if eqx.is_array(a) else a, res.inputs)
         piece = _Res(res.spec, res.num_chunks, res.want, res.overflow, inputs)
-        leaves, treedef = jtu.tree_flatten(_piece_vjp(piece, 0)[2])
+        leaves, treedef = jtu.tree_flatten(_piece_vjp(piece, p, policy)[2])
         found.append(treedef)
         return leaves
 
-    closed = jax.make_jaxpr(trace)(*arrays)
-    at = tuple(_input_index(closed.jaxpr, v) for v in closed.jaxpr.outvars)
-    shapes = tuple(
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-        for v, i in zip(closed.jaxpr.outvars, at, strict=True)
-        if i is None
-    )
-    return _Saved(found[0], at, shapes)
+    # The piece traced, as the loop's is (a constant one would fold into the
+    # residuals).
+    closed = jax.make_jaxpr(trace)(*arrays, jnp.zeros((), jnp.int32))
+    at, shapes = [], []
+    for v in closed.jaxpr.outvars:
+        i = _input_index(closed.jaxpr, v)
+        if i is not None and i < len(arrays):  # (the piece itself is carried)
+            at.append(i)
+        elif v.aval.shape and _broadcast_scalar(closed.jaxpr, v):
+            at.append(_Broadcast(v.aval.shape))
+            shapes.append(jax.ShapeDtypeStruct((), v.aval.dtype))
+        else:
+            at.append(None)
+            shapes.append(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
+    return _Saved(found[0], tuple(at), tuple(shapes))
 
 
-def _loop_saving(res: _Res):
-    """The pieces' loop (as `_loop`), differentiating each piece as it runs and
-    carrying the last piece's pullback residuals out: `((y, stats), residuals)`.
-    Without overflow the last piece is every token: the backward then runs the
-    capped trip's pullback once, as `on_overflow="drop"` does, with no re-run."""
+def _loop_saving(res: _Res, policy=None):
+    """The pieces' loop (as `_loop`), differentiating each piece as it runs (under a
+    `jax.checkpoint` `policy` if given) and carrying the last piece's pullback
+    residuals out: `((y, stats), residuals)`. Without overflow the last piece is
+    every token: the backward then runs the capped trip's pullback once, as
+    `on_overflow="drop"` does, with no re-run."""
     inputs, layout = res.inputs, res.layout
 
     def body(p, carry):
         y, stats, _ = carry
-        y_p, stats_p, pullback = _piece_vjp(res, p)
+        y_p, stats_p, pullback = _piece_vjp(res, p, policy)
         y, stats = y + y_p.astype(y.dtype), _add(stats, stats_p)
         return y, stats, layout.carried(pullback, res)
 
@@ -384,15 +453,25 @@ def _keep_reference(res: _Res):
     return _primal(res), res.layout.zeros(res)
 
 
-def _keep(res: _Res):
+def _keep(res: _Res, policy=None):
     """Reverse mode's primal: the value, and `res` with the residuals the forward
     loop kept (differentiated, for higher orders, as the primal itself: the kept
     residuals then carry no derivative, and the backward's derivative is that of
-    its re-running form, which does not read them)."""
+    its re-running form, which does not read them).
+
+    Under a `jax.checkpoint` `policy` (see `moe_eqx._autodiff.primal_and_tangent`),
+    the last piece's residuals are those the policy saves, named `KEPT` so that the
+    checkpoint saves them rather than re-running this loop in the backward: with
+    `save_only_these_names("moe_hidden")` the backward keeps that piece's first
+    products and recomputes the rest of its trip, with `nothing_saveable` it
+    recomputes all of it, as the same policy does on the capped path."""
     spec, n, want, overflow = res.spec, res.num_chunks, res.want, res.overflow
-    layout = _saved_layout(res)
+    layout = _saved_layout(res, policy)
     res = _Res(spec, n, want, overflow, res.inputs, None, layout)
-    out, saved = fused(_loop_saving, _keep_reference, res)
+    fast = _loop_saving if policy is None else ft.partial(_loop_saving, policy=policy)
+    out, saved = fused(fast, _keep_reference, res)
+    if policy is not None:
+        saved = tuple(checkpoint_name(a, KEPT) for a in saved)
     return out, _Res(spec, n, want, overflow, res.inputs, saved, layout)
 
 

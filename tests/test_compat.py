@@ -168,6 +168,7 @@ def test_no_private_api_outside_compat(path):
 
 # The modules below the stages: the rules they share, the backends' building blocks.
 _BELOW_STAGES = {
+    "_checks",
     "_rules",
     "_settings",
     "_buffers",

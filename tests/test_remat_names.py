@@ -4,6 +4,8 @@ import collections
 import contextlib
 import dataclasses
 import io
+import math
+import re
 
 import equinox as eqx
 import helpers
@@ -108,3 +110,96 @@ def test_a_policy_on_the_names_changes_what_is_saved_not_gradients(getkey):
         grads = jax.jit(jax.grad(remat, argnums=(0, 1)))(params, x)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+# Every path the layer runs under a mesh, each with its own config and placement:
+# `(mesh axes, config changes, placed)`.
+_PATHS = {
+    "ep8_drop_placed": ({"expert": 8}, dict(on_overflow="drop"), True),
+    "ep8_drop_unplaced": ({"expert": 8}, dict(on_overflow="drop"), False),
+    "ep8_fallback_placed": ({"expert": 8}, {}, True),
+    "ep8_fallback_unplaced": ({"expert": 8}, {}, False),
+    "ep8_fallback_taken": ({"expert": 8}, dict(buffer_factor=0.5), True),
+    "ep8_drop_slots": ({"expert": 8}, dict(on_overflow="drop", num_slots=1), True),
+    "ep8_fallback_slots": ({"expert": 8}, dict(num_slots=1, buffer_factor=0.5), True),
+    "fsdp_2x4_fallback": ({"data": 2, "expert": 4}, dict(fsdp_axes=("data",)), True),
+}
+
+
+def _per_shard_arrays(fn, *args) -> list[str]:
+    """`_saved_activations`, less per-shard scalars (`f32[8@expert]`: the fallback's
+    piece index and overflow flag, and the scalars its gradient accumulators' zeros
+    are broadcast from)."""
+    return [s for s in _saved_activations(fn, *args) if len(_dims(s)) > 1]
+
+
+def _dims(saved: str) -> list[int]:
+    """`f32[4096@(data,expert),256]`'s global dimensions: `[4096, 256]`."""
+    inside = re.sub(r"@(\([^)]*\)|\w+)", "", saved.split("[", 1)[1].rstrip("]"))
+    return [int(d) for d in inside.split(",") if d]
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+def test_policies_work_on_every_path(getkey, path):
+    """Under `save_only_these_names(...)` the saved arrays are the named ones, by
+    JAX's own account, on every expert-parallel path: drop and fallback (also when
+    it is taken), placed by `shard_model` or not, with a slot per shard, and with the
+    experts split over a data axis (FSDP); under `nothing_saveable` none is saved.
+    Saving `moe_hidden` raises the compiled step's temporaries over saving nothing
+    by at least half of that array (it is alive from the forward to the backward),
+    and the gradients are the plain ones under every policy."""
+    axes, changes, placed = _PATHS[path]
+    cfg = me.MoEConfig(d_model=32, d_ff=128, num_experts=16, top_k=4, **changes)
+    layer = me.MoELayer(cfg, key=getkey())
+    mesh = jax.make_mesh(
+        tuple(axes.values()), tuple(axes), devices=helpers.cpu_devices()
+    )
+    if placed:
+        fsdp = {"fsdp_axes": "data"} if "data" in axes else {}
+        layer = me.shard_model(layer, mesh, **fsdp)
+    x = jr.normal(getkey(), (512, cfg.d_model))
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+    def loss(p, x):
+        return _loss(eqx.combine(p, static), x, mesh)
+
+    stats = jax.jit(lambda x: eqx.combine(params, static)(x, mesh=mesh)[1])(x)
+    assert bool(stats.overflow) == (cfg.execution.buffer_factor < 1), stats.overflow
+    # Rows per shard: the capped buffer's, or with the fallback taken one chunk's.
+    policies = jax.checkpoint_policies
+    hidden_only = policies.save_only_these_names("moe_hidden")
+    saved = {
+        "names": _per_shard_arrays(
+            jax.checkpoint(loss, policy=policies.save_only_these_names(*NAMES)),
+            params,
+            x,
+        ),
+        "hidden": _per_shard_arrays(
+            jax.checkpoint(loss, policy=hidden_only), params, x
+        ),
+        "nothing": _per_shard_arrays(
+            jax.checkpoint(loss, policy=policies.nothing_saveable), params, x
+        ),
+    }
+    assert saved["nothing"] == [], saved
+    (hidden,) = saved["hidden"]
+    rows, width = _dims(hidden)
+    assert width == 2 * cfg.d_ff, saved
+    names = sorted([hidden.replace(f",{width}]", f",{cfg.d_model}]")] * 2 + [hidden])
+    assert saved["names"] == names, saved
+
+    def temporaries(policy):
+        fn = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy)))
+        return fn.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+    per_shard = rows // math.prod(axes.values())
+    hidden_bytes = per_shard * 2 * cfg.d_ff * 4
+    extra = temporaries(hidden_only) - temporaries(policies.nothing_saveable)
+    assert extra >= hidden_bytes // 2, (extra, hidden_bytes)
+
+    plain = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    for policy in (hidden_only, policies.nothing_saveable):
+        remat = jax.checkpoint(loss, policy=policy)
+        grads = jax.jit(jax.grad(remat, argnums=(0, 1)))(params, x)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
