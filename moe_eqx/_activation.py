@@ -45,6 +45,9 @@ class AbstractActivation(eqx.Module):
     """
 
     gated: eqx.AbstractClassVar[bool]
+    # Whether it calls collectives (`moe_eqx.internal.TensorSplit`): backends then
+    # apply it once between two whole products, never per window of rows.
+    collective: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(self, h: Float[Array, "*rows width"]) -> Float[Array, "*rows d_ff"]:
@@ -237,6 +240,10 @@ class WithBiasColumn(AbstractActivation):
 
     inner: AbstractActivation = eqx.field(static=True)
     gated: ClassVar[bool] = False  # its widths: `first_width`
+
+    @property
+    def collective(self) -> bool:
+        return self.inner.collective
 
     def __call__(self, h):
         core = apply_activation(self.inner, h[..., :-1])

@@ -76,6 +76,21 @@ class Execution(eqx.Module):
         and these jointly when their `D` devices divide a shard's `E / R` experts,
         else each expert's `d_ff` dimension over them. `()` (default): experts
         replicated over the data axes.
+    - `tensor_axis`: a mesh axis over which every expert's hidden width `d_ff` is
+        split, routed and shared experts alike (expert tensor parallelism): each
+        device of it holds `d_ff / P` hidden units of every expert of its shard (the
+        gate and up columns of `w_gate_up` and the rows of `w_down` that make them).
+        The tokens are split over it like over a data axis; a tensor group's devices
+        compute all of their received rows, each with its hidden units, and
+        reduce-scatter the partial outputs (`moe_eqx._tensor`). `None` (default):
+        no split; a mesh axis of that name, if any, is a data axis.
+    - `token_chunks`: `C`, how many chunks each shard's tokens are cut into under
+        expert parallelism, each a round trip of its own (its exchange, its
+        duplication plan, its exact overflow predicate and fallback): chunk
+        `c + 1`'s dispatch depends on nothing of chunk `c`'s expert compute, so the
+        compiler can overlap one chunk's exchange with another's experts. Outputs
+        and gradients are those of `C = 1` (stats too, but for `overflow` and
+        `fallback_used`, which any chunk sets). 1 (default): one round trip.
     """
 
     buffer_factor: float | int | None = eqx.field(
@@ -94,6 +109,8 @@ class Execution(eqx.Module):
     fsdp_axes: tuple[str, ...] = eqx.field(
         static=True, default=(), converter=_axis_names
     )
+    tensor_axis: str | None = eqx.field(static=True, default=None)
+    token_chunks: int = eqx.field(static=True, default=1, converter=_integer)
 
     def __check_init__(self):
         _check_bool("", ("dedup",), self)
@@ -165,6 +182,21 @@ class Execution(eqx.Module):
                 f"`fsdp_axes` {self.fsdp_axes} must not contain the expert axis "
                 f"{self.axis_name!r}: the experts are already split over it."
             )
+        chunks = self.token_chunks
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"`token_chunks` must be an integer >= 1, got {chunks!r}.")
+        tensor = self.tensor_axis
+        if tensor is not None:
+            if not isinstance(tensor, str) or not tensor:
+                raise ValueError(
+                    f"`tensor_axis` must be a non-empty axis name or None, got "
+                    f"{tensor!r}."
+                )
+            if tensor == self.axis_name or tensor in self.fsdp_axes:
+                raise ValueError(
+                    f"`tensor_axis` {tensor!r} must differ from the expert axis "
+                    f"{self.axis_name!r} and from `fsdp_axes` {self.fsdp_axes}."
+                )
 
 
 EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(Execution))
@@ -238,8 +270,8 @@ class MoEConfig(eqx.Module):
         `"relu"`, `"relu2"`, `"gelu"`, `"gelu_tanh"`, `"silu"` (whose `w_gate_up` is
         `[E, d_model, d_ff]`, the up projection alone).
     - `buffer_factor`, `on_overflow`, `num_slots`, `slot_backward`, `dedup`,
-        `gmm_backend`, `exchange`, `axis_name`, `fsdp_axes`, `max_slot_exports`:
-        how the layer runs, stored in `execution`: see [`moe_eqx.Execution`][].
+        `gmm_backend`, `exchange`, `axis_name`, `fsdp_axes`, `max_slot_exports`,
+        `tensor_axis`, `token_chunks`: how the layer runs, stored in `execution`: see [`moe_eqx.Execution`][].
     - `selection`: a [`moe_eqx.Selection`][]: how groups are scored and what the
         experts outside a token's groups score, and whether the selection bias is
         on the logits.
@@ -305,6 +337,8 @@ class MoEConfig(eqx.Module):
         fsdp_axes=_UNSET,
         *,
         max_slot_exports=_UNSET,
+        tensor_axis=_UNSET,
+        token_chunks=_UNSET,
         selection=None,
         weighting=None,
         shared=None,
@@ -348,6 +382,8 @@ class MoEConfig(eqx.Module):
             exchange=exchange,
             axis_name=axis_name,
             fsdp_axes=fsdp_axes,
+            tensor_axis=tensor_axis,
+            token_chunks=token_chunks,
         )
         given = {k: v for k, v in given.items() if v is not _UNSET}
         if execution is None:
@@ -396,6 +432,14 @@ class MoEConfig(eqx.Module):
     @property
     def axis_name(self) -> str:
         return self.execution.axis_name
+
+    @property
+    def tensor_axis(self) -> str | None:
+        return self.execution.tensor_axis
+
+    @property
+    def token_chunks(self) -> int:
+        return self.execution.token_chunks
 
     @property
     def fsdp_axes(self) -> tuple[str, ...]:

@@ -390,20 +390,30 @@ class SharedExperts(eqx.Module):
         if weights is not None:
             shape = (x.shape[0], self.num_scored)
             check_array("weights", weights, shape=shape, kind="float", where=where)
+        num_shared = self.num_scored
+        if (weights is None) != (num_shared == 0):
+            raise ValueError(
+                f"`weights` must be given exactly when the router scores the "
+                f"shared experts (`num_scored` is {num_shared}), got "
+                f"weights={weights!r}."
+            )
+        return self.hidden_part(x, weights)
+
+    def hidden_part(self, x, weights=None, *, activation=None, units=None):
+        """`__call__` with some of the hidden units: those this device holds under
+        expert tensor parallelism (`activation` the `TensorSplit` of its own, `units
+        = (start, total)`: its `w_down` rows are units `[start, start + rows)` of
+        `total`). Unchecked: `__call__` checks the arguments."""
+        activation = self.activation if activation is None else activation
         with jax.named_scope("moe_eqx.shared_experts"):
             gate_up = jnp.dot(x, self.w_gate_up.astype(x.dtype))
-            act = apply_activation(self.activation, gate_up)
-            num_shared = self.num_scored
-            if (weights is None) != (num_shared == 0):
-                raise ValueError(
-                    f"`weights` must be given exactly when the router scores the "
-                    f"shared experts (`num_scored` is {num_shared}), got "
-                    f"weights={weights!r}."
-                )
+            act = apply_activation(activation, gate_up)
             if weights is not None:
-                block = self.w_down.shape[0] // num_shared
+                rows = self.w_down.shape[0]
+                start, total = (0, rows) if units is None else units
+                block = total // self.num_scored
                 w = jnp.repeat(weights.astype(jnp.float32), block, axis=1)
-                act = act * w
+                act = act * jax.lax.dynamic_slice_in_dim(w, start, rows, axis=1)
             out = jnp.dot(act.astype(x.dtype), self.w_down.astype(x.dtype))
             if self.gate is not None:
                 g = jax.nn.sigmoid(

@@ -26,7 +26,7 @@ from ._compat import concrete_mesh
 from ._config import EXECUTION_FIELDS, MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts, expert_arrays, expert_ffn
-from ._fsdp import expert_specs, fsdp_dim, fsdp_size
+from ._fsdp import expert_specs, fsdp_dim, fsdp_size, shared_specs, tensor_size
 from ._gmm import resolve_backend
 from ._permute import permute_rows
 from ._placement import physical_routing
@@ -401,7 +401,8 @@ def _check_mesh(mesh: Mesh, cfg: MoEConfig) -> int:
         )
     num_shards = mesh.shape[cfg.axis_name]
     local_experts(cfg.num_experts, num_shards, shards=f"mesh axis {cfg.axis_name!r}")
-    fsdp_dim(cfg, num_shards, fsdp_size(cfg, mesh.shape))
+    tensor = tensor_size(cfg, mesh.shape)
+    fsdp_dim(cfg, num_shards, fsdp_size(cfg, mesh.shape), tensor)
     return num_shards
 
 
@@ -507,7 +508,14 @@ def _expert_parallel_call(
     # group of devices that share their other coordinates is its own EP group.
     tokens = P(tuple(mesh.axis_names))
     other = tuple(a for a in mesh.axis_names if a != ax)
-    specs = (P(), expert_specs(cfg, experts, mesh.shape), P(), P(), tokens, tokens)
+    specs = (
+        P(),
+        expert_specs(cfg, experts, mesh.shape),
+        shared_specs(cfg, shared, mesh.shape),
+        P(),
+        tokens,
+        tokens,
+    )
     per_shard = jax.shard_map(
         ft.partial(expert_parallel_shard_body, cfg, mesh.shape[ax], platform, other),
         mesh=mesh,
@@ -681,7 +689,14 @@ def shard_model(
         layer = jax.tree.map(lambda a: put(a, P()), node)
         specs = expert_specs(node.config, node.experts, mesh.shape)
         experts = _place_tree(lambda a, _, s: put(a, s), node.experts, specs, mesh)
-        return eqx.tree_at(lambda l: l.experts, layer, experts)
+        layer = eqx.tree_at(lambda l: l.experts, layer, experts)
+        if node.shared_experts is None:
+            return layer
+        specs = shared_specs(node.config, node.shared_experts, mesh.shape)
+        shared = _place_tree(
+            lambda a, _, s: put(a, s), node.shared_experts, specs, mesh
+        )
+        return eqx.tree_at(lambda l: l.shared_experts, layer, shared)
 
     return jax.tree.map(place, tree, is_leaf=lambda n: isinstance(n, MoELayer))
 
@@ -729,9 +744,22 @@ def shard_specs(
                 "are split."
             )
         _check_mesh(mesh, cfg)
+    if cfg.tensor_axis is not None:
+        mesh = mesh if mesh is not None else concrete_mesh()
+        if mesh is None:
+            raise ValueError(
+                f"`config.tensor_axis` is {cfg.tensor_axis!r}: `shard_specs` needs "
+                "the mesh (`mesh=...` or `with jax.set_mesh(mesh):`) to know the "
+                "axis's size."
+            )
+        _check_mesh(mesh, cfg)
     shape = None if mesh is None else mesh.shape
     experts = expert_specs(cfg, layer.experts, shape)
-    return eqx.tree_at(lambda l: l.experts, specs, experts)
+    specs = eqx.tree_at(lambda l: l.experts, specs, experts)
+    if layer.shared_experts is None:
+        return specs
+    shared = shared_specs(cfg, layer.shared_experts, shape)
+    return eqx.tree_at(lambda l: l.shared_experts, specs, shared)
 
 
 def reference_moe(

@@ -691,6 +691,7 @@ def assign_destinations(
     shard_index: Int[Array, ""] | int,
     *,
     num_local_experts: int,
+    within: tuple[Int[Array, " experts"], Int[Array, " experts"]] | None = None,
 ) -> tuple[Int[Array, "tokens k"], Int[Array, "tokens k"]]:
     """Maps each of this shard's pairs to the replica that processes it.
 
@@ -712,6 +713,11 @@ def assign_destinations(
         others, so it changes no other pair's).
     - `shard_index`: this shard's index (e.g. `lax.axis_index(axis_name)`).
     - `num_local_experts`: `L = E / R`.
+    - `within`: `(own, offset)` when several devices share source shard
+        `shard_index` (expert tensor parallelism: a tensor group's devices, whose
+        rows are computed together): `counts` is then their sum, `own` `[E]` this
+        device's histogram of `experts`, and `offset` `[E]` the pairs of each expert
+        of the devices before it in the shard's order.
 
     **Returns:**
 
@@ -765,10 +771,12 @@ def assign_destinations(
         lower_experts = (
             np.arange(num_experts)[:, None] > np.arange(num_experts)[None, :]
         )
+        own, offset = (counts[shard], 0) if within is None else within
+        own = jnp.asarray(own, jnp.int32)
         shift = jnp.concatenate(
-            [lower_shards.T, jnp.where(lower_experts, -counts[shard][None, :], 0)],
+            [lower_shards.T, jnp.where(lower_experts, -own[None, :], 0)],
             axis=1,
-        ).sum(axis=1)
+        ).sum(axis=1) + jnp.asarray(offset, jnp.int32)
         quota = plan.expert_shard_pairs.astype(jnp.int32)
         upto = np.arange(num_shards)[:, None] >= np.arange(num_shards)[None, :]
         cumulative = jnp.where(upto[None], quota[:, None, :], 0).sum(axis=2)

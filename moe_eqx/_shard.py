@@ -1,9 +1,12 @@
 """The stages composed for one shard (the steps of the documentation's "How it works"):
 callable inside a user's own `shard_map`. [`moe_eqx.MoELayer`][] wraps it in one."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from ._activation import AbstractActivation, WithBiasColumn
@@ -35,6 +38,7 @@ from ._router import (
 )
 from ._rules import div, local_experts, rem
 from ._slots import gather_slot_weights
+from ._tensor import TensorSplit, first_on_axis, local_units, pooled, tensor_size_here
 from ._trip import TripInputs, TripSpec, TripStats, expert_parallel_trip
 
 
@@ -153,17 +157,39 @@ def _max_over_mean(load: Int[Array, " shards"]) -> Float[Array, ""]:
     return jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
 
 
-def add_shared(cfg: MoEConfig, routed, shared, x, shared_weights=None):
+def add_shared(cfg: MoEConfig, routed, shared, x, shared_weights=None, tensor=1):
     """`routed_scaling_factor * routed + scale * shared(x)` (each shard on its own
     tokens; `shared_weights`: the routing's, for shared experts the router
-    scores)."""
+    scores). With `tensor > 1` devices of `cfg.tensor_axis`, the shared experts'
+    hidden units are split over them: the tokens of the axis are pooled."""
     if shared is None and cfg.routed_scaling_factor == 1:
         return routed
     y = routed.astype(jnp.float32) * jnp.float32(cfg.routed_scaling_factor)
     if shared is not None:
-        s = shared(x, shared_weights).astype(jnp.float32)
+        if tensor > 1:
+            s = _shared_on_tensor(cfg, shared, x, shared_weights, tensor)
+        else:
+            s = shared(x, shared_weights)
+        s = s.astype(jnp.float32)
         y = y + (s if shared.scale == 1 else s * jnp.float32(shared.scale))
     return y.astype(routed.dtype)
+
+
+def _shared_on_tensor(cfg: MoEConfig, shared, x, weights, tensor: int):
+    """The shared experts, their hidden units split over `cfg.tensor_axis`: every
+    device computes the axis's tokens with its units, summed back per token."""
+    axis = cfg.tensor_axis
+    activation = TensorSplit(shared.activation, axis, tensor)
+    start, _ = local_units(axis, tensor, cfg.shared_d_ff)
+
+    def part(x, weights):
+        return shared.hidden_part(
+            x, weights, activation=activation, units=(start, cfg.shared_d_ff)
+        )
+
+    if weights is None:
+        return pooled(lambda x: part(x, None), axis, x)
+    return pooled(part, axis, x, weights)
 
 
 def expert_parallel_shard_body(
@@ -208,19 +234,51 @@ def expert_parallel_shard_body(
     finite = finite & real
     routed = _route(setup, router, expert_ids, x, finite, forced)
     experts = gather_experts(cfg, experts, num_shards)
+    if setup.tensor > 1 and experts.b_down is not None:
+        # Added once to outputs summed over the tensor axis.
+        b_down = first_on_axis(experts.b_down, cfg.tensor_axis)
+        experts = eqx.tree_at(lambda e: e.b_down, experts, b_down)
     # This shard's experts (biases folded into their weights: `fold_biases`).
     x_in, w_gate_up, w_down, _ = expert_arrays(experts, x)
-    inputs = _destinations(setup, routed, x_in, w_gate_up, w_down)
-    sent = _send(setup, inputs)
-    y, trip = _capped_or_fallback(setup, inputs, sent)
+    chunks = []
+    for lo, hi in token_chunks(x.shape[0], cfg.token_chunks):
+        # One round trip per chunk of the tokens, each depending on nothing of
+        # another's: its own destinations, predicate and trip.
+        with jax.named_scope(f"moe_eqx.token_chunk{len(chunks)}"):
+            part = _ShardSetup.of(
+                cfg, num_shards, platform, data_axes, tokens=hi - lo, experts=experts
+            )
+            part_routed = _chunk_of(part, routed, lo, hi)
+            inputs = _destinations(part, part_routed, x_in[lo:hi], w_gate_up, w_down)
+            sent = _send(part, inputs)
+            y_part, trip = _capped_or_fallback(part, inputs, sent)
+        chunks.append(_Chunk(part, sent, trip, y_part))
+    y = chunks[0].y if len(chunks) == 1 else jnp.concatenate([c.y for c in chunks])
     if cfg.num_identity_experts or shared is not None:
         x = jnp.where(finite[:, None], x, 0)
     if cfg.num_identity_experts:
         r = routed.routing
         y = add_identity(y, x, r.experts, r.weights, cfg.num_experts)
-    y = add_shared(cfg, y, shared, x, routed.routing.shared_weights)
+    y = add_shared(cfg, y, shared, x, routed.routing.shared_weights, setup.tensor)
     y = jnp.where(finite[:, None], y, jnp.nan).astype(y.dtype)
-    return y, _stats(setup, routed, sent, trip, nan, jnp.sum(finite))
+    return y, _stats(setup, routed, chunks, nan, jnp.sum(finite))
+
+
+def token_chunks(tokens: int, num_chunks: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` of each of the (at most) `num_chunks` chunks of `tokens`, as even as
+    can be, none empty (one `(0, 0)` for no tokens)."""
+    sizes = [len(a) for a in np.array_split(np.arange(tokens), num_chunks) if len(a)]
+    ends = np.cumsum([0, *sizes]).tolist() if sizes else [0, 0]
+    return list(zip(ends[:-1], ends[1:], strict=True))
+
+
+class _Chunk(eqx.Module):
+    """One chunk's round trip: its setup, what it sent, what it did, its output."""
+
+    setup: "_ShardSetup"
+    sent: "_Sent"
+    trip: TripStats
+    y: Array
 
 
 class _ShardSetup(eqx.Module):
@@ -239,6 +297,7 @@ class _ShardSetup(eqx.Module):
     # The experts' activation (with their biases' column: `fold_biases`).
     activation: AbstractActivation = eqx.field(static=True)
     weight_on_input: bool = eqx.field(static=True)
+    tensor: int = eqx.field(static=True)  # `P`, devices of `cfg.tensor_axis` (or 1)
 
     @classmethod
     def of(
@@ -265,6 +324,12 @@ class _ShardSetup(eqx.Module):
         num_chunks = 1
         if cfg.on_overflow == "fallback" and not buffers.worst_case:
             num_chunks, buffers = fallback_chunking(**sizes, capped=buffers)
+        tensor = tensor_size_here(cfg.tensor_axis, data_axes)
+        activation = experts.activation
+        if tensor > 1:
+            activation = TensorSplit(activation, cfg.tensor_axis, tensor)
+        if experts.b_gate_up is not None:
+            activation = WithBiasColumn(activation)
         return cls(
             cfg=cfg,
             num_shards=num_shards,
@@ -276,10 +341,9 @@ class _ShardSetup(eqx.Module):
             gmm_backend=resolve_backend(cfg.gmm_backend, platform),
             buffers=buffers,
             num_chunks=num_chunks,
-            activation=experts.activation
-            if experts.b_gate_up is None
-            else WithBiasColumn(experts.activation),
+            activation=activation,
             weight_on_input=experts.weight_on_input,
+            tensor=tensor,
         )
 
     @property
@@ -294,6 +358,7 @@ class _ShardSetup(eqx.Module):
             axis_name=self.cfg.axis_name,
             activation=self.activation,
             weight_on_input=self.weight_on_input,
+            tensor_axis=self.cfg.tensor_axis if self.tensor > 1 else None,
         )
 
 
@@ -315,6 +380,27 @@ def _route(
     routing, position = physical_routing(routing, expert_ids)
     counts = jax.lax.all_gather(routing.counts, setup.cfg.axis_name)
     return _Routed(routing=routing, position=position, counts=counts)
+
+
+def _chunk_of(setup: _ShardSetup, routed: _Routed, lo: int, hi: int) -> _Routed:
+    """The routing of tokens `[lo, hi)` and their counts (all-gathered): what a
+    chunk's destinations are planned from. The whole routing for one chunk."""
+    if (lo, hi) == (0, routed.routing.experts.shape[0]):
+        return routed
+    r = routed.routing
+    experts, weights = r.experts[lo:hi], r.weights[lo:hi]
+    num_experts = setup.cfg.num_experts
+    # A pair routed to no expert has id `E` (`physical_routing`): counted nowhere.
+    counts = (
+        jnp.zeros((num_experts + 1,), jnp.int32)
+        .at[jnp.minimum(experts, num_experts).ravel()]
+        .add(1)[:num_experts]
+    )
+    chunk = eqx.tree_at(
+        lambda r: (r.experts, r.weights, r.counts), r, (experts, weights, counts)
+    )
+    gathered = jax.lax.all_gather(counts, setup.cfg.axis_name)
+    return _Routed(routing=chunk, position=routed.position, counts=gathered)
 
 
 def _destinations(
@@ -339,14 +425,25 @@ def _destinations(
             max_exports = max(
                 1, default_max_exports(setup.num_shards, num_local, setup.num_slots)
             )
+        counts, within, max_pairs = routed.counts, None, setup.num_shards * experts.size
+        if setup.tensor > 1:
+            # A tensor group's devices compute their rows together, with the same
+            # slot copies: one plan from their summed counts, their pairs of each
+            # expert in one order (device by device within each source shard).
+            every = jax.lax.all_gather(counts, cfg.tensor_axis)  # [P, R, E]
+            t = jax.lax.axis_index(cfg.tensor_axis)
+            before = jnp.arange(setup.tensor)[:, None] < t
+            offset = jnp.sum(jnp.where(before, every[:, shard], 0), axis=0)
+            counts, within = jnp.sum(every, axis=0), (counts[shard], offset)
+            max_pairs *= setup.tensor
         plan = plan_duplication(
-            routed.counts,
+            counts,
             num_slots=setup.num_slots,
             max_exports=max_exports,
-            max_pairs=setup.num_shards * experts.size,
+            max_pairs=max_pairs,
         )
         dest_shard, dest_group = assign_destinations(
-            plan, routed.counts, experts, shard, num_local_experts=num_local
+            plan, counts, experts, shard, num_local_experts=num_local, within=within
         )
         w_gate_up, w_down = gather_slot_weights(
             (w_gate_up, w_down),
@@ -417,16 +514,16 @@ def _real_tokens(tokens: int, num_tokens) -> Bool[Array, " tokens"]:
     return block * tokens + jnp.arange(tokens, dtype=jnp.int32) < total
 
 
-def _stats(
-    setup: _ShardSetup, routed: _Routed, sent: _Sent, trip: TripStats, nan, counted
-):
+def _stats(setup: _ShardSetup, routed: _Routed, chunks: list, nan, counted):
     """Step 9: the stats, identical on all shards, counted from what the trips really
-    did (summed over the EP groups of the data axes). Three collectives: one
-    all-gather of the trip's counts, one mean of the router's float statistics, and
-    (with data axes) one sum of the integer counts."""
+    did (summed over the EP groups of the data axes, and over the chunks of the
+    tokens). Three collectives: one all-gather of the trips' counts, one mean of
+    the router's float statistics, and (with data axes) one sum of the integer
+    counts."""
     cfg, data_axes = setup.cfg, setup.data_axes
     ax = cfg.axis_name
     nan = nan.astype(jnp.int32)
+    trip = jax.tree.map(lambda *a: sum(a[1:], a[0]), *[c.trip for c in chunks])
     identity = routed.routing.identity_counts
     per_shard = jax.lax.all_gather(
         jnp.concatenate(
@@ -454,9 +551,21 @@ def _stats(
     router_floats = jnp.concatenate([router_floats * finite, finite[None]])
     router_floats = jax.lax.psum(router_floats, (ax, *data_axes))
     router_floats = router_floats[:-1] / jnp.maximum(router_floats[-1], 1.0)
-    required = required_buffer_factor(
-        sent.wire_counts, sent.pair_counts.T, tokens=setup.tokens, top_k=cfg.top_k
+    required = functools.reduce(
+        jnp.maximum,
+        [
+            required_buffer_factor(
+                c.sent.wire_counts,
+                c.sent.pair_counts.T,
+                tokens=c.setup.tokens,
+                top_k=cfg.top_k,
+            )
+            for c in chunks
+        ],
     )
+    overflow = functools.reduce(jnp.logical_or, [c.sent.overflow for c in chunks])
+    fallback = [c.sent.overflow for c in chunks if c.setup.num_chunks > 1]
+    fallback = functools.reduce(jnp.logical_or, fallback) if fallback else False
     if data_axes:
         ints = jnp.concatenate([per_shard.ravel(), global_counts])
         ints = jax.lax.psum(ints, data_axes)
@@ -472,11 +581,15 @@ def _stats(
         dropped=jnp.sum(per_shard[:, 2]),
         home_load=global_counts.reshape(setup.num_shards, setup.num_local).sum(axis=1),
         expert_counts=global_counts[routed.position],  # logical order
-        overflow=sent.overflow,
-        fallback_used=sent.overflow if setup.num_chunks > 1 else False,
+        overflow=overflow,
+        fallback_used=fallback,
         required=required,
-        num_chunks=setup.num_chunks,
-        block_rows=setup.buffers.block_rows if is_dense(setup.exchange) else 0,
+        num_chunks=max(c.setup.num_chunks for c in chunks),
+        block_rows=(
+            chunks[0].setup.buffers.block_rows
+            if is_dense(chunks[0].setup.exchange)
+            else 0
+        ),
         mean_probs=router_floats[:-1],
         router_z_loss=router_floats[-1],
         nan_tokens=jnp.sum(per_shard[:, 3]),

@@ -31,6 +31,7 @@ from ._gmm import AbstractGMMBackend, GradAcc
 from ._permute import sum_rows
 from ._quant import QuantizedWeight
 from ._rules import acc_dtype, count_at_or_below
+from ._tensor import pooled
 
 
 class TripSpec(eqx.Module):
@@ -53,6 +54,8 @@ class TripSpec(eqx.Module):
     - `activation`: the experts' [`moe_eqx.AbstractActivation`][].
     - `weight_on_input`: the routing weight scales the expert's input (Llama-4),
         not its output.
+    - `tensor_axis`: the mesh axis the experts' `d_ff` is split over
+        (`MoEConfig.tensor_axis`; `activation` is then a `TensorSplit`), or `None`.
     """
 
     num_shards: int = eqx.field(static=True)
@@ -64,6 +67,7 @@ class TripSpec(eqx.Module):
     axis_name: str = eqx.field(static=True)
     activation: AbstractActivation = eqx.field(static=True, default=SWIGLU)
     weight_on_input: bool = eqx.field(static=True, default=False)
+    tensor_axis: str | None = eqx.field(static=True, default=None)
 
 
 class TripStats(eqx.Module):
@@ -181,12 +185,12 @@ def _row_trip(inputs: TripInputs, spec: TripSpec, exchange, grad_acc):
     plan = make_exchange_plan(counts, bufs.rows, shard)
     recv_x, recv_groups, recv_weights = send_rows(inputs.x, wire, plan, exchange, bufs)
     # `recv_x` is the exchange's unpacked layout: B rows or more.
-    y_rows, pairs, dropped_at_receiver, grad_acc = _compute_pairs(
+    y_rows, computed, dropped_at_receiver, grad_acc = _compute_pairs(
         recv_x, recv_groups, recv_weights, inputs, spec, grad_acc
     )
     y = return_rows(y_rows, wire, plan, exchange, bufs)
     stats = TripStats(
-        computed_pairs=jnp.sum(pairs.group_sizes).astype(jnp.int32),
+        computed_pairs=computed.astype(jnp.int32),
         recv_rows=jnp.sum(jnp.any(recv_groups >= 0, axis=1)).astype(jnp.int32),
         dropped_pairs=(
             _unsent_pairs(wire, plan, bufs.send_rows) + dropped_at_receiver
@@ -199,6 +203,42 @@ def _compute_pairs(recv_x, recv_groups, recv_weights, inputs, spec, grad_acc):
     """The receiver's work, whichever exchange delivered its rows: expand the rows'
     `(group, weight)` entries (group -1: none) to pairs grouped by local group, at
     most `spec.buffers.pairs` of them, run the experts and sum each row's pairs.
+    Returns `(y_rows, computed, dropped, grad_acc)`: the pairs computed and dropped.
+
+    With `spec.tensor_axis`, the rows of every device of the tensor axis are pooled
+    (`moe_eqx._tensor.pooled`), each device computing all of them with its hidden
+    units in a buffer as many times larger; the counts are then those of this
+    device's own rows, so that the stats count each pair once."""
+    if spec.tensor_axis is None:
+        y_rows, pairs, dropped, grad_acc = _pairs_of_rows(
+            recv_x, recv_groups, recv_weights, inputs, spec, grad_acc, 1
+        )
+        return y_rows, jnp.sum(pairs.group_sizes), dropped, grad_acc
+    axis = spec.tensor_axis
+    size = jax.lax.axis_size(axis)
+    num_rows = recv_x.shape[0]
+
+    def compute(x, groups, weights):
+        y, pairs, _, acc = _pairs_of_rows(
+            x, groups, weights, inputs, spec, grad_acc, size
+        )
+        # This device's own rows' pairs that were computed.
+        own = jax.lax.axis_index(axis) * num_rows
+        slot = jnp.arange(pairs.row.shape[0], dtype=jnp.int32)
+        kept = (slot < jnp.sum(pairs.group_sizes)) & (
+            pairs.row // num_rows == own // num_rows
+        )
+        return y, jnp.sum(kept), acc
+
+    y_rows, computed, grad_acc = pooled(
+        compute, axis, recv_x, recv_groups, recv_weights
+    )
+    valid = jnp.sum(recv_groups >= 0)
+    return y_rows, computed, valid - computed, grad_acc
+
+
+def _pairs_of_rows(recv_x, recv_groups, recv_weights, inputs, spec, grad_acc, pool):
+    """`_compute_pairs` on one set of rows, with `pool` times the pair buffer.
     Returns `(y_rows, pairs, dropped, grad_acc)`."""
     num_rows = recv_x.shape[0]
     pairs, dropped = expand_rows(
@@ -206,7 +246,7 @@ def _compute_pairs(recv_x, recv_groups, recv_weights, inputs, spec, grad_acc):
         recv_weights,
         jnp.asarray(num_rows, jnp.int32),
         local_groups=spec.local_groups,
-        capacity=spec.buffers.pairs,
+        capacity=spec.buffers.pairs * pool,
     )
     expert_in = recv_x[pairs.row]  # see `_sort_pairs` for why not `permute_rows`
     if spec.weight_on_input:
@@ -244,7 +284,7 @@ def _gather_trip(inputs: TripInputs, spec: TripSpec, exchange, grad_acc):
     mine = (g_dest >= shard * groups) & (g_dest < (shard + 1) * groups)
     g_groups = jnp.where(mine, g_dest - shard * groups, -1)
     g_weights = jnp.where(mine, g_weights, jnp.zeros((), g_weights.dtype))
-    y_rows, pairs, dropped, grad_acc = _compute_pairs(
+    y_rows, computed, dropped, grad_acc = _compute_pairs(
         g_x, g_groups, g_weights, inputs, spec, grad_acc
     )
     with jax.named_scope("moe_eqx.exchange"):
@@ -252,7 +292,7 @@ def _gather_trip(inputs: TripInputs, spec: TripSpec, exchange, grad_acc):
         acc = acc_dtype(y_rows.dtype)
         y = exchange.scatter(y_rows.astype(acc)).astype(y_rows.dtype)
     stats = TripStats(
-        computed_pairs=jnp.sum(pairs.group_sizes).astype(jnp.int32),
+        computed_pairs=computed.astype(jnp.int32),
         recv_rows=jnp.sum(jnp.any(mine, axis=1)).astype(jnp.int32),
         dropped_pairs=dropped.astype(jnp.int32),
     )

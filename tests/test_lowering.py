@@ -228,6 +228,7 @@ _CONFIGS = {
     "drop": dict(on_overflow="drop"),
     "fallback": dict(on_overflow="fallback"),
     "slots": dict(on_overflow="drop", num_slots=1),
+    "token_chunks": dict(on_overflow="fallback", token_chunks=2),
 }
 
 
@@ -366,6 +367,28 @@ def test_experts_split_over_data_lower(platform, gmm_backend, dtype, request):
     assert ops["ragged_all_to_all"] >= 4, ops
     assert ops["reduce_scatter"] >= 2, ops  # d w_gate_up, d w_down
     assert ops["all_gather"] >= 3, ops  # w_gate_up, w_down, the counts
+
+
+@pytest.mark.parametrize(("platform", "gmm_backend", "dtype"), _PATHS)
+def test_tensor_parallel_lowers(platform, gmm_backend, dtype, request):
+    """Experts' `d_ff` split over a tensor axis (2 x 4, expert x tensor), forward and
+    backward: the rows' all-gather and the outputs' reduce-scatter over the tensor
+    axis, and the first product's regrouping (collective permutes), lower for the
+    platform."""
+    _prepare(platform, gmm_backend, request)
+    layer, x = _layer(gmm_backend, dtype, tensor_axis="tensor", shared_d_ff=64)
+    mesh = jax.make_mesh(
+        (2, 4),
+        (AXIS, "tensor"),
+        devices=jax.devices("cpu")[:8],
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
+    text = _lower(layer, x, mesh, platform, backward=True).as_text()
+    ops = _ops(text)
+    _check_gmm(ops, gmm_backend, True, platform)
+    assert ops["ragged_all_to_all"] >= 4, ops
+    assert ops["collective_permute"] >= 2, ops
+    assert ops["reduce_scatter"] >= 2 and ops["all_gather"] >= 3, ops
 
 
 # ---------------------------------------------------------------------------------

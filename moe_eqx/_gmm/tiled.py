@@ -50,7 +50,13 @@ from .._rules import (
     remat_name,
     zeros_in_own_buffer,
 )
-from ._base import AbstractGMMBackend, GradAcc, biased_two_products, with_tangent_of
+from ._base import (
+    AbstractGMMBackend,
+    GradAcc,
+    biased_two_products,
+    two_products,
+    with_tangent_of,
+)
 from ._products import AbstractProducts, gmm, gmm_t, tgmm
 from .gathered import GatheredGMM
 
@@ -724,21 +730,36 @@ class TiledGMM(AbstractGMMBackend):
             return GatheredGMM().ffn(
                 x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
             )
+        windows = window_rows(x.shape[0], w_gate_up.shape[0], self.tile_rows)
+        products = _TiledProducts(windows)
+
+        def product(lhs, w, sizes):
+            lhs, w, sizes = match_varying(lhs, w, sizes)
+            return gmm(products, lhs, w, sizes)
+
+        sizes = group_sizes.astype(jnp.int32)
         if isinstance(w_gate_up, QuantizedWithBias) and grad_acc is None:
             # Two products on the quantized weights with the biases added between
             # them (the fused loop's derivatives take float weights whole).
-            windows = window_rows(x.shape[0], w_gate_up.shape[0], self.tile_rows)
-            products = _TiledProducts(windows)
-
-            def product(lhs, w, sizes):
-                lhs, w, sizes = match_varying(lhs, w, sizes)
-                return gmm(products, lhs, w, sizes)
-
             with jax.named_scope("moe_eqx.gmm.tiled"):
-                sizes = group_sizes.astype(jnp.int32)
                 return biased_two_products(
                     product, x, w_gate_up, w_down, sizes, activation
                 )
+        if activation.collective:
+            # Applied once to the whole first product: in the loop of windows,
+            # whose count differs between devices, its collectives would not match.
+            with jax.named_scope("moe_eqx.gmm.tiled"):
+                weights = [
+                    as_float(w, w.dtype) if isinstance(w, QuantizedWithBias) else w
+                    for w in (w_gate_up, w_down)
+                ]
+                if grad_acc is not None:  # see `AbstractGMMBackend.ffn`
+                    weights = [
+                        with_tangent_of(w, a)
+                        for w, a in zip(weights, grad_acc, strict=True)
+                    ]
+                out = two_products(product, x, *weights, sizes, activation)
+                return out if grad_acc is None else (out, grad_acc)
         w_gate_up, w_down = (
             as_float(w, w.dtype) if isinstance(w, QuantizedWithBias) else w
             for w in (w_gate_up, w_down)

@@ -462,6 +462,7 @@ def _placed_layer(
     experts = jax.tree.map(experts_leaf, *(l.experts for l in by_block.values()))
     layer = jax.tree.map(replicated, first)
     layer = eqx.tree_at(lambda l: l.experts, layer, experts)
-    if config.fsdp_axes:  # each device keeps its part of its shard's experts
+    if config.fsdp_axes or config.tensor_axis:
+        # Each device keeps its part of its shard's experts (of their `d_ff` too).
         layer = shard_model(layer, mesh)
     return layer
