@@ -7,7 +7,9 @@
 #      (tests/test_gmm_gpu.py -k quantized, tests/test_layer_gpu.py -k mosaic_gpu);
 #   2. benchmarks/gmm_gpu.py (< 4 min): dense, lax.ragged_dot, mosaic_gpu, torch;
 #   3. benchmarks/layer.py --gpu (bounded to 150 s): the whole layer on one GPU in
-#      bfloat16 (one device, and a one-GPU mesh with the fallback on and off) against
+#      bfloat16 (one device, and a one-GPU mesh with the fallback on and off, and the
+#      fallback with `token_chunks=2` beside `token_chunks=1`: on one GPU the chunks'
+#      cost, on several their exchange overlapped with expert compute) against
 #      dense matmuls of the same expert FLOPs.
 # Results go to ${OUT:-benchmarks/results}: gpu_tests.log, gmm_gpu.json, gmm_gpu.log,
 # layer_gpu.json, layer_gpu.log.

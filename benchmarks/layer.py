@@ -115,6 +115,11 @@ def variants(shape, dtype, num_devices, quick):
                 shape, dtype, quick, on_overflow=on_overflow, num_slots=slots
             )
             out[name] = (layer, mesh)
+            if on_overflow == "fallback" and not slots:
+                # Token chunks (`token_chunks=2`): on one device or a CPU nothing
+                # overlaps, so this row is their cost; on several GPUs, their gain.
+                chunked = make_layer(shape, dtype, quick, token_chunks=2)
+                out[f"{name} token_chunks=2"] = (chunked, mesh)
     return out
 
 

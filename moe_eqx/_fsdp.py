@@ -112,12 +112,26 @@ def expert_specs(cfg: MoEConfig, experts, mesh_shape: Mapping[str, int] | None):
         "b_down": P(lead),  # [E, d_model]: nothing of d_ff in it, and small
     }
     specs = {
-        name: _quantized_specs(
-            getattr(experts, name), _lead(getattr(experts, name), _NDIM[name], spec)
+        name: jax.tree.map(
+            _trimmed,
+            _quantized_specs(
+                getattr(experts, name),
+                _lead(getattr(experts, name), _NDIM[name], spec),
+            ),
+            is_leaf=lambda s: isinstance(s, P),
         )
         for name, spec in specs.items()
     }
     return _with(experts, specs)
+
+
+def _trimmed(spec: P) -> P:
+    """`spec` without trailing `None`s: the same split, written as `P(axis)` (the
+    form `shard_specs` has always returned, and `P`'s equality tells apart)."""
+    parts = tuple(spec)
+    while parts and parts[-1] is None:
+        parts = parts[:-1]
+    return P(*parts)
 
 
 def _quantized_specs(a, spec: P):
@@ -256,5 +270,5 @@ def shared_specs(cfg: MoEConfig, shared, mesh_shape: Mapping[str, int] | None):
     return eqx.tree_at(
         lambda s: (s.w_gate_up, s.w_down),
         specs,
-        (P(None, axis), P(axis, None)),
+        (P(None, axis), P(axis)),
     )

@@ -743,6 +743,24 @@ def test_layers_from_hub_layouts(tmp_path, getkey, name):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_layers_from_a_directory_split_over_a_tensor_axis(tmp_path, getkey):
+    """`layers_from_hf(..., mesh=, tensor_axis=)`: routed and shared experts come
+    back with their `d_ff` split over the tensor axis, and the layer equals the
+    model's own block."""
+    model = _save_model(tmp_path)
+    mesh = jax.make_mesh((2, 4), ("expert", "tensor"), devices=jax.devices("cpu"))
+    (layer,) = me.layers_from_hf(
+        tmp_path, [0], mesh=mesh, tensor_axis="tensor"
+    ).values()
+    assert layer.experts.w_down.sharding.spec == jax.P("expert", "tensor")
+    assert layer.experts.w_gate_up.sharding.spec == jax.P("expert", None, "tensor")
+    assert layer.shared_experts.w_down.sharding.spec == jax.P("tensor")
+    x = jax.random.normal(getkey(), (32, H), jnp.float32)
+    y_hf, _ = _torch_value_and_grad(model.model.layers[0].mlp, x)
+    y = jax.jit(lambda l, x: l(x, mesh=mesh))(layer, x)[0]
+    np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5, atol=1e-5)
+
+
 def test_bfloat16_model_directory(tmp_path):
     _save_model(tmp_path, torch.bfloat16)
     layers = me.layers_from_hf(tmp_path, [0])

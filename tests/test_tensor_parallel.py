@@ -236,9 +236,12 @@ def _weight_gathers(layer, x, mesh, whole) -> list[str]:
     params, static = eqx.partition(layer, eqx.is_inexact_array)
     step = jax.jit(jax.grad(lambda p, x: _loss(eqx.combine(p, static), x, mesh)))
     hlo = step.lower(params, x).compile().as_text()
-    gathers = re.findall(r"= (\S+?)(?:\{[^}]*\})? all-gather(?:-start)?\(", hlo)
-    assert gathers, "expected the rows' all-gathers over the tensor axis"
-    return [g for g in gathers if g.endswith(whole)]
+    hlo = re.sub(r"/\*index=\d+\*/", "", hlo)  # a tuple's element comments
+    results = re.findall(r"= ([^\n]*?) all-gather(?:-start)?\(", hlo)
+    assert results, "expected the rows' all-gathers over the tensor axis"
+    # Each array of each result (an all-gather of several arrays has a tuple).
+    shapes = [s for r in results for s in re.findall(r"\w+\[[\d,]*\]", r)]
+    return [s for s in shapes if s.endswith(whole)]
 
 
 def test_orbax_roundtrip_keeps_the_split(getkey, tmp_path):
@@ -269,3 +272,30 @@ def test_one_device_ignores_the_axis(getkey):
     layer = _layer(getkey())
     x = jr.normal(getkey(), (16, D))
     np.testing.assert_allclose(layer(x)[0], me.reference_moe(layer, x), atol=1e-6)
+
+
+def test_inside_your_own_shard_map(getkey):
+    """`me.expert_parallel_shard` in a user's `shard_map` over expert and tensor
+    axes, with `me.shard_specs(layer, mesh)`: the layer's own output."""
+    layer = _layer(getkey(), shared_d_ff=16)
+    mesh = jax.make_mesh(
+        (2, 4),
+        ("expert", "tensor"),
+        devices=helpers.cpu_devices()[:8],
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
+    x = jr.normal(getkey(), (64, D))
+    tokens = P(("expert", "tensor"))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda l, x: me.expert_parallel_shard(l, x),
+            mesh=mesh,
+            in_specs=(me.shard_specs(layer, mesh), tokens),
+            out_specs=(tokens, P()),
+            check_vma=False,
+        )
+    )
+    y, stats = fn(layer, x)
+    stats.check()
+    want = me.reference_moe(layer, x)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * float(jnp.max(want)))

@@ -108,7 +108,12 @@ def test_input_on_one_device(getkey):
 _ROOT = pathlib.Path(__file__).parents[1]
 # Each page with Python blocks, and how many it has at least (so that losing a block,
 # or a page's blocks, fails here rather than passing with less to run).
-_PAGES_WITH_CODE = {"README.md": 2, "docs/guide.md": 4, "docs/own-stages.md": 5}
+_PAGES_WITH_CODE = {
+    "README.md": 2,
+    "docs/guide.md": 4,
+    "docs/own-stages.md": 5,
+    "docs/scaling-out.md": 5,
+}
 
 
 def _python_blocks(page: str) -> list[str]:
