@@ -13,7 +13,6 @@ JAX's own (`jvp` and `vjp` below).
 """
 
 import abc
-import math
 from typing import ClassVar
 
 import equinox as eqx
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ._checks import check_positive
 from ._settings import boolean, real
 
 
@@ -78,22 +78,6 @@ class AbstractActivation(eqx.Module):
         return pullback(d_act.astype(jnp.float32))[0]
 
 
-def _positive(value, name: str, owner: str, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    ):
-        raise ValueError(
-            f"`{owner}.{name}` must be a positive finite number"
-            + (" or None" if optional else "")
-            + f", got {value!r}."
-        )
-
-
 def _halves(h: Array) -> tuple[Array, Array]:
     # A split, whose transpose is one concatenation (two slices' would pad both
     # halves to full width and add them).
@@ -126,7 +110,7 @@ class SwiGLU(AbstractActivation):
     gated: ClassVar[bool] = True
 
     def __check_init__(self):
-        _positive(self.limit, "limit", "SwiGLU", optional=True)
+        check_positive(self.limit, "limit", "SwiGLU", optional=True)
         if self.limit_after and self.limit is None:
             raise ValueError("`SwiGLU.limit_after` needs a `limit`.")
 
@@ -166,8 +150,8 @@ class ClampedSwiGLU(AbstractActivation):
     gated: ClassVar[bool] = True
 
     def __check_init__(self):
-        _positive(self.limit, "limit", "ClampedSwiGLU")
-        _positive(self.alpha, "alpha", "ClampedSwiGLU")
+        check_positive(self.limit, "limit", "ClampedSwiGLU")
+        check_positive(self.alpha, "alpha", "ClampedSwiGLU")
 
     def __call__(self, h):
         gate, up = _clamp(*_halves(h), self.limit)
@@ -183,8 +167,8 @@ class SoftcapSwiGLU(AbstractActivation):
     gated: ClassVar[bool] = True
 
     def __check_init__(self):
-        _positive(self.gate_cap, "gate_cap", "SoftcapSwiGLU")
-        _positive(self.up_cap, "up_cap", "SoftcapSwiGLU")
+        check_positive(self.gate_cap, "gate_cap", "SoftcapSwiGLU")
+        check_positive(self.up_cap, "up_cap", "SoftcapSwiGLU")
 
     def __call__(self, h):
         gate, up = _halves(h)

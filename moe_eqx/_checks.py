@@ -3,6 +3,8 @@
 wrong shape, dtype or count is a `ValueError` or `TypeError` naming the argument,
 at trace time, and concrete values are checked where they are known."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,4 +84,22 @@ def check_group_sizes(name: str, sizes, num_groups: int, num_rows: int, where: s
     if total > num_rows:
         raise ValueError(
             f"{where}: `{name}` sums to {total}, more than the {num_rows} rows."
+        )
+
+
+def check_positive(value, name: str, owner: str, *, optional: bool = False) -> None:
+    """A `ValueError` naming `owner.name` unless `value` is a positive finite number
+    (or, with `optional`, `None`)."""
+    if optional and value is None:
+        return
+    if not (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        raise ValueError(
+            f"`{owner}.{name}` must be a positive finite number"
+            + (" or None" if optional else "")
+            + f", got {value!r}."
         )

@@ -1,13 +1,11 @@
 """Combine stage: weighted sums of expert outputs back to rows (wire rows or tokens)."""
 
-import math
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._checks import check_array
+from ._checks import check_array, check_positive
 from ._dispatch import SortedPairs
 from ._permute import unpermute_sum
 from ._rules import zeros_in_own_buffer
@@ -134,17 +132,7 @@ class OutputTransform(eqx.Module):
             raise ValueError(
                 f"`OutputTransform.bias` must be True or False, got {self.bias!r}."
             )
-        eps = self.norm_eps
-        if eps is not None and not (
-            isinstance(eps, int | float)
-            and not isinstance(eps, bool)
-            and math.isfinite(eps)
-            and eps > 0
-        ):
-            raise ValueError(
-                f"`OutputTransform.norm_eps` must be a positive finite number or None, "
-                f"got {eps!r}."
-            )
+        check_positive(self.norm_eps, "norm_eps", "OutputTransform", optional=True)
 
     def __call__(
         self,

@@ -735,22 +735,19 @@ def shard_specs(
         layer = layer.with_config(fsdp_axes=fsdp_axes)
     cfg = layer.config
     specs = jax.tree.map(lambda _: P(), layer)
-    if cfg.fsdp_axes:
+    # The settings whose specs depend on the mesh's axis sizes.
+    needs_mesh = [
+        f"`config.fsdp_axes` is {cfg.fsdp_axes}" if cfg.fsdp_axes else None,
+        f"`config.tensor_axis` is {cfg.tensor_axis!r}" if cfg.tensor_axis else None,
+    ]
+    needs_mesh = [s for s in needs_mesh if s is not None]
+    if needs_mesh:
         mesh = mesh if mesh is not None else concrete_mesh()
         if mesh is None:
             raise ValueError(
-                f"`config.fsdp_axes` is {cfg.fsdp_axes}: `shard_specs` needs the mesh "
+                f"{' and '.join(needs_mesh)}: `shard_specs` needs the mesh "
                 "(`mesh=...` or `with jax.set_mesh(mesh):`) to know how the experts "
                 "are split."
-            )
-        _check_mesh(mesh, cfg)
-    if cfg.tensor_axis is not None:
-        mesh = mesh if mesh is not None else concrete_mesh()
-        if mesh is None:
-            raise ValueError(
-                f"`config.tensor_axis` is {cfg.tensor_axis!r}: `shard_specs` needs "
-                "the mesh (`mesh=...` or `with jax.set_mesh(mesh):`) to know the "
-                "axis's size."
             )
         _check_mesh(mesh, cfg)
     shape = None if mesh is None else mesh.shape

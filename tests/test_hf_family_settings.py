@@ -2,6 +2,7 @@
 `transformers`' own block: ERNIE-4.5's `moe_norm_min` floor, settings that used to be
 refused, aliases of supported families and multimodal wrappers' text models."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,19 +34,27 @@ def _drawn(block, seed=0):
     return block
 
 
-def _assert_matches_block(block, hf_config, x, num_shards=1, **import_kw):
-    """`config_from_hf` + the importer against `block`: output and input gradient,
-    and the dense oracle `reference_moe` against the block's output."""
-    config = me.config_from_hf(hf_config, buffer_factor=None)
-    layer = me.layer_from_hf_state_dict(config, _state_dict(block), **import_kw)
-    y_hf, g_hf = _torch_value_and_grad(block, x)
+@eqx.filter_jit
+def _value_and_grad(layer, x, num_shards):
+    """The layer's output and the gradient of `sum(y**2)` in `x`: one program per
+    layer config and `num_shards`, shared by the families whose configs are equal."""
     m = None if num_shards == 1 else mesh(num_shards)
 
     def loss(x):
         y, _ = layer(x, mesh=m)
         return jnp.sum(y.astype(jnp.float32) ** 2), y
 
-    (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    (_, y), g = jax.value_and_grad(loss, has_aux=True)(x)
+    return y, g
+
+
+def _assert_matches_block(block, hf_config, x, num_shards=1, **import_kw):
+    """`config_from_hf` + the importer against `block`: output and input gradient,
+    and the dense oracle `reference_moe` against the block's output."""
+    config = me.config_from_hf(hf_config, buffer_factor=None)
+    layer = me.layer_from_hf_state_dict(config, _state_dict(block), **import_kw)
+    y_hf, g_hf = _torch_value_and_grad(block, x)
+    y, g = _value_and_grad(layer, x, num_shards)
     scale, gscale = np.max(np.abs(y_hf)), np.max(np.abs(g_hf))
     np.testing.assert_allclose(np.asarray(y), y_hf, rtol=1e-5, atol=1e-5 * scale)
     np.testing.assert_allclose(np.asarray(g), g_hf, rtol=1e-5, atol=1e-5 * gscale)

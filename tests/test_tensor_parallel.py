@@ -261,6 +261,8 @@ def test_bad_settings_are_named(getkey):
     with pytest.raises(ValueError, match="tensor_axis.*must differ"):
         me.MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, tensor_axis="expert")
     layer = _layer(getkey())
+    with pytest.raises(ValueError, match="tensor_axis.*needs the mesh"):
+        me.shard_specs(layer)
     with pytest.raises(ValueError, match="tensor_axis.*not an axis of the mesh"):
         layer(jnp.zeros((8, D)), mesh=_mesh(expert=8))
     odd = _layer(getkey(), d_ff=30)
