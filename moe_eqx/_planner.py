@@ -219,11 +219,13 @@ def _argmin(score: Int[Array, "levels local"]):
 # receiver (position in the receiver order, slot, deficit), the remainders passed on
 # since the last slot copy to a receiver; then, equal in all rows,
 # the steps of this round (R S before the first round), the bracket (highest failed
-# level, lowest feasible one) and the row of the log of the best level so far (the
-# last row, never written, for none); then the pairs left of each expert of the
+# level, lowest feasible one), the row of the log of the best level so far (the
+# last row, never written, for none) and the steps of its round (the rows of that
+# log written by it: a half of the log is reused, and rows past the round's end
+# hold an earlier round's copies); then the pairs left of each expert of the
 # donor.
 _COPY, _LEVEL, _POSITION, _LEFT, _EXPORTS, _INDEX, _SLOT, _NEED = 0, 3, 4, 5, 6, 7, 8, 9
-_HOPS, _STEP, _BELOW, _ABOVE, _BEST, _AVAIL = 10, 11, 12, 13, 14, 15
+_HOPS, _STEP, _BELOW, _ABOVE, _BEST, _LENGTH, _AVAIL = 10, 11, 12, 13, 14, 15, 16
 
 
 def _put(state, values: dict):
@@ -354,7 +356,8 @@ def _search(loads, num_slots, max_exports):
     feasible even where feasibility is not monotone. One loop runs the steps of all
     rounds: the step after a round's last one starts the next. The log holds two
     rounds, the one running and the one with the best level so far, and one empty
-    row (the log of no copies).
+    row (the log of no copies); a half is reused by later rounds, so only the rows
+    of the best round's own steps are returned.
 
     Returns `(level, log)`: the log `[steps, 3]` of copies at that level (slot + 1,
     0 for none, where slot is `shard * num_slots + column`; expert; pairs).
@@ -410,8 +413,8 @@ def _search(loads, num_slots, max_exports):
         ).min()
         level = state[jnp.minimum(status, _LEVELS - 1), _LEVEL]
         previous = state[jnp.maximum(status - 1, 0), _LEVEL]
-        count, below, above, best = (
-            _wide(state, (0, c)) for c in (_STEP, _BELOW, _ABOVE, _BEST)
+        count, below, above, best, length = (
+            _wide(state, (0, c)) for c in (_STEP, _BELOW, _ABOVE, _BEST, _LENGTH)
         )
         ended = status >= 0
         started = count < steps  # not the state before the first round
@@ -443,6 +446,7 @@ def _search(loads, num_slots, max_exports):
                 _BELOW: below,
                 _ABOVE: above,
                 _BEST: jnp.where(better, half + status, best),
+                _LENGTH: jnp.where(better, count, length),
             },
         )
         state = jnp.where(ended, start, _step(loads, state, alive, num_slots))
@@ -460,56 +464,71 @@ def _search(loads, num_slots, max_exports):
         body,
         (template, log),
     )
-    return state[0, _ABOVE], log[state[0, _BEST]]
+    # Only the best round's own rows: the rest of its half may hold the copies of an
+    # earlier, longer round.
+    written = np.arange(steps)[:, None] < state[0, _LENGTH]
+    return state[0, _ABOVE], jnp.where(written, log[state[0, _BEST]], 0)
 
 
 def _assemble(loads, level, log, num_slots, max_exports) -> DuplicationPlan:
     """The plan from the log of copies at `level`: every copy's pairs come out of its
     expert's home quota; each shard lists its copies in fill order (hottest donor
-    first), then its empty slots. Should the plan break an invariant (never
-    expected), the home-only plan, which always holds."""
+    first), then its empty slots. The plan as assembled is then checked against
+    every invariant; should it break one (never expected), the home-only plan,
+    which always holds."""
     num_shards, local = loads.by_shard.shape
     num_experts = num_shards * local
     usable = log.shape[0] // num_shards
     copies = num_shards * usable
     slot, expert, pairs = (log[None, :, c] for c in range(3))
     copied = slot > 0
-    home = jax.lax.div(expert, local)
-    receiver = jax.lax.div(slot + usable - 1, usable) - 1
-    # One reduction over the log, with rows: per slot (expert + 1, pairs), a slot
-    # being written at most once; per expert (-, pairs copied); per shard (copies
-    # of its experts, pairs its slots receive less pairs its experts send).
-    kind = np.repeat([0, 1, 2], [copies, num_experts, num_shards])[:, None]
-    row = np.concatenate(
-        [np.arange(1, copies + 1), np.arange(num_experts), np.arange(num_shards)]
-    )[:, None]
-    hit = (jnp.where(kind == 0, slot, jnp.where(kind == 1, expert, home)) == row) & (
-        copied | (kind == 0)
-    )
-    received = copied & (receiver == row) & (kind == 2)
+    # One reduction over the log, with rows: per slot (expert + 1, pairs, writes);
+    # per expert (-, pairs copied, -).
+    kind = np.repeat([0, 1], [copies, num_experts])[:, None]
+    row = np.concatenate([np.arange(1, copies + 1), np.arange(num_experts)])[:, None]
+    hit = (jnp.where(kind == 0, slot, expert) == row) & (copied | (kind == 0))
     sums = jnp.stack(
         [
-            jnp.where(hit, jnp.where(kind == 0, expert + 1, 1), 0),
-            jnp.where(hit, jnp.where(kind == 2, -pairs, pairs), 0)
-            + jnp.where(received, pairs, 0),
+            jnp.where(hit, expert + 1, 0),
+            jnp.where(hit, pairs, 0),
+            hit.astype(jnp.int32),
         ],
         axis=-1,
     ).sum(axis=1)
     total = loads.by_shard.reshape(-1)
-    # The checks, one reduction over the same rows: pairs copied within each
-    # expert's, each shard at most at the level, at most `max_exports` copies of
-    # each shard's experts.
-    limit = jnp.concatenate(
-        [jnp.full((copies,), _INT32_MAX), total, level - loads.load]
-    )
-    ok = ~((sums[:, 1] > limit) | (kind[:, 0] == 2) & (sums[:, 0] > max_exports)).any()
     expert = sums[:copies, 0].reshape(num_shards, usable) - 1
     received = sums[:copies, 1].reshape(num_shards, usable)
     is_home = np.arange(num_experts)[:, None] // local == np.arange(num_shards)[None, :]
     kept = total - sums[copies : copies + num_experts, 1]  # the home quotas
-    quota = jnp.where(
-        expert[None] == np.arange(num_experts)[:, None, None], received[None], 0
-    ).sum(axis=2) + jnp.where(is_home, kept[:, None], 0)
+    # [E, R]: the pairs each shard's slots receive of each expert, and its copies.
+    held = expert[None] == np.arange(num_experts)[:, None, None]
+    per = jnp.stack(
+        [jnp.where(held, received[None], 0), held.astype(jnp.int32)], axis=-1
+    ).sum(axis=2)
+    quota = per[..., 0] + jnp.where(is_home, kept[:, None], 0)
+    held = per[..., 1]
+    # The checks, on the plan as assembled: each slot written at most once, an
+    # expert id, filled slots first; never a home expert nor two copies of one on a
+    # shard, work in every copy, no negative quota; every expert's pairs exactly
+    # once, no shard above the level, at most `max_exports` copies of a shard's
+    # experts. (Few reductions: XLA:CPU compiles each on its own.)
+    bad_slot = (
+        (sums[:copies, 2].reshape(num_shards, usable) > 1)
+        | (expert >= num_experts)
+        | jnp.pad((expert[:, 1:] >= 0) & (expert[:, :-1] < 0), ((0, 0), (1, 0)))
+    )
+    bad_pair = (
+        (held > np.where(is_home, 0, 1)) | (held > 0) & (quota <= 0) | (quota < 0)
+    )
+    by_expert = jnp.stack([quota, held], axis=-1).sum(axis=1)
+    exports = by_expert[:, 1].reshape(num_shards, local).sum(axis=1)
+    ok = ~(
+        bad_slot.any()
+        | bad_pair.any()
+        | (by_expert[:, 0] != total).any()
+        | (quota.sum(axis=0) > level).any()
+        | (exports > max_exports).any()
+    )
     padding = jnp.full((num_shards, num_slots - usable), -1, jnp.int32)
     return DuplicationPlan(
         slot_expert=jnp.where(ok, jnp.concatenate([expert, padding], axis=1), -1),

@@ -178,6 +178,61 @@ def test_plan_more_slots_than_home_experts_regression():
     assert (np.asarray(plan.slot_expert)[2] == -1).all()  # shard 2 is the hottest
 
 
+def test_plan_reads_only_its_own_round_of_the_log_regression():
+    """R=16, L=2, S=1, every shard routing alike: the best level's round was shorter
+    than an earlier round in the same half of the log, whose copies past its end
+    used to be read as part of the plan: a slot written twice took the sum of two
+    expert ids and 7484 pairs of expert 18 had no destination."""
+    row = [44, 3250, 1326, 542, 1041, 294, 359, 1429, 156, 59, 1027, 49, 1347, 14]
+    row += [1039, 540, 16, 220, 1826, 14, 1828, 57, 171, 932, 1684, 422, 41, 115]
+    row += [628, 846, 1026, 1175]
+    counts = np.broadcast_to(np.asarray(row, np.int32), (16, 32)).copy()
+    plan = _plan(counts, 1)
+    check_plan(plan, counts, 1)
+    # A real plan, not the home-only one the final check would fall back to.
+    assert (np.asarray(plan.slot_expert) >= 0).sum() > 8
+    assert _max_over_mean(plan.shard_load) < 1.05
+
+
+# A log at R=4, L=2, S=2 (slot + 1 = 2 shard + column + 1; expert; pairs) and rows
+# that a faulty fill could add to it. All but the last pass the checks that the log
+# alone allows (pairs within each expert's, each shard's load within the level,
+# exports within the bound); only the plan as assembled shows them.
+_CORRUPT_ROWS = {
+    "slot written twice": [3, 1, 0],  # reads as expert 0 + 1 + 1 + 1 - 1 = 2
+    "home expert in a slot": [4, 3, 10],
+    "two copies on a shard": [4, 0, 0],
+    "empty slot before a filled one": [2, 3, 0],
+    "a copy without work": [8, 3, 0],
+    "more pairs than the expert has": [4, 3, 500],
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(_CORRUPT_ROWS))
+def test_assembled_plan_check_catches_a_faulty_log(corruption, monkeypatch):
+    """Should the fill ever log an invalid copy, the check of the assembled plan
+    catches it and the planner returns the home-only plan."""
+    counts = np.zeros((4, 8), np.int32)
+    counts[:, 0], counts[:, 1], counts[:, 3] = 100, 60, 30
+    real = planner._search
+
+    def faulty(loads, num_slots, max_exports):
+        level, log = real(loads, num_slots, max_exports)
+        # The real log: expert 0 to shards 3 and 1, expert 1 to shard 2.
+        np.testing.assert_array_equal(
+            log[:4], [[7, 0, 190], [5, 1, 190], [3, 0, 70], [0, 0, 0]]
+        )
+        return level, log.at[3].set(jnp.asarray(_CORRUPT_ROWS[corruption]))
+
+    plan = plan_duplication(jnp.asarray(counts), num_slots=2)
+    check_plan(plan, counts, 2)
+    assert (np.asarray(plan.slot_expert) >= 0).sum() == 3
+    monkeypatch.setattr(planner, "_search", faulty)
+    plan = plan_duplication(jnp.asarray(counts), num_slots=2)
+    check_plan(plan, counts, 2)
+    assert (np.asarray(plan.slot_expert) == -1).all()
+
+
 @pytest.mark.parametrize("shape", [(8, 1, 2), (64, 1, 2), (8, 1, 7), (16, 2, 5)])
 def test_plan_exact_on_many_random_counts(shape):
     """Hundreds of random count matrices in one vmapped call (before the fix: 5% of
