@@ -473,24 +473,32 @@ def _search(loads, num_slots, max_exports):
 def _assemble(loads, level, log, num_slots, max_exports) -> DuplicationPlan:
     """The plan from the log of copies at `level`: every copy's pairs come out of its
     expert's home quota; each shard lists its copies in fill order (hottest donor
-    first), then its empty slots. The plan as assembled is then checked against
-    every invariant; should it break one (never expected), the home-only plan,
-    which always holds."""
+    first), then its empty slots. Should the plan break an invariant (never
+    expected), the home-only plan, which always holds."""
     num_shards, local = loads.by_shard.shape
     num_experts = num_shards * local
     usable = log.shape[0] // num_shards
     copies = num_shards * usable
     slot, expert, pairs = (log[None, :, c] for c in range(3))
     copied = slot > 0
+    home = jax.lax.div(expert, local)
+    receiver = jax.lax.div(slot + usable - 1, usable) - 1
     # One reduction over the log, with rows: per slot (expert + 1, pairs, writes);
-    # per expert (-, pairs copied, -).
-    kind = np.repeat([0, 1], [copies, num_experts])[:, None]
-    row = np.concatenate([np.arange(1, copies + 1), np.arange(num_experts)])[:, None]
-    hit = (jnp.where(kind == 0, slot, expert) == row) & (copied | (kind == 0))
+    # per expert (-, pairs copied, -); per shard (copies of its experts, pairs its
+    # slots receive less pairs its experts send, -).
+    kind = np.repeat([0, 1, 2], [copies, num_experts, num_shards])[:, None]
+    row = np.concatenate(
+        [np.arange(1, copies + 1), np.arange(num_experts), np.arange(num_shards)]
+    )[:, None]
+    hit = (jnp.where(kind == 0, slot, jnp.where(kind == 1, expert, home)) == row) & (
+        copied | (kind == 0)
+    )
+    received = copied & (receiver == row) & (kind == 2)
     sums = jnp.stack(
         [
-            jnp.where(hit, expert + 1, 0),
-            jnp.where(hit, pairs, 0),
+            jnp.where(hit, jnp.where(kind == 0, expert + 1, 1), 0),
+            jnp.where(hit, jnp.where(kind == 2, -pairs, pairs), 0)
+            + jnp.where(received, pairs, 0),
             hit.astype(jnp.int32),
         ],
         axis=-1,
@@ -500,35 +508,37 @@ def _assemble(loads, level, log, num_slots, max_exports) -> DuplicationPlan:
     received = sums[:copies, 1].reshape(num_shards, usable)
     is_home = np.arange(num_experts)[:, None] // local == np.arange(num_shards)[None, :]
     kept = total - sums[copies : copies + num_experts, 1]  # the home quotas
-    # [E, R]: the pairs each shard's slots receive of each expert, and its copies.
-    held = expert[None] == np.arange(num_experts)[:, None, None]
-    per = jnp.stack(
-        [jnp.where(held, received[None], 0), held.astype(jnp.int32)], axis=-1
-    ).sum(axis=2)
-    quota = per[..., 0] + jnp.where(is_home, kept[:, None], 0)
-    held = per[..., 1]
-    # The checks, on the plan as assembled: each slot written at most once, an
-    # expert id, filled slots first; never a home expert nor two copies of one on a
-    # shard, work in every copy, no negative quota; every expert's pairs exactly
-    # once, no shard above the level, at most `max_exports` copies of a shard's
-    # experts. (Few reductions: XLA:CPU compiles each on its own.)
+    quota = jnp.where(
+        expert[None] == np.arange(num_experts)[:, None, None], received[None], 0
+    ).sum(axis=2) + jnp.where(is_home, kept[:, None], 0)
+    # The checks, in one reduction. On the log: each slot written at most once (so
+    # the plan holds exactly the logged copies), pairs copied within each expert's,
+    # each shard at most at the level, at most `max_exports` copies of each shard's
+    # experts. On the slots as assembled: filled ones first, each with work and an
+    # expert id, never a home expert nor two copies of one expert on a shard.
+    limit = jnp.concatenate(
+        [jnp.full((copies,), _INT32_MAX), total, level - loads.load]
+    )
+    filled = expert >= 0
+    later = (np.arange(usable)[:, None] < np.arange(usable)[None, :])[None]
     bad_slot = (
-        (sums[:copies, 2].reshape(num_shards, usable) > 1)
+        jnp.pad(filled[:, 1:] & ~filled[:, :-1], ((0, 0), (1, 0)))
+        | filled & (received <= 0)
         | (expert >= num_experts)
-        | jnp.pad((expert[:, 1:] >= 0) & (expert[:, :-1] < 0), ((0, 0), (1, 0)))
+        | filled & (jax.lax.div(expert, local) == np.arange(num_shards)[:, None])
+        | (filled[:, :, None] & (expert[:, :, None] == expert[:, None, :]) & later).any(
+            2
+        )
     )
-    bad_pair = (
-        (held > np.where(is_home, 0, 1)) | (held > 0) & (quota <= 0) | (quota < 0)
+    bad = jnp.concatenate(
+        [
+            (sums[:, 1] > limit)
+            | (kind[:, 0] == 2) & (sums[:, 0] > max_exports)
+            | (kind[:, 0] == 0) & (sums[:, 2] > 1),
+            bad_slot.reshape(-1),
+        ]
     )
-    by_expert = jnp.stack([quota, held], axis=-1).sum(axis=1)
-    exports = by_expert[:, 1].reshape(num_shards, local).sum(axis=1)
-    ok = ~(
-        bad_slot.any()
-        | bad_pair.any()
-        | (by_expert[:, 0] != total).any()
-        | (quota.sum(axis=0) > level).any()
-        | (exports > max_exports).any()
-    )
+    ok = ~bad.any()
     padding = jnp.full((num_shards, num_slots - usable), -1, jnp.int32)
     return DuplicationPlan(
         slot_expert=jnp.where(ok, jnp.concatenate([expert, padding], axis=1), -1),

@@ -194,39 +194,50 @@ def test_plan_reads_only_its_own_round_of_the_log_regression():
     assert _max_over_mean(plan.shard_load) < 1.05
 
 
-# A log at R=4, L=2, S=2 (slot + 1 = 2 shard + column + 1; expert; pairs) and rows
-# that a faulty fill could add to it. All but the last pass the checks that the log
-# alone allows (pairs within each expert's, each shard's load within the level,
-# exports within the bound); only the plan as assembled shows them.
-_CORRUPT_ROWS = {
-    "slot written twice": [3, 1, 0],  # reads as expert 0 + 1 + 1 + 1 - 1 = 2
-    "home expert in a slot": [4, 3, 10],
-    "two copies on a shard": [4, 0, 0],
-    "empty slot before a filled one": [2, 3, 0],
-    "a copy without work": [8, 3, 0],
-    "more pairs than the expert has": [4, 3, 500],
+# R=4, L=2, S=2: expert 0 has 100 pairs, expert 2 (home shard 1) 30. The fill's log
+# (slot + 1, where slot = 2 shard + column; expert; pairs) at level 33 copies 33 of
+# expert 0 to shards 3 and 2 and 1 to shard 1, which ends at 31. The rows below,
+# written over a row of that log, are faults a fill could make; each breaks one
+# invariant that only one part of the final check sees. The first six pass the
+# checks that a log alone allows (pairs within each expert's, loads within the level,
+# exports within the bound).
+_FAULTY_ROWS = {
+    "slot written twice": (3, [3, 0, 1]),  # reads as expert 0 + 1 + 0 + 1 - 1 = 1
+    "home expert in a slot": (3, [4, 2, 1]),
+    "two copies on a shard": (3, [4, 0, 1]),
+    "empty slot before a filled one": (2, [4, 0, 1]),
+    "a copy without work": (3, [1, 2, 0]),
+    "no such expert": (3, [4, 8, 1]),
+    "more pairs than the expert has": (3, [4, 1, 1]),
+    "a shard above the level": (3, [1, 2, 5]),
 }
 
 
-@pytest.mark.parametrize("corruption", sorted(_CORRUPT_ROWS))
-def test_assembled_plan_check_catches_a_faulty_log(corruption, monkeypatch):
-    """Should the fill ever log an invalid copy, the check of the assembled plan
-    catches it and the planner returns the home-only plan."""
+@pytest.mark.parametrize("fault", sorted(_FAULTY_ROWS))
+def test_assembled_plan_check_catches_a_faulty_log(fault, monkeypatch):
+    """Should the fill ever log an invalid copy, the final check catches it and the
+    planner returns the home-only plan."""
     counts = np.zeros((4, 8), np.int32)
-    counts[:, 0], counts[:, 1], counts[:, 3] = 100, 60, 30
+    counts[:, 0], counts[0, 2] = 25, 30
     real = planner._search
 
     def faulty(loads, num_slots, max_exports):
         level, log = real(loads, num_slots, max_exports)
-        # The real log: expert 0 to shards 3 and 1, expert 1 to shard 2.
+        assert int(level) == 33
         np.testing.assert_array_equal(
-            log[:4], [[7, 0, 190], [5, 1, 190], [3, 0, 70], [0, 0, 0]]
+            log[:4], [[7, 0, 33], [5, 0, 33], [3, 0, 1], [0, 0, 0]]
         )
-        return level, log.at[3].set(jnp.asarray(_CORRUPT_ROWS[corruption]))
+        row, value = _FAULTY_ROWS[fault]
+        return level, log.at[row].set(jnp.asarray(value))
 
     plan = plan_duplication(jnp.asarray(counts), num_slots=2)
     check_plan(plan, counts, 2)
-    assert (np.asarray(plan.slot_expert) >= 0).sum() == 3
+    assert np.asarray(plan.slot_expert).tolist() == [
+        [-1, -1],
+        [0, -1],
+        [0, -1],
+        [0, -1],
+    ]
     monkeypatch.setattr(planner, "_search", faulty)
     plan = plan_duplication(jnp.asarray(counts), num_slots=2)
     check_plan(plan, counts, 2)
