@@ -30,11 +30,10 @@ def physical_routing(
     """
     expert_ids = expert_ids.astype(jnp.int32)
     num_experts = expert_ids.shape[0]
-    position = (
-        jnp.zeros((num_experts,), jnp.int32)
-        .at[expert_ids]
-        .set(jnp.arange(num_experts, dtype=jnp.int32), unique_indices=True)
-    )
+    # The inverse permutation by a sort, not a scatter: with `expert_ids` a constant
+    # (a layer closed over by `jax.jit`) the scatter's indices and updates become one
+    # iota, a scatter the TPU compiler aborts on (`tests/test_lowering.py`).
+    position = jnp.argsort(expert_ids).astype(jnp.int32)
     routing = eqx.tree_at(
         lambda r: (r.experts, r.counts),
         routing,
