@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Shaped, UInt8
+from jaxtyping import Array, Float, Int, Shaped, UInt8
 
 # The 16 FP4 E2M1 values by their 4-bit code (the sign is the high bit).
 FP4_E2M1_VALUES = (
@@ -364,34 +364,53 @@ def _mxfp4_in_out(blocks, scales, dtype) -> Array:
     """`dequantize_mxfp4`'s values `[..., N, K]` as `[..., K, N]`, exactly: the
     bytes moved into that order first (a quarter of the float output's bytes).
 
-    Each byte is two `float4_e2m1fn` codes (low half first, as the format has
-    them), converted by XLA's own cast, and a scale byte `s` in `[2, 254]` is the
-    float32 `2 ** (s - 127)` by its bits, so that one multiplication gives exactly
-    what `ldexp` gives (a normal float, or infinity past the largest). Only the
-    lowest bytes (subnormal results, which float arithmetic on XLA:CPU flushes to
-    zero) and the highest (`2 ** 128` is no float32) need the integer construction
-    of `_scaled_fp4_bits`: a `lax.cond` takes it when any scale byte is one of
-    those, which no trained checkpoint has. The conversion is the faster
-    (docs/measured.md, "Decode steps").
+    Each byte is read twice along `K` (its low half at the even row, its high half
+    at the odd one), so every intermediate has the weight's own `[..., K, N]` shape:
+    no axis of two codes or of the 16 bytes of a block is ever the minor one (on a
+    TPU such an axis is padded to 128 lanes, which once asked 34-187 GB for experts
+    of a few hundred MB). A code's E2M1 value is computed arithmetically
+    (`_fp4_value`), and a scale byte `s` in `[2, 254]` is the float32 `2 ** (s -
+    127)` by its bits, so one multiplication gives exactly what `ldexp` gives (a
+    normal float, or infinity past the largest). Only the lowest bytes (subnormal
+    results, which float arithmetic on XLA:CPU flushes to zero) and the highest
+    (`2 ** 128` is no float32) need the integer construction of `_scaled_fp4_bits`:
+    a `lax.cond` takes it when any scale byte is one of those, which no trained
+    checkpoint has. Each branch casts to `dtype` itself, so the float32 values are
+    never held whole.
     """
     blocks = jnp.moveaxis(blocks, -3, -1)  # [..., K / 32, 16, N]
     byte = jnp.moveaxis(scales, -2, -1)[..., None, :]  # [..., K / 32, 1, N]
 
-    def by_cast(blocks, byte):
-        codes = jax.lax.bitcast_convert_type(blocks, jnp.float4_e2m1fn)
-        values = jnp.swapaxes(codes.astype(jnp.float32), -1, -2)  # [..., 16, 2, N]
+    def codes(blocks):
+        twice = jnp.repeat(blocks, 2, axis=-2)  # [..., K / 32, 32, N]
+        odd = jax.lax.broadcasted_iota(jnp.int32, twice.shape, twice.ndim - 2) & 1
+        return jnp.where(odd == 1, twice >> 4, twice & 0x0F).astype(jnp.int32)
+
+    def in_rows(values):  # [..., K / 32, 32, N] -> [..., K, N]
+        values = values.reshape(*values.shape[:-3], -1, values.shape[-1])
+        return values.astype(dtype)
+
+    def by_float(blocks, byte):
         scale = jax.lax.bitcast_convert_type(byte.astype(jnp.uint32) << 23, jnp.float32)
-        return values * scale[..., None, :]
+        return in_rows(fp4_value(codes(blocks)) * scale)
 
     def by_bits(blocks, byte):
-        pair = [_scaled_fp4_bits(jnp, blocks & 0x0F, byte)]
-        pair.append(_scaled_fp4_bits(jnp, blocks >> 4, byte))
-        return jnp.stack(pair, -2)
+        return in_rows(_scaled_fp4_bits(jnp, codes(blocks), byte))
 
     lo, hi = _CAST_SCALES
     edge = jnp.any((scales < lo) | (scales > hi))
-    values = jax.lax.cond(edge, by_bits, by_cast, blocks, byte)  # [..., K/32, 16, 2, N]
-    return values.reshape(*values.shape[:-4], -1, values.shape[-1]).astype(dtype)
+    return jax.lax.cond(edge, by_bits, by_float, blocks, byte)
+
+
+def fp4_value(code: Int[Array, "*shape"]) -> Float[Array, "*shape"]:
+    """The float32 value of each FP4 E2M1 code (`0 <= code < 16`), exactly, by
+    arithmetic: `(2 [e > 0] + m) * 2 ** (max(e, 1) - 2)` for exponent bits `e` and
+    mantissa bit `m`, negative with the sign bit (code 8 is -0.0)."""
+    e, m = (code >> 1) & 3, code & 1
+    mantissa = (jnp.where(e > 0, 2, 0) + m).astype(jnp.float32)
+    scale = jnp.where(e == 3, 2.0, jnp.where(e == 2, 1.0, 0.5)).astype(jnp.float32)
+    value = mantissa * scale
+    return jnp.where((code & 8) != 0, -value, value)
 
 
 # The scale bytes for which `code * 2 ** (byte - 127)` is a normal float32 or an
