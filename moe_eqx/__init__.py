@@ -39,6 +39,7 @@ from ._fallback import chunked_dropless as chunked_dropless
 from ._gmm import (
     AbstractGMMBackend as AbstractGMMBackend,
     MosaicGPUGMM as MosaicGPUGMM,
+    PallasTPUGMM as PallasTPUGMM,
     RaggedDotGMM as RaggedDotGMM,
     TiledGMM as TiledGMM,
     gmm as gmm,

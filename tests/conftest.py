@@ -30,9 +30,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 @pytest.fixture(autouse=True)
 def _cpu_unless_gpu_test(request):
-    """Tests not marked `gpu` run on the CPU devices, as in CI, even where the default
-    backend is an accelerator."""
-    if jax.default_backend() == "cpu" or request.node.get_closest_marker("gpu"):
+    """Tests not marked `gpu` or `tpu` run on the CPU devices, as in CI, even where
+    the default backend is an accelerator."""
+    accelerator = request.node.get_closest_marker(
+        "gpu"
+    ) or request.node.get_closest_marker("tpu")
+    if jax.default_backend() == "cpu" or accelerator:
         yield
         return
     with jax.default_device(jax.devices("cpu")[0]):

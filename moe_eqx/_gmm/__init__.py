@@ -17,6 +17,7 @@ from .mosaic_gpu import (
     autotune_gmm as autotune_gmm,
     mosaic_gpu_available as mosaic_gpu_available,
 )
+from .pallas_tpu import PallasTPUGMM as PallasTPUGMM
 from .ragged_dot import RaggedDotGMM as RaggedDotGMM
 from .tiled import TiledGMM as TiledGMM
 
@@ -25,19 +26,21 @@ _BACKENDS = {
     "ragged_dot": RaggedDotGMM,
     "dense": DenseGMM,
     "mosaic_gpu": MosaicGPUGMM,
+    "pallas_tpu": PallasTPUGMM,
 }
 
 
 def auto_backend_name(platform: str | None = None) -> str:
     """The backend `"auto"` resolves to on `platform` (default: the default backend).
 
-    TPU: `"ragged_dot"` (native there). Hopper GPU (compute capability 9.x) with the
+    TPU: `"pallas_tpu"` (its decode kernel for few rows, `lax.ragged_dot` for
+    more). Hopper GPU (compute capability 9.x) with the
     Mosaic GPU kernels importable: `"mosaic_gpu"`. Anything else: `"tiled"`. Never
     `"ragged_dot"` on CPU or GPU, where it lowers to a dense masked product.
     """
     platform = jax.default_backend() if platform is None else platform
     if platform == "tpu":
-        return "ragged_dot"
+        return "pallas_tpu"
     if platform in ("gpu", "cuda") and mosaic_gpu_available():
         return "mosaic_gpu"
     return "tiled"
@@ -50,7 +53,8 @@ def resolve_backend(
 
     **Arguments:**
 
-    - `name`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"`, `"mosaic_gpu"`, or an
+    - `name`: `"auto"`, `"tiled"`, `"ragged_dot"`, `"dense"`, `"mosaic_gpu"`,
+        `"pallas_tpu"`, or an
         `AbstractGMMBackend` instance (returned as is).
     - `platform`: for `"auto"`; default: the default backend.
 

@@ -1,0 +1,129 @@
+"""Quantized experts and decode on one TPU chip: forward time, compiled temporaries
+and the bandwidth bound, per format and token count.
+
+    python3 benchmarks/tpu_decode.py --out decode_tpu.json
+    python3 benchmarks/tpu_decode.py --tokens 1,8 --formats bf16,int8 --quick
+
+The layer: E=64, d_model=2048, d_ff=1408, top-6 (DeepSeek-V2-Lite-like), bfloat16
+parameters and activations, `jax.jit` with the layer closed over (as a server
+would), one device. Rows, for each expert format (`bf16`, `int8`,
+`float8_e4m3fn`, `mxfp4`), token count and GMM backend (`auto`, and the backend
+`auto` picked before, `ragged_dot`, with `--compare`):
+
+- `ms`: min forward time over repetitions run round-robin;
+- `over_bf16`: that over the bfloat16 layer's at the same tokens and backend
+  (goals: int8 and FP8 <= 0.8, MXFP4 <= 0.6 at 1 and 8 tokens; each <= 1.1 at 8192);
+- `temp_mib` and `stored_mib`: the compiled temporaries, and the experts' stored
+  bytes (goal at decode sizes: temporaries <= 1.25x stored);
+- `bound_ms`: bytes of the distinct experts the tokens touch (their stored format)
+  over the chip's 819 GB/s; `over_bound`: `ms` over that (goal for bf16 at 1 and 8
+  tokens: <= 2).
+
+Prints a table and writes JSON (`--out`).
+"""
+
+import argparse
+import json
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+import moe_eqx as me
+
+HBM_BYTES_PER_S = 819e9
+
+
+def _timed(fns: dict, repeats: int) -> dict:
+    for fn, arg in fns.values():
+        jax.block_until_ready(fn(arg))
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, (fn, arg) in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(arg))
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _expert_bytes(layer) -> int:
+    return sum(
+        w.nbytes for w in (layer.experts.w_gate_up, layer.experts.w_down)
+    )
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", default="1,8,64,8192")
+    p.add_argument("--formats", default="bf16,int8,float8_e4m3fn,mxfp4")
+    p.add_argument("--shape", default="2048,1408,64,6", help="d_model,d_ff,E,k")
+    p.add_argument("--compare", action="store_true", help="also gmm_backend=ragged_dot")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    d_model, d_ff, num_experts, top_k = map(int, args.shape.split(","))
+    cfg = me.MoEConfig(d_model=d_model, d_ff=d_ff, num_experts=num_experts, top_k=top_k)
+    base = me.MoELayer(cfg, key=jr.key(0))
+    base = jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, base
+    )
+    layers = {}
+    for fmt in args.formats.split(","):
+        layers[fmt] = base if fmt == "bf16" else me.quantize_experts(base, fmt)
+    backends = ["auto"] + (["ragged_dot"] if args.compare else [])
+    repeats = 5 if args.quick else 20
+    rows = []
+    for tokens in map(int, args.tokens.split(",")):
+        x = jr.normal(jr.key(tokens), (tokens, d_model), jnp.bfloat16)
+        touched = np.unique(np.asarray(base.router(x, jnp.ones((tokens,), bool)).experts))
+        for backend in backends:
+            fns, meta = {}, {}
+            for fmt, layer in layers.items():
+                layer = layer.with_config(gmm_backend=backend)
+                fn = jax.jit(lambda x, layer=layer: layer(x)[0])
+                try:
+                    compiled = fn.lower(x).compile()
+                except Exception as e:  # a row that cannot compile is reported
+                    rows.append(dict(tokens=tokens, format=fmt, backend=backend,
+                                     error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    continue
+                mem = compiled.memory_analysis()
+                stored = _expert_bytes(layer)
+                per_expert = stored / num_experts
+                fns[fmt] = (fn, x)
+                meta[fmt] = dict(
+                    temp_mib=mem.temp_size_in_bytes / 2**20,
+                    stored_mib=stored / 2**20,
+                    bound_ms=len(touched) * per_expert / HBM_BYTES_PER_S * 1e3,
+                )
+            best = _timed(fns, repeats)
+            for fmt, seconds in best.items():
+                row = dict(tokens=tokens, format=fmt, backend=backend,
+                           ms=seconds * 1e3, **meta[fmt])
+                row["temp_over_stored"] = row["temp_mib"] / row["stored_mib"]
+                row["over_bound"] = row["ms"] / row["bound_ms"]
+                if "bf16" in best:
+                    row["over_bf16"] = seconds / best["bf16"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    cols = ["tokens", "format", "backend", "ms", "over_bf16", "temp_mib",
+            "stored_mib", "temp_over_stored", "bound_ms", "over_bound", "error"]
+    print()
+    print("  ".join(cols))
+    for r in rows:
+        print("  ".join(
+            f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, ""))
+            for c in cols))
+    payload = dict(device=str(jax.devices()[0]), jax=jax.__version__,
+                   shape=dict(d_model=d_model, d_ff=d_ff, experts=num_experts,
+                              top_k=top_k), rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

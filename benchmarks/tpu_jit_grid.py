@@ -1,0 +1,128 @@
+"""The ways users compile the layer, over a grid of shapes and settings, each case in
+a process of its own (a compiler abort kills only its case).
+
+    python3 benchmarks/tpu_jit_grid.py --out jit_grid.json   # every case
+    python3 benchmarks/tpu_jit_grid.py --case 3              # one case, in-process
+
+For each case: `jax.jit(lambda x: layer(x)[0])` with the layer closed over,
+`jax.grad` of a loss of `x` with the layer closed over (under `jax.jit`),
+`jax.jit(jax.grad(...))` over the layer's float leaves with its integer leaves
+closed over, and `eqx.filter_jit` of the forward and of `eqx.filter_grad` over
+`(layer, x)` (routing replay in the `replay` case); each output checked finite and `stats.check()` run. A case passes when
+its process exits 0; a negative exit code is the signal that killed it (an abort).
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+# (name, tokens, d_model, d_ff, experts, top_k, dtype, mesh, settings)
+CASES = [
+    ("decode-1", 1, 2048, 1408, 64, 6, "bfloat16", False, {}),
+    ("decode-8", 8, 2048, 1408, 64, 6, "bfloat16", False, {}),
+    ("issue-46", 4096, 1024, 512, 32, 4, "bfloat16", False, {}),
+    ("f32-top1", 512, 512, 256, 8, 1, "float32", False, {}),
+    ("k8-E128", 2048, 1024, 256, 128, 8, "bfloat16", False, {}),
+    ("mixtral", 2048, 4096, 3584, 8, 2, "bfloat16", False, {}),
+    ("mesh-capped", 2048, 512, 256, 16, 2, "bfloat16", True, {}),
+    ("mesh-fallback", 2048, 512, 256, 16, 2, "float32", True, {"buffer_factor": 0.6}),
+    ("mesh-slot", 1024, 512, 256, 16, 4, "bfloat16", True, {"num_slots": 1}),
+    ("mesh-chunks", 1024, 512, 256, 16, 4, "bfloat16", True, {"token_chunks": 2}),
+    ("shared", 1024, 1024, 512, 32, 4, "bfloat16", False, {"shared_d_ff": 1024}),
+    ("int8", 64, 2048, 1408, 64, 6, "bfloat16", False, {"quantize": "int8"}),
+    ("fp8", 64, 2048, 1408, 64, 6, "bfloat16", False, {"quantize": "float8_e4m3fn"}),
+    ("mxfp4", 8, 2048, 1408, 64, 6, "bfloat16", False, {"quantize": "mxfp4"}),
+    ("mxfp4-prefill", 4096, 1024, 512, 32, 4, "bfloat16", False, {"quantize": "mxfp4"}),
+    ("replay", 1024, 512, 256, 16, 2, "bfloat16", False, {"replay": True}),
+    ("d4096-tokens16k", 16384, 4096, 1024, 16, 2, "bfloat16", False, {}),
+]
+
+
+def run_case(index: int) -> None:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+
+    import moe_eqx as me
+
+    name, tokens, d, f, e, k, dtype, use_mesh, settings = CASES[index]
+    settings = dict(settings)
+    fmt = settings.pop("quantize", None)
+    replay = settings.pop("replay", False)
+    cfg = me.MoEConfig(d_model=d, d_ff=f, num_experts=e, top_k=k, **settings)
+    layer = me.MoELayer(cfg, key=jr.key(0))
+    dt = jnp.dtype(dtype)
+    layer = jax.tree.map(lambda a: a.astype(dt) if eqx.is_inexact_array(a) else a, layer)
+    if fmt:
+        layer = me.quantize_experts(layer, fmt)
+    mesh = jax.make_mesh((1,), ("expert",)) if use_mesh else None
+    x = jr.normal(jr.key(1), (tokens, d), dt)
+
+    ids = jr.randint(jr.key(3), (tokens, k), 0, e) if replay else None
+    if replay:  # distinct ids per token
+        ids = (ids[:, :1] + jnp.arange(k)[None, :]) % e
+
+    def call(layer, x):
+        return layer(x, mesh=mesh, experts=ids)
+
+    def loss(y):
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    outs = {}
+    outs["jit closed"] = jax.jit(lambda x: call(layer, x)[0])(x)
+    outs["grad closed"] = jax.jit(jax.grad(lambda x: loss(call(layer, x)[0])))(x)
+    floats, ints = eqx.partition(layer, eqx.is_inexact_array)
+    g = jax.jit(jax.grad(lambda p: loss(call(eqx.combine(p, ints), x)[0])))(floats)
+    outs["grad floats"] = jax.tree.leaves(g)[0]
+    y, stats = eqx.filter_jit(call)(layer, x)
+    stats.check()
+    outs["filter_jit"] = y
+    gl, gx = eqx.filter_jit(
+        eqx.filter_grad(lambda args: loss(call(*args)[0]))
+    )((layer, x))
+    outs["filter_grad"] = gx
+    for what, a in outs.items():
+        if not bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))):
+            raise SystemExit(f"{name}: {what} is not finite")
+    print(f"{name}: all five compiled and ran")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", type=int, default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--timeout", type=int, default=240)
+    args = p.parse_args()
+    if args.case is not None:
+        run_case(args.case)
+        return
+    rows = []
+    for i, case in enumerate(CASES):
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--case", str(i)],
+                capture_output=True, text=True, timeout=args.timeout,
+            )
+            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-600:]
+        except subprocess.TimeoutExpired:
+            rc, tail = "timeout", ""
+        row = dict(case=case[0], rc=rc, seconds=round(time.perf_counter() - start, 1))
+        if rc != 0:
+            row["tail"] = tail
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        time.sleep(2)  # the chip is free again before the next process
+    passed = sum(r["rc"] == 0 for r in rows)
+    print(f"jit grid: {passed} of {len(rows)} cases passed")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=2)
+    sys.exit(0 if passed == len(rows) else 1)
+
+
+if __name__ == "__main__":
+    main()

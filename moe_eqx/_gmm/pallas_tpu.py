@@ -1,0 +1,374 @@
+"""`PallasTPUGMM`: a Pallas TPU grouped matmul for few rows (decode steps), which
+reads each touched expert's weight once, quantized weights as they are stored.
+
+A decode step is bound by reading expert weights. `lax.ragged_dot` (and any whole
+dequantization) reads every expert's matrix however few rows there are; this kernel
+reads only the experts that have rows, and a quantized expert's stored bytes only,
+dequantized tile by tile in VMEM.
+
+The grid is `(N tiles, touched experts)`. The touched experts' ids (at most
+`min(G, M)`, padded by repeating the last, so that a padded step's weight block is
+the one already loaded and no copy is made) are prefetched to scalar memory and
+select each step's weight block. All `M` rows (a few dozen) stay in VMEM; each step
+multiplies all of them by its expert's tile and keeps the rows of that expert, so an
+expert's weight passes through the matrix unit once. Each format's tile is
+dequantized exactly as [`moe_eqx.QuantizedArray.dequantize`][] does (float32
+arithmetic, one rounding to the activations' dtype), then multiplied with float32
+accumulation: the same computation as dequantizing first.
+
+Derivatives: the kernel is the forward product of `moe_eqx._gmm._products`; its
+transposes (`d_lhs`, `d_rhs`) are `lax.ragged_dot` products on the same weights
+(dequantized whole for a quantized weight, which is a constant for autodiff).
+"""
+
+import functools as ft
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, Int
+
+from .._activation import SWIGLU, AbstractActivation
+from .._quant import (
+    FP8_BLOCK,
+    MXFP4_BLOCK,
+    QuantizedArray,
+    QuantizedWeight,
+    fp4_value,
+    is_quantized,
+)
+from .._rules import match_varying
+from ._base import AbstractGMMBackend, GradAcc, group_ids, two_products
+from ._products import AbstractProducts, gmm
+from .gathered import GatheredGMM
+from .mosaic_gpu.quantized import kernel_operands
+from .ragged_dot import RaggedDotGMM, _RaggedDotProducts
+
+_FORMATS = ("float8_e4m3fn", "mxfp4", "int8")
+# MXFP4 scale bytes whose `2 ** (s - 127)` is a normal float32 (see `_quant`): others
+# (never in a trained checkpoint) take the fallback's exact integer construction.
+_NORMAL_SCALES = (2, 254)
+
+
+def _tile_n(n: int, fmt: str | None) -> int:
+    """The output columns of one grid step: at most 512, a divisor of `n` that the
+    layout allows (a multiple of 128, or of 8 for MXFP4's rows of `W^T`), else all."""
+    step = 8 if fmt == "mxfp4" else 128
+    for t in (512, 256, 128):
+        if t < n and n % t == 0 and t % step == 0:
+            return t
+    return n
+
+
+def _row_tile(dtype) -> int:
+    return 16 if jnp.dtype(dtype).itemsize == 2 else 8
+
+
+def _fp8_value(bits: Array) -> Array:
+    """float32 values of FP8 E4M3FN bit patterns (int32 `0..255`), exactly: normals
+    by their float32 bits, subnormals `m * 2 ** -9`, and `0x7F` / `0xFF` NaN."""
+    sign = bits >> 7
+    e, m = (bits >> 3) & 0xF, bits & 7
+    normal = jax.lax.bitcast_convert_type(
+        (sign << 31) | ((e + 120) << 23) | (m << 20), jnp.float32
+    )
+    sub = m.astype(jnp.float32) * jnp.float32(2.0**-9)
+    value = jnp.where(e == 0, jnp.where(sign == 1, -sub, sub), normal)
+    return jnp.where((bits & 0x7F) == 0x7F, jnp.float32(jnp.nan), value)
+
+
+def _dot(a, b, transpose_b=False):
+    dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _tile_product(fmt, dtype, k, x_refs, w_refs):
+    """All rows times one expert's `[K, tn]` tile (MXFP4: its `[tn, K]` transpose),
+    dequantized in VMEM: `[rows, tn]` float32."""
+    if fmt is None:
+        (x,), (w,) = x_refs, w_refs
+        return _dot(x[...], w[...].astype(dtype))
+    if fmt == "int8":
+        (x,), (v, s) = x_refs, w_refs
+        w = v[...].astype(jnp.int32).astype(jnp.float32) * s[...]
+        return _dot(x[...], w.astype(dtype))
+    if fmt == "float8_e4m3fn":
+        (x,), (v, s) = x_refs, w_refs
+        part = None
+        for b in range(-(-k // FP8_BLOCK[0])):
+            lo, hi = b * FP8_BLOCK[0], min(k, (b + 1) * FP8_BLOCK[0])
+            bits = v[lo:hi, :].astype(jnp.int32) & 0xFF
+            w = (_fp8_value(bits) * s[b : b + 1, :]).astype(dtype)
+            term = _dot(x[:, lo:hi], w)
+            part = term if part is None else part + term
+        return part
+    # MXFP4: `v` is `W^T` as bytes `[tn, K / 2]` (byte `j` holds rows `2 j` and
+    # `2 j + 1`), `s` its scale bytes `[tn, K / 32]`; the rows' even and odd columns
+    # come apart (`x_refs`), so each half of a byte meets its own.
+    (x_even, x_odd), (v, s) = x_refs, w_refs
+    bits = v[...].astype(jnp.int32) & 0xFF
+    exponent = (s[...].astype(jnp.int32) & 0xFF) << 23
+    scale = jax.lax.bitcast_convert_type(exponent, jnp.float32)  # [tn, K / 32]
+    # Each block's scale over its 16 bytes, by a product with a 0/1 matrix: exact
+    # (a power of two times one, summed with zeros).
+    half = MXFP4_BLOCK // 2
+    blocks, width = scale.shape[1], bits.shape[1]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 1)
+    # (`>>`, not `//`: Mosaic lowers no integer floor division.)
+    spread = jnp.where((cols >> (half.bit_length() - 1)) == rows, 1.0, 0.0)
+    spread = spread.astype(jnp.bfloat16)
+    scale = _dot(scale.astype(jnp.bfloat16), spread)  # [tn, K / 2]
+    low = (fp4_value(bits & 0x0F) * scale).astype(dtype)
+    high = (fp4_value(bits >> 4) * scale).astype(dtype)
+    return _dot(x_even[...], low, True) + _dot(x_odd[...], high, True)
+
+
+def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
+    x_refs, gid = refs[:num_x], refs[num_x]
+    w_refs, (out, acc) = refs[num_x + 1 : -2], refs[-2:]
+    u = pl.program_id(1)
+
+    @pl.when(u == 0)
+    def _():
+        acc[...] = jnp.zeros(acc.shape, acc.dtype)
+
+    @pl.when(u < count[0])
+    def _():
+        part = _tile_product(fmt, dtype, k, x_refs, w_refs)
+        acc[...] += jnp.where(gid[...] == ids[u], part, 0.0)
+
+    @pl.when(u == pl.num_programs(1) - 1)
+    def _():
+        out[...] = acc[...].astype(out.dtype)
+
+
+def _touched(group_sizes: Array, slots: int) -> tuple[Array, Array]:
+    """The ids of the groups with rows, in order, padded to `slots` by repeating the
+    last one; and how many there are."""
+    nonempty = group_sizes > 0
+    order = jnp.argsort(~nonempty, stable=True)[:slots].astype(jnp.int32)
+    count = jnp.minimum(jnp.sum(nonempty.astype(jnp.int32)), slots)
+    last = order[jnp.maximum(count - 1, 0)]
+    ids = jnp.where(jnp.arange(slots) < count, order, last)
+    return ids, count.reshape(1)
+
+
+def _weight_operands(w, k: int, n: int):
+    """`(fmt, arrays, block shapes)` of the kernel's weight inputs: each array's
+    leading axis is the group, the block's `None`."""
+    if not is_quantized(w):
+        return None, (w,), ((None, k, None),)
+    if w.fmt == "mxfp4":
+        values = w.values.reshape(*w.values.shape[:-2], -1)  # [G, N, K / 2]
+        values = jax.lax.bitcast_convert_type(values, jnp.int8)
+        scales = jax.lax.bitcast_convert_type(w.scales, jnp.int8)  # [G, N, K / 32]
+        return "mxfp4", (values, scales), ((None, None, k // 2), (None, None, k // 32))
+    values, scales = kernel_operands(w, k, n)  # scales: [G, rows of K, N] float32
+    values = jax.lax.bitcast_convert_type(values, jnp.int8)
+    return w.fmt, (values, scales), ((None, k, None), (None, scales.shape[1], None))
+
+
+def decode_gmm(
+    lhs: Float[Array, "rows k_dim"],
+    rhs: Float[Array, "groups k_dim n_dim"] | QuantizedArray,
+    group_sizes: Int[Array, " groups"],
+    *,
+    block_n: int | None = None,
+    interpret: bool = False,
+) -> Float[Array, "rows n_dim"]:
+    """`lhs[i] @ rhs[g(i)]` reading each group that has rows once (see the module).
+
+    **Arguments:**
+
+    - `lhs`: `[M, K]` rows sorted by group.
+    - `rhs`: `[G, K, N]` float, or a [`moe_eqx.QuantizedArray`][] (FP8, MXFP4, int8)
+        dequantized tile by tile to `lhs.dtype`.
+    - `group_sizes`: `[G]` int32, `sum <= M`.
+    - `block_n`: output columns per grid step (default: `_tile_n`).
+    - `interpret`: run the kernel in Pallas' interpreter (any platform).
+
+    **Returns:**
+
+    `[M, N]` in `lhs.dtype`, accumulated in float32; rows past `sum(group_sizes)`
+    are zero.
+    """
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    dtype = lhs.dtype
+    fmt, arrays, blocks = _weight_operands(rhs, k, n)
+    tn = _tile_n(n, fmt) if block_n is None else block_n
+    if n % tn:
+        raise ValueError(f"`block_n` ({tn}) must divide the {n} output columns.")
+    rt = _row_tile(dtype)
+    mp = -(-m // rt) * rt
+    slots = min(g, m)
+    lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
+    gid = jnp.pad(group_ids(group_sizes, m), (0, mp - m), constant_values=g)
+    ids, count = _touched(group_sizes, slots)
+    if fmt == "mxfp4":
+        xs = (lhs[:, 0::2], lhs[:, 1::2])
+    else:
+        xs = (lhs,)
+
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda j, u, ids, count: (0, 0))
+
+    def weight_spec(block):
+        lead, a, b = block
+        if fmt == "mxfp4":  # `[G, N, ...]`: tiles of `N` rows
+            return pl.BlockSpec(
+                (lead, tn, b), lambda j, u, ids, count: (ids[u], j, 0)
+            )
+        return pl.BlockSpec((lead, a, tn), lambda j, u, ids, count: (ids[u], 0, j))
+
+    in_specs = [whole(x.shape) for x in xs] + [whole((mp, 1))]
+    in_specs += [weight_spec(block) for block in blocks]
+    call = pl.pallas_call(
+        ft.partial(_kernel, fmt, dtype, k, len(xs)),
+        out_shape=jax.ShapeDtypeStruct((mp, n), dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(n // tn, slots),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((mp, tn), lambda j, u, ids, count: (0, j)),
+            scratch_shapes=[pltpu.VMEM((mp, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary")
+        ),
+        interpret=interpret,
+    )
+    out = call(ids, count, *xs, gid[:, None], *arrays)
+    return out[:m]
+
+
+def _in_kernel(w) -> bool:
+    """Whether the kernel takes `w` as it is: a float array, or a `QuantizedArray`
+    of a format it dequantizes (MXFP4 with normal scales only, else the fallback)."""
+    if not is_quantized(w):
+        return True
+    return isinstance(w, QuantizedArray) and w.fmt in _FORMATS
+
+
+class _DecodeProducts(AbstractProducts):
+    """The kernel as the forward product; `lax.ragged_dot` for its transposes."""
+
+    block_n: int | None = eqx.field(static=True)
+    interpret: bool = eqx.field(static=True)
+    has_effects: ClassVar[bool] = False
+
+    def gmm(self, a, b, group_sizes):
+        return decode_gmm(
+            a, b, group_sizes, block_n=self.block_n, interpret=self.interpret
+        )
+
+    def gmm_t(self, a, b, group_sizes):
+        return _RaggedDotProducts().gmm_t(a, _float(b, a.dtype), group_sizes)
+
+    def tgmm(self, a, d, group_sizes):
+        return _RaggedDotProducts().tgmm(a, d, group_sizes)
+
+    def backward(self, a, b, group_sizes, d_out, want):
+        return _RaggedDotProducts().backward(a, _float(b, a.dtype), group_sizes, d_out, want)
+
+
+def _float(w, dtype):
+    return w.dequantize(dtype) if is_quantized(w) else w
+
+
+class PallasTPUGMM(AbstractGMMBackend):
+    """Grouped matmul on TPUs: the decode kernel (see the module) for at most
+    `max_rows` rows, `fallback` (default `lax.ragged_dot`) for more.
+
+    The kernel reads only the experts that have rows, and quantized experts
+    ([`moe_eqx.QuantizedArray`][]: FP8, MXFP4, int8) as stored, dequantizing each
+    weight tile in VMEM: no float copy of the experts is made. MXFP4 weights with a
+    scale byte outside `[2, 254]` (subnormal or infinite scales, in no trained
+    checkpoint) go to `GatheredGMM` (one expert dequantized at a time), and
+    biased quantized experts and the chunked fallback's accumulating FFN to
+    `fallback`.
+
+    **Arguments:**
+
+    - `max_rows`: the most rows the kernel takes (each grid step multiplies all of
+        them, so its work grows with rows times touched experts).
+    - `block_n`: output columns per grid step (default: up to 512, by the shape).
+    - `interpret`: run the kernel in Pallas' interpreter (for tests off the TPU).
+    - `fallback`: the backend for more rows.
+    """
+
+    max_rows: int = eqx.field(static=True, default=128)
+    block_n: int | None = eqx.field(static=True, default=None)
+    interpret: bool = eqx.field(static=True, default=False)
+    fallback: AbstractGMMBackend = RaggedDotGMM()
+
+    def _products(self) -> _DecodeProducts:
+        return _DecodeProducts(self.block_n, self.interpret)
+
+    def __call__(
+        self,
+        lhs: Float[Array, "rows k_dim"],
+        rhs: Float[Array, "groups k_dim n_dim"],
+        group_sizes: Int[Array, " groups"],
+    ) -> Float[Array, "rows n_dim"]:
+        if lhs.shape[0] > self.max_rows:
+            return self.fallback(lhs, rhs, group_sizes)
+        with jax.named_scope("moe_eqx.gmm.pallas_tpu"):
+            lhs, rhs, sizes = match_varying(lhs, rhs, group_sizes.astype(jnp.int32))
+            return gmm(self._products(), lhs, rhs.astype(lhs.dtype), sizes)
+
+    def ffn(
+        self,
+        x: Float[Array, "rows d_in"],
+        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
+        w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
+        group_sizes: Int[Array, " groups"],
+        grad_acc: GradAcc | None = None,
+        *,
+        activation: AbstractActivation = SWIGLU,
+    ):
+        weights = (w_gate_up, w_down)
+        if (
+            grad_acc is not None
+            or x.shape[0] > self.max_rows
+            or not all(_in_kernel(w) for w in weights)
+        ):
+            return self.fallback.ffn(
+                x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
+            )
+        mxfp4 = [w for w in weights if is_quantized(w) and w.fmt == "mxfp4"]
+        if not mxfp4:
+            return self._ffn(x, w_gate_up, w_down, group_sizes, activation)
+        lo, hi = _NORMAL_SCALES
+        edge = jnp.zeros((), bool)
+        for w in mxfp4:
+            edge = edge | jnp.any((w.scales < lo) | (w.scales > hi))
+
+        def exact(x, w_gate_up, w_down, group_sizes):
+            # One expert's float matrices at a time: no float copy of them all.
+            return GatheredGMM().ffn(
+                x, w_gate_up, w_down, group_sizes, activation=activation
+            )
+
+        def kernel(x, w_gate_up, w_down, group_sizes):
+            return self._ffn(x, w_gate_up, w_down, group_sizes, activation)
+
+        return jax.lax.cond(edge, exact, kernel, x, w_gate_up, w_down, group_sizes)
+
+    def _ffn(self, x, w_gate_up, w_down, group_sizes, activation):
+        products = self._products()
+
+        def product(lhs, w, sizes):
+            if not is_quantized(w):
+                w = w.astype(lhs.dtype)
+            return gmm(products, lhs, w, sizes)
+
+        with jax.named_scope("moe_eqx.gmm.pallas_tpu"):
+            x, w_gate_up, w_down, sizes = match_varying(
+                x, w_gate_up, w_down, group_sizes.astype(jnp.int32)
+            )
+            return two_products(product, x, w_gate_up, w_down, sizes, activation)
