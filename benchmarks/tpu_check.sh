@@ -31,7 +31,7 @@ export JAX_PLATFORMS="${JAX_PLATFORMS:-tpu,cpu}"
 quick=""
 [ "${1:-}" = "--quick" ] && quick="--quick --tokens 1,8,8192"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-python3 -m pytest -q -o addopts="" -p no:cacheprovider -rs tests/test_tpu.py 2>&1 \
+python3 -m pytest -q -o addopts="" -p no:cacheprovider -p no:warnings -rs tests/test_tpu.py 2>&1 \
   | tee "$out/tpu_tests.log"
 tests_rc=$?
 sleep 2

@@ -485,33 +485,36 @@ def _quantize_mxfp4(w):
     return _quantize_mxfp4_jit(w)
 
 
+# Rounding a magnitude to the nearest E2M1 value, ties to the even code: the code is
+# the number of these midpoints it passes, passing `>` where the lower code is even
+# (a tie stays there) and `>=` where it is odd (a tie goes up).
+_FP4_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+                  (2.5, False), (3.5, True), (5.0, False))
+
+
 @jax.jit
 def _quantize_mxfp4_jit(w):
     *lead, k, n = w.shape
-    # [..., N, K / 32, 32]: the stored layout, blocks along K.
-    blocks = jnp.swapaxes(w, -1, -2).reshape(*lead, n, k // MXFP4_BLOCK, MXFP4_BLOCK)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    # Blocks of 32 along K with N the minor axis throughout (on a TPU a minor axis of
+    # 32 codes or of 2 would be padded to 128 lanes); the stored layout at the end.
+    blocks = w.reshape(*lead, k // MXFP4_BLOCK, MXFP4_BLOCK, n)
+    amax = jnp.max(jnp.abs(blocks), axis=-2)  # [..., K / 32, N]
     # floor(log2(amax)) exactly, from the float's exponent (`frexp`: amax = m 2^e,
     # m in [0.5, 1)); E2M1's largest exponent is 2.
     exponent = jnp.frexp(amax)[1] - 1 - 2
     exponent = jnp.where(amax > 0, exponent, -127)
     byte = jnp.clip(exponent + 127, 0, 254)
-    scaled = jnp.ldexp(blocks, (127 - byte)[..., None])
+    scaled = jnp.ldexp(blocks, (127 - byte)[..., None, :])
     magnitude = jnp.abs(scaled)
-    grid = jnp.asarray(FP4_E2M1_VALUES[:8], jnp.float32)
-    dist = jnp.abs(magnitude[..., None] - grid.reshape((1,) * magnitude.ndim + (8,)))
-    code = jnp.argmin(dist, axis=-1).astype(jnp.int32)
-    # A tie between two codes goes to the even one (round half to even).
-    nxt = jnp.minimum(code + 1, 7)
-    tie = (
-        jnp.take_along_axis(dist, nxt[..., None], -1)[..., 0]
-        == jnp.take_along_axis(dist, code[..., None], -1)[..., 0]
+    code = sum(
+        ((magnitude >= mid) if up else (magnitude > mid)).astype(jnp.int32)
+        for mid, up in _FP4_MIDPOINTS
     )
-    code = jnp.where(tie & (code % 2 == 1) & (nxt != code), nxt, code)
     code = code + jnp.where(jnp.signbit(scaled) & (code > 0), 8, 0)
-    pairs = code.astype(jnp.uint8).reshape(*code.shape[:-1], MXFP4_BLOCK // 2, 2)
-    packed = pairs[..., 0] | (pairs[..., 1] << 4)
-    return packed, byte.astype(jnp.uint8)
+    code = code.astype(jnp.uint8)
+    packed = code[..., 0::2, :] | (code[..., 1::2, :] << 4)  # [..., K / 32, 16, N]
+    packed = jnp.moveaxis(packed, -1, -3)  # [..., N, K / 32, 16]
+    return packed, jnp.swapaxes(byte, -1, -2).astype(jnp.uint8)
 
 
 class QuantizedWithBias(eqx.Module):
