@@ -95,12 +95,16 @@ def main():
     p.add_argument("--case", type=int, default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=int, default=240)
+    p.add_argument("--cases", default=None, help="comma-separated names (default: all)")
     args = p.parse_args()
     if args.case is not None:
         run_case(args.case)
         return
     rows = []
+    names = None if args.cases is None else set(args.cases.split(","))
     for i, case in enumerate(CASES):
+        if names is not None and case[0] not in names:
+            continue
         start = time.perf_counter()
         try:
             proc = subprocess.run(

@@ -82,7 +82,13 @@ def _fp8_value(bits: Array) -> Array:
 
 def _dot(a, b, transpose_b=False):
     dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    # Explicit, so that `jax_default_matmul_precision` does not reach the kernel:
+    # Mosaic rejects a float32 contract precision on 16-bit operands.
+    wide = a.dtype == jnp.float32
+    precision = jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT
+    return jax.lax.dot_general(
+        a, b, dims, precision=precision, preferred_element_type=jnp.float32
+    )
 
 
 def _tile_product(fmt, dtype, k, x_refs, w_refs):
@@ -167,8 +173,9 @@ def _weight_operands(w, k: int, n: int):
         values = jax.lax.bitcast_convert_type(values, jnp.int8)
         scales = jax.lax.bitcast_convert_type(w.scales, jnp.int8)  # [G, N, K / 32]
         return "mxfp4", (values, scales), ((None, None, k // 2), (None, None, k // 32))
-    values, scales = kernel_operands(w, k, n)  # scales: [G, rows of K, N] float32
-    values = jax.lax.bitcast_convert_type(values, jnp.int8)
+    _, scales = kernel_operands(w, k, n)  # scales: [G, rows of K, N] float32
+    # The stored bytes as they are (a bitcast through float8 was a copy on a TPU).
+    values = jax.lax.bitcast_convert_type(w.values, jnp.int8)
     return w.fmt, (values, scales), ((None, k, None), (None, scales.shape[1], None))
 
 
