@@ -50,9 +50,7 @@ def _timed(fns: dict, repeats: int) -> dict:
 
 
 def _expert_bytes(layer) -> int:
-    return sum(
-        w.nbytes for w in (layer.experts.w_gate_up, layer.experts.w_down)
-    )
+    return sum(w.nbytes for w in (layer.experts.w_gate_up, layer.experts.w_down))
 
 
 def main():
@@ -78,7 +76,9 @@ def main():
     rows = []
     for tokens in map(int, args.tokens.split(",")):
         x = jr.normal(jr.key(tokens), (tokens, d_model), jnp.bfloat16)
-        touched = np.unique(np.asarray(base.router(x, jnp.ones((tokens,), bool)).experts))
+        touched = np.unique(
+            np.asarray(base.router(x, jnp.ones((tokens,), bool)).experts)
+        )
         for backend in backends:
             fns, meta = {}, {}
             for fmt, layer in layers.items():
@@ -87,8 +87,14 @@ def main():
                 try:
                     compiled = fn.lower(x).compile()
                 except Exception as e:  # a row that cannot compile is reported
-                    rows.append(dict(tokens=tokens, format=fmt, backend=backend,
-                                     error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    rows.append(
+                        dict(
+                            tokens=tokens,
+                            format=fmt,
+                            backend=backend,
+                            error=f"{type(e).__name__}: {str(e)[:300]}",
+                        )
+                    )
                     continue
                 mem = compiled.memory_analysis()
                 stored = _expert_bytes(layer)
@@ -101,25 +107,47 @@ def main():
                 )
             best = _timed(fns, repeats)
             for fmt, seconds in best.items():
-                row = dict(tokens=tokens, format=fmt, backend=backend,
-                           ms=seconds * 1e3, **meta[fmt])
+                row = dict(
+                    tokens=tokens,
+                    format=fmt,
+                    backend=backend,
+                    ms=seconds * 1e3,
+                    **meta[fmt],
+                )
                 row["temp_over_stored"] = row["temp_mib"] / row["stored_mib"]
                 row["over_bound"] = row["ms"] / row["bound_ms"]
                 if "bf16" in best:
                     row["over_bf16"] = seconds / best["bf16"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    cols = ["tokens", "format", "backend", "ms", "over_bf16", "temp_mib",
-            "stored_mib", "temp_over_stored", "bound_ms", "over_bound", "error"]
+    cols = [
+        "tokens",
+        "format",
+        "backend",
+        "ms",
+        "over_bf16",
+        "temp_mib",
+        "stored_mib",
+        "temp_over_stored",
+        "bound_ms",
+        "over_bound",
+        "error",
+    ]
     print()
     print("  ".join(cols))
     for r in rows:
-        print("  ".join(
-            f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, ""))
-            for c in cols))
-    payload = dict(device=str(jax.devices()[0]), jax=jax.__version__,
-                   shape=dict(d_model=d_model, d_ff=d_ff, experts=num_experts,
-                              top_k=top_k), rows=rows)
+        print(
+            "  ".join(
+                f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, ""))
+                for c in cols
+            )
+        )
+    payload = dict(
+        device=str(jax.devices()[0]),
+        jax=jax.__version__,
+        shape=dict(d_model=d_model, d_ff=d_ff, experts=num_experts, top_k=top_k),
+        rows=rows,
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=2)

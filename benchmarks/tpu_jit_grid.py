@@ -55,7 +55,9 @@ def run_case(index: int) -> None:
     cfg = me.MoEConfig(d_model=d, d_ff=f, num_experts=e, top_k=k, **settings)
     layer = me.MoELayer(cfg, key=jr.key(0))
     dt = jnp.dtype(dtype)
-    layer = jax.tree.map(lambda a: a.astype(dt) if eqx.is_inexact_array(a) else a, layer)
+    layer = jax.tree.map(
+        lambda a: a.astype(dt) if eqx.is_inexact_array(a) else a, layer
+    )
     if fmt:
         layer = me.quantize_experts(layer, fmt)
     mesh = jax.make_mesh((1,), ("expert",)) if use_mesh else None
@@ -80,9 +82,9 @@ def run_case(index: int) -> None:
     y, stats = eqx.filter_jit(call)(layer, x)
     stats.check()
     outs["filter_jit"] = y
-    gl, gx = eqx.filter_jit(
-        eqx.filter_grad(lambda args: loss(call(*args)[0]))
-    )((layer, x))
+    gl, gx = eqx.filter_jit(eqx.filter_grad(lambda args: loss(call(*args)[0])))(
+        (layer, x)
+    )
     outs["filter_grad"] = gx
     for what, a in outs.items():
         if not bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))):
@@ -109,7 +111,9 @@ def main():
         try:
             proc = subprocess.run(
                 [sys.executable, __file__, "--case", str(i)],
-                capture_output=True, text=True, timeout=args.timeout,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
             )
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-600:]
         except subprocess.TimeoutExpired:

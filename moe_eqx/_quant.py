@@ -488,8 +488,15 @@ def _quantize_mxfp4(w):
 # Rounding a magnitude to the nearest E2M1 value, ties to the even code: the code is
 # the number of these midpoints it passes, passing `>` where the lower code is even
 # (a tie stays there) and `>=` where it is odd (a tie goes up).
-_FP4_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
-                  (2.5, False), (3.5, True), (5.0, False))
+_FP4_MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 
 
 @jax.jit

@@ -249,16 +249,22 @@ def _layer(gmm_backend: str, dtype, **overrides):
 
 def _check_gmm(ops: Counter, gmm_backend: str, backward: bool, platform: str) -> None:
     if gmm_backend == "auto":
-        gmm_backend = "ragged_dot" if platform == "tpu" else "tiled"
+        gmm_backend = "pallas_tpu" if platform == "tpu" else "tiled"
     # No custom call but the exchange's and the Mosaic kernels' (e.g. no new kernel
     # in the tiled or ragged_dot path, which would need its own lowering check).
     allowed = {"ragged_all_to_all"}
     if gmm_backend == "mosaic_gpu":
         allowed |= {c for c in ops if c.startswith("mosaic_gpu")}
+    if gmm_backend == "pallas_tpu":
+        allowed |= {"tpu_custom_call"}
     assert _custom_calls(ops) <= allowed, ops
     # Two grouped matmuls per expert FFN; the backward adds d_lhs and d_rhs of each.
     least = 6 if backward else 2
-    if gmm_backend == "mosaic_gpu":
+    if gmm_backend == "pallas_tpu":
+        # The decode kernel's forward products (few rows: the expert-parallel
+        # shards' receive buffers) or `ragged_dot` (more rows: one device here).
+        assert ops["ragged_dot"] + ops["tpu_custom_call"] >= least, ops
+    elif gmm_backend == "mosaic_gpu":
         assert _mosaic_calls(ops) >= least, ops
         assert ops["ragged_dot"] == 0, ops
     elif gmm_backend == "ragged_dot":

@@ -33,9 +33,7 @@ pytestmark = [
 
 
 def _layer(dtype=jnp.float32, **overrides):
-    cfg = me.MoEConfig(
-        d_model=256, d_ff=128, num_experts=16, top_k=4, **overrides
-    )
+    cfg = me.MoEConfig(d_model=256, d_ff=128, num_experts=16, top_k=4, **overrides)
     layer = me.MoELayer(cfg, key=jr.key(0))
     return jax.tree.map(
         lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, layer
@@ -137,8 +135,10 @@ def test_decode_kernel_matches_ragged_dot(fmt):
     if fmt is not None:
         rhs = quantize(rhs, fmt)
     lhs = jr.normal(jr.key(4), (m, k), jnp.float32)
-    sizes = jnp.zeros((g,), jnp.int32).at[jnp.array([1, 5, 9, 63])].set(
-        jnp.array([20, 1, 17, 10])
+    sizes = (
+        jnp.zeros((g,), jnp.int32)
+        .at[jnp.array([1, 5, 9, 63])]
+        .set(jnp.array([20, 1, 17, 10]))
     )
     dense = rhs if fmt is None else rhs.dequantize(jnp.float32)
     ref = jax.jit(me.RaggedDotGMM())(lhs, dense, sizes)

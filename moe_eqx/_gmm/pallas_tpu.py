@@ -227,9 +227,7 @@ def decode_gmm(
     def weight_spec(block):
         lead, a, b = block
         if fmt == "mxfp4":  # `[G, N, ...]`: tiles of `N` rows
-            return pl.BlockSpec(
-                (lead, tn, b), lambda j, u, ids, count: (ids[u], j, 0)
-            )
+            return pl.BlockSpec((lead, tn, b), lambda j, u, ids, count: (ids[u], j, 0))
         return pl.BlockSpec((lead, a, tn), lambda j, u, ids, count: (ids[u], 0, j))
 
     in_specs = [whole(x.shape) for x in xs] + [whole((mp, 1))]
@@ -280,7 +278,9 @@ class _DecodeProducts(AbstractProducts):
         return _RaggedDotProducts().tgmm(a, d, group_sizes)
 
     def backward(self, a, b, group_sizes, d_out, want):
-        return _RaggedDotProducts().backward(a, _float(b, a.dtype), group_sizes, d_out, want)
+        return _RaggedDotProducts().backward(
+            a, _float(b, a.dtype), group_sizes, d_out, want
+        )
 
 
 def _float(w, dtype):

@@ -1,0 +1,126 @@
+"""The Pallas TPU decode kernel (`me.PallasTPUGMM`) in Pallas' interpreter on the CPU:
+values against `lax.ragged_dot` on the dequantized weights, both derivatives, forward
+mode, every quantized format, and the layer built on it. `tests/test_tpu.py` runs it
+compiled on a chip."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import mesh as cpu_mesh
+
+import moe_eqx as me
+from moe_eqx._gmm.pallas_tpu import decode_gmm
+from moe_eqx.internal import quantize
+
+G, K, N = 8, 64, 128
+# Empty groups first, between and last; rows past the sum (padding) at the end.
+SIZES = jnp.array([0, 3, 0, 0, 5, 1, 2, 0], jnp.int32)
+M = 13
+
+
+def _close(a, b, tol):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, atol=tol * max(1.0, np.abs(b).max()), rtol=0)
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_values_match_dequantizing_first(fmt, dtype):
+    dt = jnp.dtype(dtype)
+    lhs = jr.normal(jr.key(0), (M, K), dt)
+    rhs = jr.normal(jr.key(1), (G, K, N))
+    w = rhs.astype(dt) if fmt is None else quantize(rhs, fmt)
+    dense = w if fmt is None else w.dequantize(dt)
+    ref = me.RaggedDotGMM()(lhs, dense, SIZES)
+    out = decode_gmm(lhs, w, SIZES, block_n=32, interpret=True)
+    assert out.dtype == dt and out.shape == (M, N)
+    _close(out, ref, 1e-5 if dt == jnp.float32 else 1e-2)
+    assert not np.any(np.asarray(out[11:], np.float32)), "rows past the groups"
+
+
+def test_no_rows_and_one_row():
+    rhs = jr.normal(jr.key(1), (G, K, N))
+    lhs = jr.normal(jr.key(0), (1, K))
+    sizes = jnp.zeros((G,), jnp.int32)
+    assert not np.any(np.asarray(decode_gmm(lhs, rhs, sizes, interpret=True)))
+    sizes = sizes.at[G - 1].set(1)
+    _close(decode_gmm(lhs, rhs, sizes, interpret=True), lhs @ rhs[G - 1], 1e-5)
+
+
+def test_derivatives_match_ragged_dot():
+    backend = me.PallasTPUGMM(interpret=True)
+    ref = me.RaggedDotGMM()
+    lhs = jr.normal(jr.key(0), (M, K))
+    rhs = jr.normal(jr.key(1), (G, K, N))
+    cot = jr.normal(jr.key(2), (M, N))
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(fn(a, b, SIZES) * cot)
+
+    got = jax.grad(loss(backend), argnums=(0, 1))(lhs, rhs)
+    want = jax.grad(loss(ref), argnums=(0, 1))(lhs, rhs)
+    for g, w in zip(got, want, strict=True):
+        _close(g, w, 1e-5)
+    t_lhs, t_rhs = jr.normal(jr.key(3), lhs.shape), jr.normal(jr.key(4), rhs.shape)
+    _, tangent = jax.jvp(lambda a, b: backend(a, b, SIZES), (lhs, rhs), (t_lhs, t_rhs))
+    _, want_t = jax.jvp(lambda a, b: ref(a, b, SIZES), (lhs, rhs), (t_lhs, t_rhs))
+    _close(tangent, want_t, 1e-5)
+
+
+def _layer(**overrides):
+    cfg = me.MoEConfig(
+        d_model=K,
+        d_ff=N // 2,
+        num_experts=G,
+        top_k=2,
+        gmm_backend=me.PallasTPUGMM(interpret=True),
+        **overrides,
+    )
+    return me.MoELayer(cfg, key=jr.key(5))
+
+
+@pytest.mark.parametrize("num_shards", [None, 2])
+def test_layer_on_the_kernel_matches_oracle(num_shards):
+    layer = _layer(exchange="dense")
+    x = jr.normal(jr.key(6), (16, K))
+    mesh = None if num_shards is None else cpu_mesh(num_shards)
+
+    def loss(layer, x, fn):
+        return jnp.sum(jnp.sin(fn(layer, x)))
+
+    def run(layer, x):
+        return layer(x, mesh=mesh)[0]
+
+    y, stats = eqx.filter_jit(lambda l, x: l(x, mesh=mesh))(layer, x)
+    stats.check()
+    _close(y, me.reference_moe(layer, x), 1e-5)
+    got = eqx.filter_jit(eqx.filter_grad(lambda a: loss(*a, run)))((layer, x))
+    want = eqx.filter_grad(lambda a: loss(*a, me.reference_moe))((layer, x))
+    _close(got[1], want[1], 1e-5)
+    _close(got[0].experts.w_gate_up, want[0].experts.w_gate_up, 1e-5)
+    _close(got[0].experts.w_down, want[0].experts.w_down, 1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+def test_quantized_layer_matches_dequantized(fmt):
+    layer = me.quantize_experts(_layer(), fmt)
+    floats = me.dequantize_experts(layer)
+    x = jr.normal(jr.key(7), (8, K))
+    _close(jax.jit(lambda x: layer(x)[0])(x), floats(x)[0], 1e-5)
+    g = jax.grad(lambda x: jnp.sum(layer(x)[0] ** 2))(x)
+    _close(g, jax.grad(lambda x: jnp.sum(floats(x)[0] ** 2))(x), 1e-4)
+
+
+def test_mxfp4_edge_scales_take_the_exact_path():
+    """A scale byte outside [2, 254] (a subnormal or infinite scale): the kernel's
+    float scaling would flush or overflow, so the layer dequantizes exactly."""
+    layer = me.quantize_experts(_layer(), "mxfp4")
+    w = layer.experts.w_gate_up
+    w = eqx.tree_at(lambda w: w.scales, w, w.scales.at[:, :, 0].set(1))
+    layer = eqx.tree_at(lambda l: l.experts.w_gate_up, layer, w)
+    floats = me.dequantize_experts(layer)
+    x = jr.normal(jr.key(8), (8, K)) * 1e30
+    _close(layer(x)[0], floats(x)[0], 1e-5)
