@@ -367,8 +367,7 @@ def _mxfp4_in_out(blocks, scales, dtype) -> Array:
     Each byte is read twice along `K` (its low half at the even row, its high half
     at the odd one), so every intermediate has the weight's own `[..., K, N]` shape:
     no axis of two codes or of the 16 bytes of a block is ever the minor one (on a
-    TPU such an axis is padded to 128 lanes, which once asked 34-187 GB for experts
-    of a few hundred MB). A code's E2M1 value is computed arithmetically
+    TPU such an axis is padded to 128 lanes; docs/measured.md, "TPU"). A code's E2M1 value is computed arithmetically
     (`_fp4_value`), and a scale byte `s` in `[2, 254]` is the float32 `2 ** (s -
     127)` by its bits, so one multiplication gives exactly what `ldexp` gives (a
     normal float, or infinity past the largest). Only the lowest bytes (subnormal
