@@ -19,8 +19,8 @@ GradAcc = tuple[
 
 class AbstractGMMBackend(eqx.Module):
     """A grouped matrix multiply: rows of `lhs` are split into consecutive groups, and
-    group `g` is multiplied by `rhs[g]`; and the SwiGLU expert FFN made of two of
-    them."""
+    group `g` is multiplied by `rhs[g]`; and the expert FFN made of two of them
+    (`ffn`, with a default: a backend of your own need only define `__call__`)."""
 
     @abc.abstractmethod
     def __call__(
@@ -45,7 +45,6 @@ class AbstractGMMBackend(eqx.Module):
         and of empty groups are zero.
         """
 
-    @abc.abstractmethod
     def ffn(
         self,
         x: Float[Array, "rows d_in"],
@@ -81,7 +80,12 @@ class AbstractGMMBackend(eqx.Module):
 
         `[M, d_model]` in `x.dtype` (rows beyond `sum(group_sizes)` are zero); with
         `grad_acc`, `(out, grad_acc)`.
+
+        The default is two calls of the backend with the activation between them
+        (a quantized weight dequantized whole first); a backend overrides it only to
+        do better (fuse, or keep quantized weights quantized).
         """
+        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)
 
 
 def gmm_ffn(

@@ -4,10 +4,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._activation import SWIGLU, AbstractActivation
-from .._quant import QuantizedWeight
 from .._rules import acc_dtype
-from ._base import AbstractGMMBackend, GradAcc, gmm_ffn, group_ids
+from ._base import AbstractGMMBackend, group_ids
 
 
 class DenseGMM(AbstractGMMBackend):
@@ -35,15 +33,3 @@ class DenseGMM(AbstractGMMBackend):
             acc = acc_dtype(lhs.dtype)
             out = jnp.einsum("mgk,gkn->mn", expanded, rhs, preferred_element_type=acc)
             return out.astype(lhs.dtype)
-
-    def ffn(
-        self,
-        x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
-        w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
-        group_sizes: Int[Array, " groups"],
-        grad_acc: GradAcc | None = None,
-        *,
-        activation: AbstractActivation = SWIGLU,
-    ):
-        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)

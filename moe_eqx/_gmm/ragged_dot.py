@@ -15,10 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from .._activation import SWIGLU, AbstractActivation
-from .._quant import QuantizedWeight
 from .._rules import acc_dtype
-from ._base import AbstractGMMBackend, GradAcc, gmm_ffn
+from ._base import AbstractGMMBackend
 from ._products import AbstractProducts, gmm
 
 # `a_i @ b[g]^T` (`a`'s columns against `b`'s last axis), and `a_g^T d_g` (the ragged
@@ -74,15 +72,3 @@ class RaggedDotGMM(AbstractGMMBackend):
         group_sizes: Int[Array, " groups"],
     ) -> Float[Array, "rows n_dim"]:
         return gmm(_RaggedDotProducts(), lhs, rhs, group_sizes.astype(jnp.int32))
-
-    def ffn(
-        self,
-        x: Float[Array, "rows d_in"],
-        w_gate_up: Float[Array, "groups d_in two_d_ff"] | QuantizedWeight,
-        w_down: Float[Array, "groups d_ff d_model"] | QuantizedWeight,
-        group_sizes: Int[Array, " groups"],
-        grad_acc: GradAcc | None = None,
-        *,
-        activation: AbstractActivation = SWIGLU,
-    ):
-        return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)
