@@ -50,12 +50,8 @@ from ._hf import (
     layer_from_hf_state_dict as layer_from_hf_state_dict,
     layers_from_hf as layers_from_hf,
 )
-from ._layer import (
-    MoELayer as MoELayer,
-    reference_moe as reference_moe,
-    shard_model as shard_model,
-    shard_specs as shard_specs,
-)
+from ._layer import MoELayer as MoELayer
+from ._oracle import reference_moe as reference_moe
 from ._overflow import overflow_predicate as overflow_predicate
 from ._planner import (
     DuplicationPlan as DuplicationPlan,
@@ -84,10 +80,8 @@ from ._scoring import (
     SqrtSoftplus as SqrtSoftplus,
     Weighting as Weighting,
 )
-from ._shard import (
-    LostPairsError as LostPairsError,
-    MoEStats as MoEStats,
-    expert_parallel_shard as expert_parallel_shard,
-)
+from ._shard import expert_parallel_shard as expert_parallel_shard
+from ._sharding import shard_model as shard_model, shard_specs as shard_specs
+from ._stats import LostPairsError as LostPairsError, MoEStats as MoEStats
 
 __version__ = "0.1.0"

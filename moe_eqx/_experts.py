@@ -21,6 +21,7 @@ from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
 from ._quant import QuantizedArray, QuantizedWeight, QuantizedWithBias, as_float
 from ._rules import DISPATCHED, EXPERT_OUT, remat_name
 from ._settings import boolean, integer, real
+from ._tensor import TensorSplit, local_units, pooled
 
 
 def _check_float(dtype) -> None:
@@ -421,3 +422,38 @@ class SharedExperts(eqx.Module):
                 )
                 out = (out.astype(jnp.float32) * g[:, None]).astype(x.dtype)
             return out
+
+
+def add_shared(cfg, routed, shared, x, shared_weights=None, tensor=1):
+    """`routed_scaling_factor * routed + scale * shared(x)` (each shard on its own
+    tokens; `shared_weights`: the routing's, for shared experts the router
+    scores). With `tensor > 1` devices of `cfg.tensor_axis`, the shared experts'
+    hidden units are split over them: the tokens of the axis are pooled."""
+    if shared is None and cfg.routed_scaling_factor == 1:
+        return routed
+    y = routed.astype(jnp.float32) * jnp.float32(cfg.routed_scaling_factor)
+    if shared is not None:
+        if tensor > 1:
+            s = _shared_on_tensor(cfg, shared, x, shared_weights, tensor)
+        else:
+            s = shared(x, shared_weights)
+        s = s.astype(jnp.float32)
+        y = y + (s if shared.scale == 1 else s * jnp.float32(shared.scale))
+    return y.astype(routed.dtype)
+
+
+def _shared_on_tensor(cfg, shared, x, weights, tensor: int):
+    """The shared experts, their hidden units split over `cfg.tensor_axis`: every
+    device computes the axis's tokens with its units, summed back per token."""
+    axis = cfg.tensor_axis
+    activation = TensorSplit(shared.activation, axis, tensor)
+    start, _ = local_units(axis, tensor, cfg.shared_d_ff)
+
+    def part(x, weights):
+        return shared.hidden_part(
+            x, weights, activation=activation, units=(start, cfg.shared_d_ff)
+        )
+
+    if weights is None:
+        return pooled(lambda x: part(x, None), axis, x)
+    return pooled(part, axis, x, weights)

@@ -9,46 +9,32 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._activation import (
-    GELU,
-    ClampedSwiGLU,
-    GeGLU,
-    ReLU,
-    ReLU2,
-    SiLU,
-    SoftcapSwiGLU,
-    SwiGLU,
-)
 from ._combine import add_identity, combine, weight_inputs
 from ._compat import concrete_mesh
 from ._config import EXECUTION_FIELDS, MoEConfig
 from ._dispatch import sort_by_expert
-from ._experts import Experts, SharedExperts, expert_arrays, expert_ffn
-from ._fsdp import expert_specs, fsdp_dim, fsdp_size, shared_specs, tensor_size
+from ._experts import Experts, SharedExperts, add_shared, expert_arrays, expert_ffn
+from ._fsdp import expert_specs, shared_specs
 from ._gmm import resolve_backend
+from ._mesh import (
+    auto_mesh,
+    check_mesh,
+    concrete_sharding,
+    output_home,
+    place_tree,
+    resolve_mesh,
+    resolve_platform,
+    spec_axes,
+)
 from ._permute import permute_rows
 from ._placement import physical_routing
-from ._quant import QuantizedArray, as_float
-from ._router import AbstractRouter, Router, check_expert_ids
-from ._rules import has_explicit_axes, local_experts
-from ._shard import (
-    MoEStats,
-    add_shared,
-    expert_parallel_shard_body,
-    resolve_platform,
-    route_tokens,
-    routed_stats,
-)
-
-
-def _auto_mesh(mesh: Mesh) -> Mesh:
-    # `jax.make_mesh` makes Explicit axes by default in recent jax; the layer is a
-    # manual shard_map over its axis and works on the same devices with Auto axes, which
-    # lets callers pass unsharded arrays and take gradients outside of jit.
-    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+from ._rebuild import check_arrays_fit, graft
+from ._router import AbstractRouter, Router, check_expert_ids, route_tokens
+from ._rules import has_explicit_axes
+from ._shard import expert_parallel_shard_body
+from ._stats import MoEStats, empty_stats, routed_stats
 
 
 def _place(a, mesh: Mesh, spec: P):
@@ -161,14 +147,14 @@ class MoELayer(eqx.Module):
         cfg = self.config
         _check_input(x, cfg)
         if experts is not None:
-            _check_ids(experts, x.shape[:-1], cfg)
+            check_ids(experts, x.shape[:-1], cfg)
         ambient = concrete_mesh()
-        mesh = _resolve_mesh(mesh, ambient, cfg, self.experts.w_gate_up)
-        num_shards = 1 if mesh is None else _check_mesh(mesh, cfg)
-        platform = _resolve_platform(platform, mesh)
+        mesh = resolve_mesh(mesh, ambient, cfg, self.experts.w_gate_up)
+        num_shards = 1 if mesh is None else check_mesh(mesh, cfg)
+        platform = resolve_platform(platform, mesh)
         num_tokens = math.prod(x.shape[:-1])
         if num_tokens == 0:
-            return x, _empty_stats(cfg, num_shards)
+            return x, empty_stats(cfg.num_experts, cfg.num_identity_experts, num_shards)
         if mesh is None:
             batch_shape = x.shape[:-1]
             y, stats = _single_device_call(
@@ -182,10 +168,11 @@ class MoELayer(eqx.Module):
                 None if experts is None else experts.reshape(-1, cfg.top_k),
             )
             y = y.reshape(*batch_shape, cfg.d_model)
+            _check_replayed(stats, self.router, experts)
             return cfg.output(y, self.output_bias, self.output_norm), stats
         # A concrete `x` on other devices (e.g. committed to one) joins the mesh, and
-        # `y` goes where `x` is (`_home`).
-        home = _home(x, ambient)
+        # `y` goes where `x` is (`output_home`).
+        home = output_home(x, ambient)
         if home is not None and x.sharding.device_set != set(mesh.devices.flat):
             x = jax.device_put(x, NamedSharding(mesh, P()))
         args = (
@@ -202,7 +189,8 @@ class MoELayer(eqx.Module):
                 y, stats = _expert_parallel_call(cfg, mesh, platform, *args)
         else:
             y, stats = _expert_parallel_call(cfg, mesh, platform, *args)
-        back = _concrete_sharding(y)  # None when y is traced (grad outside jit)
+        _check_replayed(stats, self.router, experts)
+        back = concrete_sharding(y)  # None when y is traced (grad outside jit)
         if home is not None and back is not None:
             if not back.is_equivalent_to(home, y.ndim):
                 y = jax.device_put(y, home)
@@ -232,62 +220,33 @@ class MoELayer(eqx.Module):
         if set(changes) <= set(EXECUTION_FIELDS) | {"execution"}:
             # How it runs: no stage holds any of it.
             return eqx.tree_at(lambda l: l.config, self, cfg)
-        _check_arrays_fit(self, cfg)
+        check_arrays_fit(self, cfg)
         skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
         if not isinstance(self.router, Router):  # a router of the user's own: kept
             skeleton = eqx.tree_at(lambda l: l.router, skeleton, self.router)
-        return _graft(skeleton, self, cfg)
+        return graft(skeleton, self, cfg)
 
 
-def _is_weight(a) -> bool:
-    return a is None or isinstance(a, QuantizedArray)
-
-
-def _graft(skeleton: "MoELayer", old: "MoELayer", cfg: MoEConfig) -> "MoELayer":
-    """`skeleton`'s statics (built from `cfg`) with `old`'s arrays at the same places
-    (checked by `_check_arrays_fit`; a quantized weight counts as one). An array the
-    new config has and `old` lacks (a bias the change turns on) gets the value the
-    constructor gives it (zeros, or ones for a norm's weight); one the new config
-    lacks is dropped."""
-    flat, structure = jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=_is_weight)
-    old_leaves = jax.tree_util.tree_leaves(old, is_leaf=_is_weight)
-    paths = [jax.tree_util.keystr(p) for p, _ in flat]
-    missing = {
-        paths[i]
-        for i, ((_, s), o) in enumerate(zip(flat, old_leaves, strict=True))
-        if s is not None and o is None
-    }
-    fresh = _initial_arrays(cfg, frozenset(missing)) if missing else {}
-    leaves = [
-        None if s is None else fresh[path] if o is None else o
-        for path, (_, s), o in zip(paths, flat, old_leaves, strict=True)
-    ]
-    return jax.tree_util.tree_unflatten(structure, leaves)
-
-
-def _initial_arrays(cfg: MoEConfig, paths: frozenset) -> dict:
-    """The arrays at `paths` of a layer built from `cfg`, as its constructor makes
-    them; the others are not computed (compiled away)."""
-
-    def build(key):
-        layer = MoELayer(cfg, key=key)
-        flat = jax.tree_util.tree_flatten_with_path(layer, is_leaf=_is_weight)[0]
-        return {
-            jax.tree_util.keystr(p): a
-            for p, a in flat
-            if jax.tree_util.keystr(p) in paths
-        }
-
-    return jax.jit(build)(jr.key(0))
-
-
-def _check_ids(ids, batch_shape, cfg: MoEConfig) -> None:
+def check_ids(ids, batch_shape, cfg: MoEConfig) -> None:
     check_expert_ids(
         ids,
         batch_shape,
         top_k=cfg.top_k,
         num_experts=cfg.num_experts,
         num_identity=cfg.num_identity_experts,
+    )
+
+
+def _check_replayed(stats: MoEStats, router, forced) -> None:
+    """After an eager call with forced ids (checked good before it ran): any bad id
+    the stats count is a token the router did not route to its forced experts."""
+    bad = stats.bad_expert_ids
+    if forced is None or isinstance(bad, jax.core.Tracer) or not int(bad):
+        return
+    raise ValueError(
+        f"The router {type(router).__name__} did not route tokens to their forced "
+        f"expert ids (`experts=`, routing replay): {int(bad)} ids were not used. A "
+        "router must use `experts` when it is given (see `moe_eqx.AbstractRouter`)."
     )
 
 
@@ -309,124 +268,6 @@ def _check_input(x, cfg: MoEConfig) -> None:
         raise ValueError(
             f"`x` has d_model {x.shape[-1]}, but `config.d_model` is {cfg.d_model}."
         )
-
-
-def _check_arrays_fit(layer: MoELayer, cfg: MoEConfig) -> None:
-    """A layer built from `cfg` has `layer`'s arrays (same places; same trailing
-    shapes, leading axes of stacked layers aside), else a `ValueError`. `layer` may
-    also be a tree of the layer's structure with other leaves (`PartitionSpec`s,
-    `None` where filtered out), whose places alone are compared."""
-    skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
-    if not isinstance(layer.router, Router):  # a router of the user's own
-        skeleton = eqx.tree_at(lambda l: l.router, skeleton, layer.router)
-
-    def leaves(tree):
-        # A quantized weight counts as one array of its logical shape.
-        flat = jax.tree_util.tree_leaves_with_path(
-            tree, is_leaf=lambda a: a is None or isinstance(a, QuantizedArray)
-        )
-        return {jax.tree_util.keystr(p): getattr(a, "shape", None) for p, a in flat}
-
-    want, have = leaves(skeleton), leaves(layer)
-    bad = sorted(
-        name
-        for name in set(want) | set(have)
-        if name not in want
-        or name not in have
-        or (
-            want[name] is not None
-            and have[name] is not None
-            and tuple(have[name][len(have[name]) - len(want[name]) :])
-            != tuple(want[name])
-        )
-    )
-    if bad:
-        raise ValueError(
-            f"The layer's arrays {bad} do not fit the new config ("
-            + ", ".join(
-                f"{n}: {have.get(n, 'absent')} for {want.get(n, 'absent')}" for n in bad
-            )
-            + "): build a new layer for it."
-        )
-
-
-def _home(x, ambient: Mesh | None):
-    """Where the output of a concrete `x` goes (`None` for a tracer): `x`'s sharding;
-    inside `with jax.set_mesh(mesh):`, for an `x` that was never placed
-    (uncommitted), replicated over that mesh, which is where jax puts what is
-    computed from such an `x` there (so `x + y` works)."""
-    home = _concrete_sharding(x)
-    if home is not None and ambient is not None and not x.committed:
-        return NamedSharding(ambient, P())
-    return home
-
-
-def _concrete_sharding(a):
-    """The sharding of a concrete array (`None` for a tracer)."""
-    if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
-        return a.sharding
-    return None
-
-
-def _resolve_mesh(
-    mesh: Mesh | None, ambient: Mesh | None, cfg: MoEConfig, experts
-) -> Mesh | None:
-    """The mesh to run on: `mesh` if given; else the `ambient` one (`jax.set_mesh`)
-    if it has `config.axis_name`; else the mesh the experts are placed on (a placed
-    layer in evaluation code); else `None`, one device."""
-    if mesh is not None:
-        return mesh
-    if ambient is not None and cfg.axis_name in ambient.shape:
-        return ambient
-    placed = _concrete_sharding(experts)
-    if isinstance(placed, NamedSharding) and cfg.axis_name in placed.mesh.shape:
-        if placed.mesh.shape[cfg.axis_name] > 1:
-            return placed.mesh
-    if isinstance(experts, jax.core.Tracer):
-        spec = getattr(jax.typeof(experts).sharding, "spec", None)
-        if spec and any(d is not None for d in spec):
-            raise ValueError(
-                f"The layer's experts are sharded ({spec}) but no mesh was given: "
-                "call it with `mesh=...` or inside `with jax.set_mesh(mesh):`, or "
-                "gather the experts first for one device."
-            )
-    return None
-
-
-def _check_mesh(mesh: Mesh, cfg: MoEConfig) -> int:
-    if cfg.axis_name not in mesh.shape:
-        raise ValueError(
-            f"`config.axis_name` {cfg.axis_name!r} is not an axis of the mesh "
-            f"(axes: {tuple(mesh.shape)})."
-        )
-    num_shards = mesh.shape[cfg.axis_name]
-    local_experts(cfg.num_experts, num_shards, shards=f"mesh axis {cfg.axis_name!r}")
-    tensor = tensor_size(cfg, mesh.shape)
-    fsdp_dim(cfg, num_shards, fsdp_size(cfg, mesh.shape), tensor)
-    return num_shards
-
-
-def _empty_stats(cfg: MoEConfig, num_shards: int) -> MoEStats:
-    zeros = jnp.zeros((num_shards,), jnp.int32)
-    return MoEStats(
-        overflow=jnp.array(False),
-        fallback_used=jnp.array(False),
-        dropped_pairs=jnp.array(0, jnp.int32),
-        lost_pairs=jnp.array(0, jnp.int32),
-        recv_pairs=zeros,
-        wire_rows=zeros,
-        max_over_mean=jnp.array(1.0, jnp.float32),
-        max_over_mean_before=jnp.array(1.0, jnp.float32),
-        load_balance_loss=jnp.array(0.0, jnp.float32),
-        router_z_loss=jnp.array(0.0, jnp.float32),
-        required_buffer_factor=jnp.array(0.0, jnp.float32),
-        dedup_ratio=jnp.array(1.0, jnp.float32),
-        num_chunks=jnp.array(1, jnp.int32),
-        block_rows=jnp.array(0, jnp.int32),
-        expert_counts=jnp.zeros((cfg.num_experts,), jnp.int32),
-        nan_tokens=jnp.array(0, jnp.int32),
-        identity_counts=jnp.zeros((cfg.num_identity_experts,), jnp.int32),
-    )
 
 
 # Jitted with the config static, like the expert-parallel call: an eager call compiles
@@ -503,7 +344,7 @@ def _expert_parallel_call(
     if not explicit:
         # Auto axes on the same devices: callers may pass unsharded arrays and take
         # gradients outside of jit.
-        mesh = _auto_mesh(mesh)
+        mesh = auto_mesh(mesh)
     # Tokens are sharded over all mesh axes jointly; experts over `ax` only, so each
     # group of devices that share their other coordinates is its own EP group.
     tokens = P(tuple(mesh.axis_names))
@@ -559,7 +400,7 @@ def _expert_parallel_call(
     args = (router, experts, shared, expert_ids, x, forced)
     place = _reshard if explicit else _place
     args = tuple(
-        _place_tree(place, a, s, mesh) for a, s in zip(args, specs, strict=True)
+        place_tree(place, a, s, mesh) for a, s in zip(args, specs, strict=True)
     )
     y, stats = per_shard(*args)
     if pad:
@@ -577,7 +418,7 @@ def _expert_parallel_call(
     out = jax.sharding.NamedSharding(mesh, P(*dims))
     y = jax.lax.reshape(y, shape, out_sharding=out)
     spec = getattr(x_type.sharding, "spec", None)
-    if spec is not None and set(_spec_axes(spec)) <= set(mesh.axis_names):
+    if spec is not None and set(spec_axes(spec)) <= set(mesh.axis_names):
         y = jax.sharding.reshard(y, NamedSharding(mesh, spec))
     return y, stats
 
@@ -599,323 +440,7 @@ def _flat_ids(forced, top_k: int, num_tokens: int, pad: int, mesh, explicit, tok
     return forced
 
 
-def _place_tree(place, tree, spec, mesh: Mesh):
-    """`place(leaf, mesh, spec)` at every array of `tree`; `spec` is one
-    `PartitionSpec` for all of them or a tree of them matching `tree`."""
-    if isinstance(spec, P):
-        return jax.tree.map(lambda a: place(a, mesh, spec), tree)
-    # `spec` may be a prefix of `tree`: one spec for all arrays of a quantized weight.
-    return jax.tree.map(
-        lambda s, a: jax.tree.map(lambda leaf: place(leaf, mesh, s), a),
-        spec,
-        tree,
-        is_leaf=lambda n: n is None or isinstance(n, P),
-    )
-
-
-def _spec_axes(spec: P) -> list[str]:
-    axes = []
-    for d in spec:
-        axes += [] if d is None else [d] if isinstance(d, str) else list(d)
-    return axes
-
-
 def _reshard(a, mesh: Mesh, spec: P):
     if not isinstance(a, jax.Array):
         return a
     return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
-
-
-def _resolve_platform(platform: str | None, mesh: Mesh | None) -> str:
-    # The mesh's devices, not the default backend, decide what "auto" means: a CPU
-    # mesh on a GPU machine still needs the dense exchange.
-    devices = None if mesh is None else mesh.devices.flat[0].platform
-    return resolve_platform(platform, devices)
-
-
-def shard_model(
-    tree: PyTree, mesh: Mesh, *, fsdp_axes: str | tuple[str, ...] | None = None
-) -> PyTree:
-    """Places a whole model, or its optimizer state, for a mesh: in every
-    [`moe_eqx.MoELayer`][] found in `tree` the experts are split over its
-    `config.axis_name` (and over `config.fsdp_axes`, see below); every other array is
-    replicated over the mesh.
-
-    Training steps then compile once: the gradients and updated parameters of an
-    expert-parallel model come back placed this way, and unplaced initial parameters
-    (or an optimizer `count` created on one device) would make the first and second
-    steps compile separately. Optimizer states mirror the model's structure (optax's
-    moments hold `MoELayer`s of the same shapes), so the same call places them:
-
-    ```python
-    model = me.shard_model(model, mesh)
-    opt_state = me.shard_model(opt.init(eqx.filter(model, eqx.is_inexact_array)), mesh)
-    ```
-
-    (Inexact arrays only: a layer's integer `expert_ids` is placement state, not a
-    weight; it has no gradient and no optimizer state.)
-
-    With data axes in `fsdp_axes` (FSDP / ZeRO-3) the experts, and with them their
-    optimizer state, are split over those axes too, so no two devices hold the same
-    expert weights; the layer gathers them when it runs and their gradients come
-    back reduce-scattered (see `MoEConfig.fsdp_axes`). Layers stacked for `lax.scan`
-    keep their layers' axis whole.
-
-    **Arguments:**
-
-    - `tree`: any PyTree (an Equinox model, an optax state, ...).
-    - `mesh`: the mesh; the experts' axis must divide their number.
-    - `fsdp_axes`: `None` (default): each layer's `config.fsdp_axes`. Else the data
-        axes (a name or a tuple; `()` for none) to split every layer's experts over:
-        the layers come back with their `config.fsdp_axes` set to them, so pass the
-        same value for the model and for its optimizer state.
-
-    **Returns:**
-
-    `tree` with its arrays placed on `mesh` (non-array leaves unchanged).
-    """
-
-    def put(a, spec):
-        if not eqx.is_array(a):
-            return a
-        return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
-
-    def place(node):
-        if not isinstance(node, MoELayer):
-            return put(node, P())
-        if fsdp_axes is not None:
-            node = node.with_config(fsdp_axes=fsdp_axes)
-        _check_mesh(mesh, node.config)
-        layer = jax.tree.map(lambda a: put(a, P()), node)
-        specs = expert_specs(node.config, node.experts, mesh.shape)
-        experts = _place_tree(lambda a, _, s: put(a, s), node.experts, specs, mesh)
-        layer = eqx.tree_at(lambda l: l.experts, layer, experts)
-        if node.shared_experts is None:
-            return layer
-        specs = shared_specs(node.config, node.shared_experts, mesh.shape)
-        shared = _place_tree(
-            lambda a, _, s: put(a, s), node.shared_experts, specs, mesh
-        )
-        return eqx.tree_at(lambda l: l.shared_experts, layer, shared)
-
-    return jax.tree.map(place, tree, is_leaf=lambda n: isinstance(n, MoELayer))
-
-
-def with_fsdp_axes(layer: MoELayer, fsdp_axes: str | tuple[str, ...]) -> MoELayer:
-    """`layer` with `config.fsdp_axes` replaced (same arrays): `layer.with_config(
-    fsdp_axes=fsdp_axes)`."""
-    return layer.with_config(fsdp_axes=fsdp_axes)
-
-
-def shard_specs(
-    layer: MoELayer,
-    mesh: Mesh | None = None,
-    *,
-    fsdp_axes: str | tuple[str, ...] | None = None,
-) -> MoELayer:
-    """The `shard_map` in-specs of a layer for expert parallelism: `P(axis_name)` on
-    the expert weights (with `config.fsdp_axes`, their split over the expert and
-    those axes, as [`moe_eqx.shard_model`][] places them), `P()` (replicated) on
-    every other array (the router, the shared experts, `expert_ids`). Use it with
-    [`moe_eqx.expert_parallel_shard`][].
-
-    **Arguments:**
-
-    - `layer`: a [`moe_eqx.MoELayer`][].
-    - `mesh`: the mesh, needed only with `config.fsdp_axes` (whose split depends on
-        the axis sizes); `None` = the ambient one (`jax.set_mesh`).
-    - `fsdp_axes`: as in [`moe_eqx.shard_model`][] (the specs then describe the layer
-        that `shard_model(..., fsdp_axes=...)` returns).
-
-    **Returns:**
-
-    A PyTree of the layer's structure with a `PartitionSpec` at every array.
-    """
-    if fsdp_axes is not None:
-        layer = layer.with_config(fsdp_axes=fsdp_axes)
-    cfg = layer.config
-    specs = jax.tree.map(lambda _: P(), layer)
-    # The settings whose specs depend on the mesh's axis sizes.
-    needs_mesh = [
-        f"`config.fsdp_axes` is {cfg.fsdp_axes}" if cfg.fsdp_axes else None,
-        f"`config.tensor_axis` is {cfg.tensor_axis!r}" if cfg.tensor_axis else None,
-    ]
-    needs_mesh = [s for s in needs_mesh if s is not None]
-    if needs_mesh:
-        mesh = mesh if mesh is not None else concrete_mesh()
-        if mesh is None:
-            raise ValueError(
-                f"{' and '.join(needs_mesh)}: `shard_specs` needs the mesh "
-                "(`mesh=...` or `with jax.set_mesh(mesh):`) to know how the experts "
-                "are split."
-            )
-        _check_mesh(mesh, cfg)
-    shape = None if mesh is None else mesh.shape
-    experts = expert_specs(cfg, layer.experts, shape)
-    specs = eqx.tree_at(lambda l: l.experts, specs, experts)
-    if layer.shared_experts is None:
-        return specs
-    shared = shared_specs(cfg, layer.shared_experts, shape)
-    return eqx.tree_at(lambda l: l.shared_experts, specs, shared)
-
-
-def reference_moe(
-    layer: MoELayer,
-    x: Float[Array, "*batch d_model"],
-    *,
-    experts: Int[Array, "*batch k"] | None = None,
-) -> Float[Array, "*batch d_model"]:
-    """Dense oracle: every token through each of its top-k experts, no dispatch at all.
-
-    Uses the layer's router (the built-in one or your own) for the routing decision
-    and evaluates `y[t] = routed_scaling_factor * sum_j w[t, j] *
-    expert_{e[t, j]}(x[t]) + scale * g(x[t]) * shared(x[t])` (with
-    `ExpertOptions.weight_on_input`, `expert_{e[t, j]}(w[t, j] * x[t])` unweighted;
-    with shared experts the router scores, each one's hidden units times its routing
-    weight instead of `g`) with dense per-expert matmuls over all tokens (`O(T * E)`
-    work: for tests and small sizes). The built-in activations are written out here
-    from their fields, not taken from the experts' code; a user's own activation is
-    called.
-
-    **Arguments:**
-
-    - `layer`: a [`moe_eqx.MoELayer`][].
-    - `x`: `[..., d_model]`.
-    - `experts`: optional `[..., k]` forced expert ids (routing replay): the router's
-        weights at these ids replace its top-k, as in the layer.
-
-    **Returns:**
-
-    The shape and dtype of `x`, and its sharding when `x` is split over `Explicit`
-    mesh axes (the oracle itself computes on replicated arrays).
-    """
-    if experts is not None:
-        _check_ids(experts, x.shape[:-1], layer.config)
-        experts = _replicate(experts).reshape(-1, layer.config.top_k)
-    # Its dense scatters and einsums have no sharding rule for tokens or experts split
-    # over `Explicit` axes: such arrays are replicated, and the result split as `x`.
-    explicit = _explicit_sharding(x)
-    layer = jax.tree.map(lambda a: _replicate(a) if eqx.is_array(a) else a, layer)
-    y = _reference(layer, _replicate(x), experts)
-    if explicit is not None:
-        y = jax.sharding.reshard(y, explicit)
-    return y
-
-
-def _explicit_sharding(a):
-    """`a`'s sharding (its type's, so also for a tracer) if it is split over some
-    `Explicit` mesh axis, else `None`."""
-    sharding = jax.typeof(a).sharding
-    spec = getattr(sharding, "spec", None)
-    if spec is None or not has_explicit_axes(sharding.mesh):
-        return None
-    explicit = {
-        name
-        for name, kind in zip(
-            sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True
-        )
-        if kind == jax.sharding.AxisType.Explicit
-    }
-    return sharding if explicit & set(_spec_axes(spec)) else None
-
-
-def _replicate(a):
-    if _explicit_sharding(a) is None:
-        return a
-    sharding = jax.typeof(a).sharding
-    return jax.sharding.reshard(a, NamedSharding(sharding.mesh, P()))
-
-
-def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
-    batch_shape = x.shape[:-1]
-    x = x.reshape(-1, x.shape[-1])
-    if forced is None:
-        routing = layer.router(x)
-    else:
-        routing = layer.router(x, experts=forced)
-    num_experts = layer.config.num_experts
-    # Dense [T, E] combine weights: w[t, j] at column e[t, j].
-    dense_w = jnp.zeros((x.shape[0], num_experts), jnp.float32)
-    real = routing.experts < num_experts  # else an identity expert: w x below
-    dense_w = dense_w.at[
-        jnp.arange(x.shape[0])[:, None], jnp.where(real, routing.experts, 0)
-    ].add(jnp.where(real, routing.weights, 0.0))
-    # Columns in physical order: the weights at position p are expert expert_ids[p].
-    dense_w = dense_w[:, layer.expert_ids]
-    cfg = layer.config
-    xf = x.astype(jnp.float32)
-    hp = jax.lax.Precision.HIGHEST
-    w_gu = as_float(layer.experts.w_gate_up, jnp.float32)
-    experts = layer.experts
-    if experts.weight_on_input:  # expert e sees w[t, e] x[t] (Llama-4)
-        xin = dense_w.T[:, :, None] * xf[None]
-        gu = jnp.einsum("eth,ehf->etf", xin, w_gu, precision=hp)
-    else:
-        gu = jnp.einsum("th,ehf->etf", xf, w_gu, precision=hp)
-    if experts.b_gate_up is not None:
-        gu = gu + experts.b_gate_up.astype(jnp.float32)[:, None, :]
-    act = _reference_activation(experts.activation, gu)
-    out = jnp.einsum(
-        "etf,efh->eth", act, as_float(experts.w_down, jnp.float32), precision=hp
-    )
-    if experts.b_down is not None:
-        out = out + experts.b_down.astype(jnp.float32)[:, None, :]
-    if experts.weight_on_input:
-        y = jnp.sum(out, axis=0)
-    else:
-        y = jnp.einsum("te,eth->th", dense_w, out, precision=hp)
-    identity = jnp.sum(jnp.where(real, 0.0, routing.weights), axis=1)
-    y = y + identity[:, None] * xf
-    y = y * jnp.float32(cfg.routed_scaling_factor)
-    shared = layer.shared_experts
-    if shared is not None:
-        gu = jnp.dot(xf, shared.w_gate_up.astype(jnp.float32), precision=hp)
-        act = _reference_activation(shared.activation, gu)
-        if shared.num_scored:  # block s of hidden units times shared expert s's weight
-            block = shared.w_down.shape[0] // shared.num_scored
-            act = act * jnp.repeat(routing.shared_weights, block, axis=1)
-        s = jnp.dot(act, shared.w_down.astype(jnp.float32), precision=hp)
-        if shared.gate is not None:
-            gate = jnp.dot(xf, shared.gate.astype(jnp.float32), precision=hp)
-            s = s * jax.nn.sigmoid(gate)[:, None]
-        y = y + s * jnp.float32(shared.scale)
-    if layer.output_bias is not None:
-        y = y + layer.output_bias.astype(jnp.float32)[None, :]
-    if layer.output_norm is not None:
-        eps = cfg.output.norm_eps
-        rms = jnp.sqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
-        y = layer.output_norm.astype(jnp.float32)[None, :] * (y / rms)
-    return y.astype(x.dtype).reshape(*batch_shape, x.shape[-1])
-
-
-def _reference_activation(activation, h: Array) -> Array:
-    """The experts' activation written out here for the built-in ones (so the oracle
-    does not share their code); a user's own activation is its own definition."""
-    ungated = {
-        ReLU: jax.nn.relu,
-        ReLU2: lambda u: jax.nn.relu(u) ** 2,
-        SiLU: jax.nn.silu,
-        GELU: lambda u: jax.nn.gelu(u, approximate=activation.approximate),
-    }
-    if type(activation) in ungated:
-        return ungated[type(activation)](h)
-    if not isinstance(activation, SwiGLU | ClampedSwiGLU | SoftcapSwiGLU | GeGLU):
-        return activation(h)
-    f = h.shape[-1] // 2
-    gate, up = h[..., :f], h[..., f:]
-    limit = getattr(activation, "limit", None)
-    after = getattr(activation, "limit_after", False)
-    if limit is not None:
-        up = jnp.clip(up, -limit, limit)
-        if not after:
-            gate = jnp.minimum(gate, limit)
-    if isinstance(activation, SwiGLU):
-        silu = gate * jax.nn.sigmoid(gate)
-        return (jnp.minimum(silu, limit) if after else silu) * up
-    if isinstance(activation, ClampedSwiGLU):
-        return gate * jax.nn.sigmoid(activation.alpha * gate) * (up + 1)
-    if isinstance(activation, SoftcapSwiGLU):
-        c_gate, c_up = activation.gate_cap, activation.up_cap
-        linear = c_gate * jnp.tanh(gate / c_gate)
-        return linear * jax.nn.sigmoid(gate) * (c_up * jnp.tanh(up / c_up))
-    return jax.nn.gelu(gate, approximate=activation.approximate) * up

@@ -527,3 +527,46 @@ def update_router_bias(
         )
     load = counts.astype(jnp.float32)
     return bias + jnp.asarray(rate, jnp.float32) * jnp.sign(jnp.mean(load) - load)
+
+
+def route_tokens(router, x, valid, forced, cfg) -> Routing:
+    """`router(x, valid)`, its output checked against the layer's config; with forced
+    ids (routing replay) `router(x, valid, experts=...)`, the ids validated here first
+    and the routing checked to have used them, whatever the router.
+
+    Forced ids out of `[0, E + I)` or repeated within a token are counted in
+    `Routing.bad_ids` (so in `MoEStats.bad_expert_ids`) and their tokens routed
+    nowhere: the router gets valid ids (`0..k-1`) for them and a `valid` mask
+    without them. A valid token whose routing does not hold its forced experts (a
+    router that ignores `experts=`) counts its `k` ids as bad too (`MoELayer` raises
+    for them after an eager call).
+    """
+    if forced is None:
+        routing = router(x, valid)
+        _check_routing(routing, x, router, cfg)
+        return routing
+    forced = forced.astype(jnp.int32)
+    k = forced.shape[-1]
+    bad = bad_expert_ids(forced, cfg.num_experts + cfg.num_identity_experts)
+    ok = ~jnp.any(bad, axis=-1)
+    valid = ok if valid is None else valid & ok
+    safe = jnp.where(ok[:, None], forced, jnp.arange(k, dtype=jnp.int32)[None, :])
+    routing = router(x, valid, experts=safe)
+    _check_routing(routing, x, router, cfg)
+    # The same experts per token, in any order.
+    used = jnp.sort(routing.experts.astype(jnp.int32), axis=-1)
+    ignored = jnp.any(used != jnp.sort(safe, axis=-1), axis=-1) & valid
+    num_ignored = jnp.sum(ignored).astype(jnp.int32)
+    count = jnp.sum(bad).astype(jnp.int32) + k * num_ignored
+    return eqx.tree_at(lambda r: r.bad_ids, routing, count)
+
+
+def _check_routing(routing, x, router, cfg) -> None:
+    check_routing(
+        routing,
+        tokens=x.shape[0],
+        top_k=cfg.top_k,
+        num_experts=cfg.num_experts,
+        num_identity=cfg.num_identity_experts,
+        router=router,
+    )

@@ -50,13 +50,13 @@ def _cpu_unless_gpu_test(request):
 # runs one must be the test a loss in it is charged to. Installed once, before any
 # test traces anything, so that no program is traced without it.
 import moe_eqx._layer as _layer_module  # noqa: E402
-import moe_eqx._shard as _shard_module  # noqa: E402
+import moe_eqx._stats as _stats_module  # noqa: E402
 
 _LOST_PAIRS: list[int] = []  # non-zero `lost_pairs` reported since the last check
 # Off from a `lowering_only` test until the next other test; the caches are cleared
 # at each switch.
 _report_lost_pairs_enabled = True
-_routed_stats = _shard_module.routed_stats
+_routed_stats = _stats_module.routed_stats
 
 
 def _report_lost_pairs(value):
@@ -72,7 +72,7 @@ def _routed_stats_reporting(**kwargs):
     return stats
 
 
-_shard_module.routed_stats = _routed_stats_reporting
+_stats_module.routed_stats = _routed_stats_reporting
 _layer_module.routed_stats = _routed_stats_reporting
 
 

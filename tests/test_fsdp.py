@@ -23,7 +23,7 @@ from helpers import (
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moe_eqx as me
-from moe_eqx._layer import with_fsdp_axes
+from moe_eqx._sharding import with_fsdp_axes
 
 
 def _mesh(shape=(2, 4), names=("data", "expert")):

@@ -14,7 +14,7 @@ from helpers import cpu_devices, mesh
 
 import moe_eqx as me
 from moe_eqx import _quant
-from moe_eqx._layer import with_fsdp_axes
+from moe_eqx._sharding import with_fsdp_axes
 
 FORMATS = ("float8_e4m3fn", "mxfp4", "int8")
 # Bytes of the quantized experts over bfloat16's (the issue's goals).

@@ -304,3 +304,95 @@ def test_replay_ep8_padded_tokens(layer, mesh8, getkey):
     np.testing.assert_allclose(
         y, me.reference_moe(layer, x, experts=ids), atol=1e-5, rtol=1e-5
     )
+
+
+# ---------------------------------------------------------------------------------
+# Routers of a user's own: the layer validates forced ids and checks they were used.
+
+PLAIN = me.MoEConfig(d_model=8, d_ff=16, num_experts=8, top_k=3)
+
+
+class _TakingRouter(me.AbstractRouter):
+    """docs/own-stages.md's pattern: forced ids taken with `take_along_axis`, never
+    checked (an out-of-range id would read a clamped or NaN score)."""
+
+    weight: jax.Array
+
+    def __call__(self, x, valid=None, *, experts=None):
+        logits = jnp.dot(x.astype(jnp.float32), self.weight)
+        if experts is None:
+            experts = jax.lax.top_k(logits, PLAIN.top_k)[1]
+        chosen = jnp.take_along_axis(logits, experts, axis=1)
+        return me.routing_of(
+            experts, jax.nn.softmax(chosen, axis=1), logits,
+            jax.nn.softmax(logits, axis=1), valid, num_experts=PLAIN.num_experts,
+        )  # fmt: skip
+
+
+class _IgnoringRouter(me.AbstractRouter):
+    """Takes `experts=` and ignores it: routes by its own top-k."""
+
+    inner: _TakingRouter
+
+    def __call__(self, x, valid=None, *, experts=None):
+        return self.inner(x, valid)
+
+
+def _own_router_layer(cls, key):
+    layer = me.MoELayer(PLAIN, key=key)
+    router = _TakingRouter(layer.router.weight)
+    if cls is _IgnoringRouter:
+        router = _IgnoringRouter(router)
+    return eqx.tree_at(lambda l: l.router, layer, router)
+
+
+@pytest.mark.parametrize("where", ["one_device", "ep8_drop"])
+def test_traced_bad_ids_are_caught_before_any_router(mesh8, getkey, where):
+    """The docs' router never checks forced ids: the layer does, before calling it
+    (counted, the tokens routed nowhere, no NaN), whatever the router."""
+    layer = _own_router_layer(_TakingRouter, getkey())
+    x = jr.normal(getkey(), (64, 8))
+    good = _random_ids(getkey(), (64,), columns=8)
+    bad = good.at[3, 1].set(50).at[62, 2].set(good[62, 0])
+    mesh = mesh8 if where == "ep8_drop" else None
+    if mesh is not None:
+        layer = layer.with_config(buffer_factor=2.0, on_overflow="drop")
+    y, stats = _ep_forward(layer, x, bad, mesh)
+    assert int(stats.bad_expert_ids) == 2
+    with pytest.raises(ValueError, match="bad_expert_ids=2"):
+        stats.check()
+    assert np.all(np.isfinite(np.asarray(y)))
+    np.testing.assert_array_equal(np.asarray(y)[[3, 62]], 0.0)
+    y_ok, stats_ok = _ep_forward(layer, x, good, mesh)
+    stats_ok.check()
+    np.testing.assert_allclose(
+        y_ok, me.reference_moe(layer, x, experts=good), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("num_shards", [None, 8])
+def test_a_router_that_ignores_forced_ids_is_an_error_when_eager(getkey, num_shards):
+    layer = _own_router_layer(_IgnoringRouter, getkey())
+    x = jr.normal(getkey(), (16, 8))
+    ids = jnp.broadcast_to(jnp.array([5, 6, 7], jnp.int32), (16, 3))
+    mesh = None if num_shards is None else helpers.mesh(num_shards)
+    with pytest.raises(ValueError, match="_IgnoringRouter did not route tokens"):
+        layer(x, mesh=mesh, experts=ids)
+
+
+@pytest.mark.parametrize("where", ["one_device", "ep8_drop", "ep8_fallback"])
+def test_a_router_that_ignores_forced_ids_fails_check_under_jit(mesh8, getkey, where):
+    layer = _own_router_layer(_IgnoringRouter, getkey())
+    if where != "one_device":
+        factor, mode = (2.0, "drop") if where == "ep8_drop" else (0.5, "fallback")
+        layer = layer.with_config(buffer_factor=factor, on_overflow=mode)
+    x = jr.normal(getkey(), (64, 8))
+    # Experts the router's own top-k cannot all pick: 5, 6, 7 for every token.
+    ids = jnp.broadcast_to(jnp.array([5, 6, 7], jnp.int32), (64, 3))
+    own = np.sort(np.asarray(layer.router.inner(x).experts), axis=1)
+    expected = 3 * int(np.sum(np.any(own != [5, 6, 7], axis=1)))
+    assert expected > 0
+    _, stats = _ep_forward(layer, x, ids, None if where == "one_device" else mesh8)
+    assert int(stats.bad_expert_ids) == expected
+    with pytest.raises(ValueError, match="ignores `experts=`"):
+        stats.check()

@@ -9,8 +9,9 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .._layer import MoELayer, shard_model
+from .._layer import MoELayer
 from .._rules import local_experts
+from .._sharding import shard_model
 from .config import NESTED_TEXT, config_from_hf, read_config_json, text_config
 from .quantized import (
     Stored,

@@ -21,7 +21,7 @@ import os
 import sys
 
 from .._config import GMM_BACKENDS, MoEConfig
-from .._shard import LostPairsError
+from .._stats import LostPairsError
 from .loop import Interrupted, run
 from .resume import resume_command
 from .runtime import ENV_LAUNCHER_PID, exit_with_launcher, set_cpu_devices

@@ -24,7 +24,7 @@ import jax.random as jr
 import numpy as np
 
 from .._config import MoEConfig
-from .._shard import LostPairsError
+from .._stats import LostPairsError
 from . import checkpoint as ckpt
 from .data import Feed, ZipfMarkovData
 from .log import Reporter, entropy

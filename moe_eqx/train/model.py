@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._config import MoEConfig
-from .._layer import MoELayer, MoEStats
+from .._layer import MoELayer
+from .._stats import MoEStats
 
 
 def rms_norm(

@@ -20,7 +20,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._layer import MoEStats, shard_specs
+from .._sharding import shard_specs
+from .._stats import MoEStats
 from .model import MoELM
 from .runtime import gather_to_host
 
