@@ -201,6 +201,8 @@ class Execution(eqx.Module):
 
 EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(Execution))
 _UNSET = object()
+# The sizes every MoE has: a default only so that a misspelt one is reported as such.
+_REQUIRED = object()
 
 # Fields of earlier releases and where each went: a model family's variant is a field
 # of the stage object that computes it.
@@ -312,10 +314,10 @@ class MoEConfig(eqx.Module):
 
     def __init__(
         self,
-        d_model,
-        d_ff,
-        num_experts,
-        top_k,
+        d_model=_REQUIRED,
+        d_ff=_REQUIRED,
+        num_experts=_REQUIRED,
+        top_k=_REQUIRED,
         score_func="softmax",
         norm_topk=True,
         num_groups=1,
@@ -347,8 +349,15 @@ class MoEConfig(eqx.Module):
         execution=None,
         **unknown,
     ):
+        # Unknown keywords first: a misspelt required field gets its "did you mean".
         if unknown:
             _unknown_keywords(unknown)
+        required = dict(
+            d_model=d_model, d_ff=d_ff, num_experts=num_experts, top_k=top_k
+        )
+        missing = [f"`{name}`" for name, v in required.items() if v is _REQUIRED]
+        if missing:
+            raise TypeError(f"`MoEConfig` needs {', '.join(missing)}.")
         self.d_model = _integer(d_model)
         self.d_ff = _integer(d_ff)
         self.num_experts = _integer(num_experts)
@@ -567,6 +576,7 @@ class MoEConfig(eqx.Module):
 
 
 def _unknown_keywords(unknown) -> None:
+    """A `TypeError` naming the first unknown keyword, with the closest field."""
     name = next(iter(unknown))
     if name in REMOVED_FIELDS:
         raise TypeError(

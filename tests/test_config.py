@@ -1,3 +1,6 @@
+import inspect
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -72,3 +75,25 @@ def test_numpy_scalars_are_accepted():
     # Static and hashable: equal to the config made from Python scalars.
     same = me.MoEConfig(**BASE, num_slots=1, buffer_factor=1.5, dedup=False)
     assert cfg == same and hash(cfg) == hash(same)
+
+
+def test_a_misspelt_field_is_named_with_its_closest_field():
+    """Required fields too: `d_modle` is reported as such, not as a missing
+    `d_model`."""
+    with pytest.raises(TypeError, match="no field `d_modle`; did you mean `d_model`"):
+        me.MoEConfig(d_modle=8, d_ff=16, num_experts=4, top_k=2)
+    with pytest.raises(TypeError, match="did you mean `buffer_factor`"):
+        me.MoEConfig(d_model=8, d_ff=16, num_experts=4, top_k=2, bufer_factor=2.0)
+    with pytest.raises(TypeError, match="needs `d_ff`, `top_k`"):
+        me.MoEConfig(d_model=8, num_experts=4)
+
+
+def test_shard_model_needs_a_mesh():
+    layer = me.MoELayer(
+        me.MoEConfig(d_model=8, d_ff=16, num_experts=4, top_k=2), key=jax.random.key(0)
+    )
+    # As users call it: without the suite's type-checking hook, which would catch it
+    # first.
+    shard_model = inspect.unwrap(me.shard_model)
+    with pytest.raises(TypeError, match="needs a `jax.sharding.Mesh`.*got NoneType"):
+        shard_model(layer, None)
