@@ -83,6 +83,27 @@ def _own_oracle(layer, x):
     return y
 
 
+class LoopGMM(me.AbstractGMMBackend):
+    """A grouped matmul of your own with only `__call__` (the FFN is the base
+    class's default): each group's rows by a masked dense product, and it counts
+    its calls at trace time, so a test sees that the layer used it."""
+
+    calls: ClassVar[list] = []
+
+    def __call__(self, lhs, rhs, group_sizes):
+        LoopGMM.calls.append(lhs.shape)
+        ends = jnp.cumsum(group_sizes)
+        rows = jnp.arange(lhs.shape[0])
+        out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
+        for g in range(rhs.shape[0]):
+            mine = (rows >= ends[g] - group_sizes[g]) & (rows < ends[g])
+            part = jnp.dot(
+                lhs, rhs[g].astype(lhs.dtype), preferred_element_type=jnp.float32
+            )
+            out = out + jnp.where(mine[:, None], part, 0.0)
+        return out.astype(lhs.dtype)
+
+
 def _layer(key, **overrides):
     config = me.MoEConfig(
         d_model=H, d_ff=F, num_experts=E, top_k=K, activation=ShiftedSwiGLU(),
@@ -200,3 +221,17 @@ def test_router_output_is_checked(getkey):
     )
     with pytest.raises(ValueError, match=r"router HashRouter returned `Routing"):
         bad(tokens(getkey(), 8))
+
+
+@pytest.mark.parametrize("where", ["one device", "EP8 fallback + slot"])
+def test_own_gmm_backend_with_the_default_ffn(getkey, where):
+    """A backend that defines only `__call__` runs the layer on every path (the
+    base class's `ffn`), equal to the oracle, outputs and gradients."""
+    ep = where != "one device"
+    settings = dict(buffer_factor=0.3, num_slots=1) if ep else {}
+    layer = _layer(getkey(), gmm_backend=LoopGMM(), **settings)
+    LoopGMM.calls.clear()
+    stats = assert_matches_oracle(layer, tokens(getkey(), 128), mesh(8) if ep else None)
+    assert LoopGMM.calls, "the layer did not call the backend"
+    if ep:
+        assert bool(stats.fallback_used)
