@@ -23,8 +23,8 @@ round-robin with the baseline so that all see the same load; the CPU is shared):
   latency.
 
 A second table gives each quantized format's row over the same row with experts in
-`float8_e4m3fn` (`over fp8`; goal <= 3 for `mxfp4`, whose 4-bit codes are decoded by
-XLA's `float4_e2m1fn` cast), when both formats are run.
+`float8_e4m3fn` (`over fp8`; goal <= 3 for `mxfp4`, whose 4-bit codes are decoded
+arithmetically, see `moe_eqx._quant`), when both formats are run.
 
 Dtypes: float32 and bfloat16 (the layer's parameters and `x`), and experts kept in
 `float8_e4m3fn`, `mxfp4` and `int8` (bfloat16 otherwise; the baseline gathers the

@@ -126,8 +126,8 @@ def test_mxfp4_dequantization_is_transformers():
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_mxfp4_experts_dequantize_as_transformers(jit):
-    """A `QuantizedArray`'s MXFP4 dequantization (XLA's `float4_e2m1fn` cast times
-    the scale's bits, or the integer construction when a scale byte is an edge one):
+    """A `QuantizedArray`'s MXFP4 dequantization (each code's value by arithmetic
+    times the scale's bits, or the integer construction when a scale byte is an edge one):
     every byte under every scale byte, bit for bit transformers', on both branches
     (scales 2-254 only take the cast; all 256 the integer one), under `jit` too."""
     blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (256, 1, 1))
