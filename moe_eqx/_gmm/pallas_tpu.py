@@ -53,14 +53,23 @@ _FORMATS = ("float8_e4m3fn", "mxfp4", "int8")
 _NORMAL_SCALES = (2, 254)
 
 
-def _tile_n(n: int, fmt: str | None) -> int:
-    """The output columns of one grid step: at most 512, a divisor of `n` that the
-    layout allows (a multiple of 128, or of 8 for MXFP4's rows of `W^T`), else all."""
-    step = 8 if fmt == "mxfp4" else 128
-    for t in (512, 256, 128):
-        if t < n and n % t == 0 and t % step == 0:
+# VMEM a weight tile may take with its dequantizing temporaries (int32 codes, float32
+# values, the cast copy, the double-buffered input), under the default scoped limit.
+_TILE_BUDGET = 8 * 2**20
+
+
+def _tile_n(n: int, k: int, fmt: str | None, itemsize: int) -> int:
+    """The output columns of one grid step: the largest of 512, 256, 128 (and for
+    MXFP4, whose tiles are rows of `W^T`, down to 8) that divides `n` and keeps the
+    `[K, tn]` tile's work within `_TILE_BUDGET`; else the smallest that divides; else
+    all `n`."""
+    steps = (512, 256, 128) + ((64, 32, 16, 8) if fmt == "mxfp4" else ())
+    per_value = 3 * itemsize if fmt is None else 10  # bytes of VMEM per weight value
+    fits = [t for t in steps if t < n and n % t == 0]
+    for t in fits:
+        if k * t * per_value <= _TILE_BUDGET:
             return t
-    return n
+    return fits[-1] if fits else n
 
 
 def _row_tile(dtype) -> int:
@@ -207,7 +216,7 @@ def decode_gmm(
     g, _, n = rhs.shape
     dtype = lhs.dtype
     fmt, arrays, blocks = _weight_operands(rhs, k, n)
-    tn = _tile_n(n, fmt) if block_n is None else block_n
+    tn = _tile_n(n, k, fmt, jnp.dtype(dtype).itemsize) if block_n is None else block_n
     if n % tn:
         raise ValueError(f"`block_n` ({tn}) must divide the {n} output columns.")
     rt = _row_tile(dtype)
@@ -303,7 +312,8 @@ class PallasTPUGMM(AbstractGMMBackend):
 
     - `max_rows`: the most rows the kernel takes (each grid step multiplies all of
         them, so its work grows with rows times touched experts).
-    - `block_n`: output columns per grid step (default: up to 512, by the shape).
+    - `block_n`: output columns per grid step (default: up to 512, by the shape and
+        the VMEM its tile needs).
     - `interpret`: run the kernel in Pallas' interpreter (for tests off the TPU).
     - `fallback`: the backend for more rows.
     """
