@@ -46,6 +46,8 @@ def test_no_rows_and_one_row():
     lhs = jr.normal(jr.key(0), (1, K))
     sizes = jnp.zeros((G,), jnp.int32)
     assert not np.any(np.asarray(decode_gmm(lhs, rhs, sizes, interpret=True)))
+    none = decode_gmm(jnp.zeros((0, K)), rhs, sizes, interpret=True)
+    assert none.shape == (0, N)
     sizes = sizes.at[G - 1].set(1)
     _close(decode_gmm(lhs, rhs, sizes, interpret=True), lhs @ rhs[G - 1], 1e-5)
 

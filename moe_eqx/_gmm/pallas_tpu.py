@@ -215,6 +215,8 @@ def decode_gmm(
     m, k = lhs.shape
     g, _, n = rhs.shape
     dtype = lhs.dtype
+    if m == 0:  # no grid step to run
+        return jnp.zeros((0, n), dtype)
     fmt, arrays, blocks = _weight_operands(rhs, k, n)
     tn = _tile_n(n, k, fmt, jnp.dtype(dtype).itemsize) if block_n is None else block_n
     if n % tn:
