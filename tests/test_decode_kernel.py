@@ -126,3 +126,23 @@ def test_mxfp4_edge_scales_take_the_exact_path():
     floats = me.dequantize_experts(layer)
     x = jr.normal(jr.key(8), (8, K)) * 1e30
     _close(layer(x)[0], floats(x)[0], 1e-5)
+
+
+@pytest.mark.lowering_only
+@pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4"])
+def test_lowers_for_tpu_at_a_model_shape(fmt):
+    """Mosaic's lowering (run here, on the CPU) accepts every format's kernel at a
+    DeepSeek-V2-Lite-like expert shape, both products: what the interpreter cannot
+    check (e.g. an integer division Mosaic has no rule for)."""
+    for k, n in ((2048, 2816), (1408, 2048)):
+        lhs = jax.ShapeDtypeStruct((48, k), jnp.bfloat16)
+        w = jnp.zeros((64, k, n), jnp.bfloat16)
+        rhs = jax.eval_shape(lambda w: w if fmt is None else quantize(w, fmt), w)
+        sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+        text = (
+            jax.jit(decode_gmm)
+            .trace(lhs, rhs, sizes)
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
+        assert text.count("tpu_custom_call") == 1, (fmt, k, n)
