@@ -59,13 +59,11 @@ _TILE_BUDGET = 8 * 2**20
 
 
 def _tile_n(n: int, k: int, fmt: str | None, itemsize: int) -> int:
-    """The output columns of one grid step: the largest of 512, 256, 128 (and for
-    MXFP4, whose tiles are rows of `W^T`, down to 8) that divides `n` and keeps the
-    `[K, tn]` tile's work within `_TILE_BUDGET`; else the smallest that divides; else
-    all `n`."""
-    steps = (512, 256, 128) + ((64, 32, 16, 8) if fmt == "mxfp4" else ())
+    """The output columns of one grid step: the largest of 512, 256, 128 (the output
+    block's lanes) that divides `n` and keeps the `[K, tn]` tile's work within
+    `_TILE_BUDGET`; else the smallest that divides; else all `n`."""
     per_value = 3 * itemsize if fmt is None else 10  # bytes of VMEM per weight value
-    fits = [t for t in steps if t < n and n % t == 0]
+    fits = [t for t in (512, 256, 128) if t < n and n % t == 0]
     for t in fits:
         if k * t * per_value <= _TILE_BUDGET:
             return t
