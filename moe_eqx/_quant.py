@@ -396,7 +396,7 @@ def _mxfp4_in_out(blocks, scales, dtype) -> Array:
     def by_bits(blocks, byte):
         return in_rows(_scaled_fp4_bits(jnp, codes(blocks), byte))
 
-    lo, hi = _CAST_SCALES
+    lo, hi = NORMAL_SCALE_BYTES
     edge = jnp.any((scales < lo) | (scales > hi))
     return jax.lax.cond(edge, by_bits, by_float, blocks, byte)
 
@@ -414,7 +414,7 @@ def fp4_value(code: Int[Array, "*shape"]) -> Float[Array, "*shape"]:
 
 # The scale bytes for which `code * 2 ** (byte - 127)` is a normal float32 or an
 # overflow to infinity for every code, so that a float32 multiplication is exact.
-_CAST_SCALES = (2, 254)
+NORMAL_SCALE_BYTES = (2, 254)
 
 
 def quantize(w: Float[Array, "*experts k n"], fmt: str) -> QuantizedArray:

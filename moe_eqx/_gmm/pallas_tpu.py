@@ -35,6 +35,7 @@ from .._activation import SWIGLU, AbstractActivation
 from .._quant import (
     FP8_BLOCK,
     MXFP4_BLOCK,
+    NORMAL_SCALE_BYTES,
     QuantizedArray,
     QuantizedWeight,
     fp4_value,
@@ -46,12 +47,6 @@ from ._products import AbstractProducts, gmm
 from .gathered import GatheredGMM
 from .mosaic_gpu.quantized import kernel_operands
 from .ragged_dot import RaggedDotGMM, _RaggedDotProducts
-
-_FORMATS = ("float8_e4m3fn", "mxfp4", "int8")
-# MXFP4 scale bytes whose `2 ** (s - 127)` is a normal float32 (see `_quant`): others
-# (never in a trained checkpoint) take the fallback's exact integer construction.
-_NORMAL_SCALES = (2, 254)
-
 
 # VMEM a weight tile may take with its dequantizing temporaries (int32 codes, float32
 # values, the cast copy, the double-buffered input), under the default scoped limit.
@@ -262,10 +257,9 @@ def decode_gmm(
 
 def _in_kernel(w) -> bool:
     """Whether the kernel takes `w` as it is: a float array, or a `QuantizedArray`
-    of a format it dequantizes (MXFP4 with normal scales only, else the fallback)."""
-    if not is_quantized(w):
-        return True
-    return isinstance(w, QuantizedArray) and w.fmt in _FORMATS
+    (every format; MXFP4 with normal scale bytes only, see `PallasTPUGMM.ffn`), not
+    one with its bias folded in."""
+    return not is_quantized(w) or isinstance(w, QuantizedArray)
 
 
 class _DecodeProducts(AbstractProducts):
@@ -360,7 +354,9 @@ class PallasTPUGMM(AbstractGMMBackend):
         mxfp4 = [w for w in weights if is_quantized(w) and w.fmt == "mxfp4"]
         if not mxfp4:
             return self._ffn(x, w_gate_up, w_down, group_sizes, activation)
-        lo, hi = _NORMAL_SCALES
+        # Other scale bytes (in no trained checkpoint) need the exact integer
+        # construction of `_quant`: one expert at a time, below.
+        lo, hi = NORMAL_SCALE_BYTES
         edge = jnp.zeros((), bool)
         for w in mxfp4:
             edge = edge | jnp.any((w.scales < lo) | (w.scales > hi))
