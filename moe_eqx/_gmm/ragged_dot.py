@@ -33,33 +33,64 @@ _TGMM = lax.RaggedDotDimensionNumbers(
 )
 
 
-def _ragged(a, b, group_sizes, dims=None):
-    """`ragged_dot_general` of `a` and `b` (cast to `a.dtype`) accumulated, and
-    returned, in `acc_dtype` (float32; float64 for float64 inputs)."""
+def _ragged(a, b, group_sizes, dims=None, out=None):
+    """`ragged_dot_general` of `a` and `b` (cast to `a.dtype`) accumulated in
+    `acc_dtype` (float32; float64 for float64 inputs) and returned in `out` (default:
+    that accumulation dtype). A 16-bit `out` is the float32 accumulator rounded once
+    (the TPU's matrix unit accumulates in float32 and writes `out`: no float32 copy
+    of the product is made)."""
     b = b.astype(a.dtype)
     sizes = group_sizes.astype(jnp.int32)
-    acc = acc_dtype(a.dtype)
+    acc = acc_dtype(a.dtype) if out is None else out
+    # Explicit for 16-bit operands: on a TPU the product is a Mosaic kernel, which
+    # rejects the float32 contract precision a global
+    # `jax_default_matmul_precision="highest"` would ask for (their products are
+    # exact in float32 whatever the precision).
+    precision = lax.Precision.DEFAULT if a.dtype.itemsize < 4 else None
     if dims is None:
-        return lax.ragged_dot(a, b, sizes, preferred_element_type=acc)
-    return lax.ragged_dot_general(a, b, sizes, dims, preferred_element_type=acc)
+        return lax.ragged_dot(
+            a, b, sizes, precision=precision, preferred_element_type=acc
+        )
+    return lax.ragged_dot_general(
+        a, b, sizes, dims, precision=precision, preferred_element_type=acc
+    )
 
 
 class _RaggedDotProducts(AbstractProducts):
     has_effects: ClassVar[bool] = False
 
     def gmm(self, a, b, group_sizes):
-        return _ragged(a, b, group_sizes).astype(a.dtype)
+        out = _ragged(a, b, group_sizes, out=_rounded(a.dtype))
+        return _zero_past(out, group_sizes).astype(a.dtype)
 
     def gmm_t(self, a, b, group_sizes):
-        return _ragged(a, b, group_sizes, _GMM_T).astype(a.dtype)
+        out = _ragged(a, b, group_sizes, _GMM_T, _rounded(a.dtype))
+        return _zero_past(out, group_sizes).astype(a.dtype)
 
     def tgmm(self, a, d, group_sizes):
         return _ragged(a, d, group_sizes, _TGMM)
 
     def backward(self, a, b, group_sizes, d_out, want):
         d_a = self.gmm_t(d_out, b, group_sizes) if want[0] else None
-        d_b = self.tgmm(a, d_out, group_sizes) if want[1] else None
+        d_b = None
+        if want[1]:
+            d_b = _ragged(a, d_out, group_sizes, _TGMM, _rounded(b.dtype))
         return d_a, d_b
+
+
+def _zero_past(out, group_sizes):
+    """`out` with its rows past `sum(group_sizes)` zero: on a TPU `ragged_dot` leaves
+    them unwritten (NaN was seen there), where the contract says zero."""
+    real = jnp.arange(out.shape[0], dtype=jnp.int32) < jnp.sum(
+        group_sizes, dtype=jnp.int32
+    )
+    return jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _rounded(dtype):
+    """The output dtype of a product rounded to `dtype`: `dtype` itself when it is
+    16-bit (see `_ragged`), else the accumulation dtype (then cast)."""
+    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize < 4 else None
 
 
 class RaggedDotGMM(AbstractGMMBackend):
