@@ -70,7 +70,8 @@ class AbstractProducts(eqx.Module):
     @abc.abstractmethod
     def backward(self, a, b, group_sizes, d_out, want: tuple[bool, bool]):
         """`(gmm_t(d_out, b), tgmm(a, d_out))`, each `None` unless `want`ed (`d_out`
-        already in `a.dtype`)."""
+        already in `a.dtype`), `tgmm` rounded once to `b.dtype` (a kernel may write
+        it so from its float32 accumulator, without a float32 copy)."""
 
 
 def _both(terms):
@@ -90,7 +91,7 @@ def _tangent(res, lin):
 
 def _backward(products, a, b, group_sizes, d_out, want):
     d_a = gmm_t(products, d_out, b, group_sizes) if want[0] else None
-    d_b = tgmm(products, a, d_out, group_sizes) if want[1] else None
+    d_b = tgmm(products, a, d_out, group_sizes).astype(b.dtype) if want[1] else None
     return d_a, d_b
 
 
@@ -101,8 +102,7 @@ def _transpose(res, ct, want):
     if kind == "gmm":
         ct = ct.astype(a.dtype)
         args = (products, a, b, group_sizes, ct, want)
-        d_a, d_b = fused(_raw_backward, _backward, *args)
-        return d_a, None if d_b is None else d_b.astype(b.dtype)
+        return fused(_raw_backward, _backward, *args)
     d_a = d_b = None
     if kind == "gmm_t":
         ct = ct.astype(a.dtype)
@@ -119,7 +119,8 @@ def _transpose(res, ct, want):
 
 
 def _raw_backward(products, a, b, group_sizes, d_out, want):
-    return products.backward(a, b, group_sizes, d_out, want)
+    d_a, d_b = products.backward(a, b, group_sizes, d_out, want)
+    return d_a, None if d_b is None else d_b.astype(b.dtype)
 
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
