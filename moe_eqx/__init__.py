@@ -38,6 +38,7 @@ from ._experts import (
 from ._fallback import chunked_dropless as chunked_dropless
 from ._gmm import (
     AbstractGMMBackend as AbstractGMMBackend,
+    MegabloxGMM as MegabloxGMM,
     MosaicGPUGMM as MosaicGPUGMM,
     PallasTPUGMM as PallasTPUGMM,
     RaggedDotGMM as RaggedDotGMM,

@@ -822,9 +822,10 @@ def test_resolve_backend():
     assert isinstance(mi.resolve_backend("dense"), mi.DenseGMM)
     assert isinstance(mi.resolve_backend("ragged_dot"), me.RaggedDotGMM)
     assert isinstance(mi.resolve_backend("mosaic_gpu"), me.MosaicGPUGMM)
+    assert isinstance(mi.resolve_backend("megablox"), me.MegabloxGMM)
     impl = me.TiledGMM(tile_rows=4)
     assert mi.resolve_backend(impl) is impl
-    for bad in ("megablox", "", "Tiled"):
+    for bad in ("mega_blox", "", "Tiled"):
         with pytest.raises(ValueError, match="gmm_backend"):
             mi.resolve_backend(bad)
     lhs, rhs, sizes, _ = _data("uniform")

@@ -11,6 +11,7 @@ from ._base import (
     gmm_ffn as gmm_ffn,
 )
 from .dense import DenseGMM as DenseGMM
+from .megablox import MegabloxGMM as MegabloxGMM
 from .mosaic_gpu import (
     MosaicGPUGMM as MosaicGPUGMM,
     MosaicTileConfig as MosaicTileConfig,
@@ -27,6 +28,7 @@ _BACKENDS = {
     "dense": DenseGMM,
     "mosaic_gpu": MosaicGPUGMM,
     "pallas_tpu": PallasTPUGMM,
+    "megablox": MegabloxGMM,
 }
 
 
