@@ -1,5 +1,8 @@
-"""`PallasTPUGMM`: a Pallas TPU grouped matmul for few rows (decode steps), which
-reads each touched expert's weight once, quantized weights as they are stored.
+"""`PallasTPUGMM`: the TPU's grouped matmul. For many rows (training, prefill)
+`lax.ragged_dot` forward and megablox's kernels for the derivative products
+(`_TrainingProducts`); for few rows (decode steps) a Pallas TPU kernel of its own,
+which reads each touched expert's weight once, quantized weights as they are stored
+(the rest of this module).
 
 A decode step is bound by reading expert weights. `lax.ragged_dot` (and any whole
 dequantization) reads every expert's matrix however few rows there are; this kernel
@@ -21,6 +24,7 @@ transposes (`d_lhs`, `d_rhs`) are `lax.ragged_dot` products on the same weights
 (dequantized whole for a quantized weight, which is a constant for autodiff).
 """
 
+import dataclasses
 import functools as ft
 from typing import ClassVar
 
@@ -38,15 +42,17 @@ from .._quant import (
     NORMAL_SCALE_BYTES,
     QuantizedArray,
     QuantizedWeight,
+    as_float,
     fp4_value,
     is_quantized,
 )
 from .._rules import match_varying
-from ._base import AbstractGMMBackend, GradAcc, group_ids, two_products
+from ._base import AbstractGMMBackend, GradAcc, gmm_ffn, group_ids, two_products
 from ._products import AbstractProducts, gmm
 from .gathered import GatheredGMM
+from .megablox import _MegabloxProducts
 from .mosaic_gpu.quantized import kernel_operands
-from .ragged_dot import RaggedDotGMM, _RaggedDotProducts
+from .ragged_dot import _RaggedDotProducts
 
 # VMEM a weight tile may take with its dequantizing temporaries (int32 codes, float32
 # values, the cast copy, the double-buffered input), under the default scoped limit.
@@ -290,17 +296,49 @@ def _float(w, dtype):
     return w.dequantize(dtype) if is_quantized(w) else w
 
 
+class _TrainingProducts(AbstractProducts):
+    """Many rows (training, prefill): each product by the faster of the two kernels
+    measured on a v5e (`benchmarks/tpu_gmm.py`): `gmm` by `lax.ragged_dot` (written
+    in `a.dtype` from its float32 accumulator), `gmm_t` and `tgmm` by megablox
+    (`lax.ragged_dot_general`'s were 1.5-2.4x slower), its `tgmm` written in the
+    weights' dtype."""
+
+    interpret: bool = eqx.field(static=True)
+    has_effects: ClassVar[bool] = False
+
+    def _kernel(self, a):
+        # megablox takes float32 and 16-bit operands (float64 exists off the TPU).
+        if a.dtype.itemsize > 4:
+            return _RaggedDotProducts()
+        return _MegabloxProducts(None, self.interpret)
+
+    def gmm(self, a, b, group_sizes):
+        if self.interpret:  # `ragged_dot` off the TPU is a dense masked product
+            return self._kernel(a).gmm(a, b, group_sizes)
+        return _RaggedDotProducts().gmm(a, b, group_sizes)
+
+    def gmm_t(self, a, b, group_sizes):
+        return self._kernel(a).gmm_t(a, b, group_sizes)
+
+    def tgmm(self, a, d, group_sizes):
+        return self._kernel(a).tgmm(a, d, group_sizes)
+
+    def backward(self, a, b, group_sizes, d_out, want):
+        return self._kernel(a).backward(a, b, group_sizes, d_out, want)
+
+
 class PallasTPUGMM(AbstractGMMBackend):
     """Grouped matmul on TPUs: the decode kernel (see the module) for at most
-    `max_rows` rows, `fallback` (default `lax.ragged_dot`) for more.
+    `max_rows` rows; for more, `lax.ragged_dot` forward and JAX's megablox kernels
+    (`me.MegabloxGMM`'s) for the two derivative products, or `fallback` if given.
 
     The kernel reads only the experts that have rows, and quantized experts
     ([`moe_eqx.QuantizedArray`][]: FP8, MXFP4, int8) as stored, dequantizing each
     weight tile in VMEM: no float copy of the experts is made. MXFP4 weights with a
     scale byte outside `[2, 254]` (subnormal or infinite scales, in no trained
-    checkpoint) go to `GatheredGMM` (one expert dequantized at a time), and
-    biased quantized experts and the chunked fallback's accumulating FFN to
-    `fallback`.
+    checkpoint) go to `GatheredGMM` (one expert dequantized at a time); biased
+    quantized experts and the chunked fallback's accumulating FFN take the products
+    for many rows (or `fallback`).
 
     **Arguments:**
 
@@ -308,14 +346,14 @@ class PallasTPUGMM(AbstractGMMBackend):
         them, so its work grows with rows times touched experts).
     - `block_n`: output columns per grid step (default: up to 512, by the shape and
         the VMEM its tile needs).
-    - `interpret`: run the kernel in Pallas' interpreter (for tests off the TPU).
-    - `fallback`: the backend for more rows.
+    - `interpret`: run the kernels in Pallas' interpreter (for tests off the TPU).
+    - `fallback`: a backend for more rows instead (default: the products above).
     """
 
     max_rows: int = eqx.field(static=True, default=128)
     block_n: int | None = eqx.field(static=True, default=None)
     interpret: bool = eqx.field(static=True, default=False)
-    fallback: AbstractGMMBackend = RaggedDotGMM()
+    fallback: AbstractGMMBackend | None = None
 
     def _products(self) -> _DecodeProducts:
         return _DecodeProducts(self.block_n, self.interpret)
@@ -326,11 +364,17 @@ class PallasTPUGMM(AbstractGMMBackend):
         rhs: Float[Array, "groups k_dim n_dim"],
         group_sizes: Int[Array, " groups"],
     ) -> Float[Array, "rows n_dim"]:
-        if lhs.shape[0] > self.max_rows:
+        many = lhs.shape[0] > self.max_rows
+        if many and self.fallback is not None:
             return self.fallback(lhs, rhs, group_sizes)
         with jax.named_scope("moe_eqx.gmm.pallas_tpu"):
+            if many:
+                rhs = as_float(rhs, lhs.dtype)
+                products = _TrainingProducts(self.interpret)
+            else:
+                products = self._products()
             lhs, rhs, sizes = match_varying(lhs, rhs, group_sizes.astype(jnp.int32))
-            return gmm(self._products(), lhs, rhs.astype(lhs.dtype), sizes)
+            return gmm(products, lhs, rhs.astype(lhs.dtype), sizes)
 
     def ffn(
         self,
@@ -348,8 +392,13 @@ class PallasTPUGMM(AbstractGMMBackend):
             or x.shape[0] > self.max_rows
             or not all(_in_kernel(w) for w in weights)
         ):
-            return self.fallback.ffn(
-                x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
+            if self.fallback is not None:
+                return self.fallback.ffn(
+                    x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
+                )
+            many = dataclasses.replace(self, max_rows=0)  # the kernel for no rows only
+            return gmm_ffn(
+                many, x, w_gate_up, w_down, group_sizes, grad_acc, activation
             )
         mxfp4 = [w for w in weights if is_quantized(w) and w.fmt == "mxfp4"]
         if not mxfp4:
