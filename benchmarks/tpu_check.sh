@@ -1,45 +1,74 @@
 #!/usr/bin/env bash
-# Everything TPU-specific in one run (one TPU v5e chip; ../shared/TPU.md says how to
-# borrow one and carry the wheels):
-#   1. the TPU tests (tests/test_tpu.py): the layer against `reference_moe` on the
-#      chip (float32 at highest precision, and bfloat16), one device and a one-chip
-#      mesh, capped and with the fallback taken, gradients, every quantized format
-#      against its dequantized layer, the decode kernel, the hash router, replay;
-#   2. benchmarks/tpu_jit_grid.py: `jax.jit` with the layer closed over, `jax.grad`
-#      of a closed-over layer and `eqx.filter_jit`, over a grid of shapes and
-#      settings, each case in a process of its own (a compiler abort kills only it);
-#   3. benchmarks/tpu_decode.py: quantized experts and decode (time, compiled
-#      temporaries, bandwidth bound) against bfloat16, `auto` beside `ragged_dot`.
-# Results go to ${OUT:-benchmarks/results}: tpu_tests.log, jit_grid.json/.log,
-# decode_tpu.json/.log.
+# Everything TPU-specific (one TPU v5e chip; ../shared/TPU.md says how to borrow one
+# and carry the wheels), in sections, each run in processes of its own:
+#   tests   tests/test_tpu.py: the layer against `reference_moe` on the chip (float32
+#           at highest precision, and bfloat16), one device and a one-chip mesh,
+#           capped and with the fallback taken, gradients, every quantized format
+#           against its dequantized layer, the decode and megablox kernels, the hash
+#           router, replay;
+#   grid    benchmarks/tpu_jit_grid.py: `jax.jit` with the layer closed over,
+#           `jax.grad` of a closed-over layer and `eqx.filter_jit`, over a grid of
+#           shapes and settings, each case in a process of its own;
+#   decode  benchmarks/tpu_decode.py: quantized experts and decode against bfloat16;
+#   gmm     benchmarks/tpu_gmm.py: the grouped matmul against lax.ragged_dot,
+#           megablox, tokamax (where its wheels are carried) and the dense rate;
+#   sweep   benchmarks/tpu_gmm.py --sweep: tiles for `me.MegabloxGMM`;
+#   layer   benchmarks/tpu_layer.py: the training step against a dense FFN of the
+#           same FLOPs and a minimal MoE, the one-chip mesh and the fallback, and
+#           the costliest ops.
+# Results go to ${OUT:-benchmarks/results} (a .log and a .json per section).
+# TESTS_K (a pytest -k expression), GMM_ARGS, SWEEP_ARGS and LAYER_ARGS pass options
+# to the tests and the three benchmarks.
 #
-#     bash benchmarks/tpu_check.sh [--quick]
+#     bash benchmarks/tpu_check.sh [--quick] [section ...]   # default: all but sweep
 #
-# Wheels in .whl-tpu/ (equinox, jaxtyping, beartype, pytest, ...) are installed
-# into /tmp/site first when present; the machine's own JAX stays first on the path.
+# Wheels in .whl-tpu/ (equinox, jaxtyping, beartype, pytest, ...) are installed into
+# /tmp/site first when present, and .whl-tpu/peers/ (tokamax and its dependencies)
+# into /tmp/peers for the gmm section; the machine's own JAX stays first on the path.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-if compgen -G ".whl-tpu/*.whl" >/dev/null; then
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \
-    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-tpu/*.whl
-  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
-export JAX_PLATFORMS="${JAX_PLATFORMS:-tpu,cpu}"
 quick=""
-[ "${1:-}" = "--quick" ] && quick="--quick --tokens 1,8,8192"
+if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+sections="${*:-tests grid decode gmm layer}"
+install() {  # install <dir> <target>
+  if compgen -G "$1/*.whl" >/dev/null; then
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index \
+      --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
+  fi
+}
+install .whl-tpu /tmp/site
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site:$PWD" PYTHONUNBUFFERED=1
+export JAX_PLATFORMS="${JAX_PLATFORMS:-tpu,cpu}"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-python3 -m pytest -q -o addopts="" -p no:cacheprovider -p no:warnings -rs tests/test_tpu.py 2>&1 \
-  | tee "$out/tpu_tests.log"
-tests_rc=$?
-sleep 2
-python3 benchmarks/tpu_jit_grid.py --out "$out/jit_grid.json" 2>&1 | tee "$out/jit_grid.log"
-grid_rc=$?
-sleep 2
-python3 benchmarks/tpu_decode.py --compare $quick --out "$out/decode_tpu.json" 2>&1 \
-  | tee "$out/decode_tpu.log"
-decode_rc=$?
-echo "tpu_check: tests rc=$tests_rc, jit grid rc=$grid_rc, decode rc=$decode_rc"
-exit $((tests_rc || grid_rc || decode_rc))
+rc=0
+for s in $sections; do
+  case $s in
+    tests)
+      python3 -m pytest -q -o addopts="" -p no:cacheprovider -p no:warnings -rs \
+        --durations=10 ${TESTS_K:+-k "$TESTS_K"} tests/test_tpu.py 2>&1 | tee "$out/tpu_tests.log" ;;
+    grid)
+      python3 benchmarks/tpu_jit_grid.py --out "$out/jit_grid.json" 2>&1 \
+        | tee "$out/jit_grid.log" ;;
+    decode)
+      python3 benchmarks/tpu_decode.py --compare ${quick:+--quick --tokens 1,8,8192} \
+        --out "$out/decode_tpu.json" 2>&1 | tee "$out/decode_tpu.log" ;;
+    gmm)
+      install .whl-tpu/peers /tmp/peers
+      PYTHONPATH="$PYTHONPATH:/tmp/peers" python3 benchmarks/tpu_gmm.py \
+        ${quick:+--shapes qwen3} ${GMM_ARGS:-} --out "$out/gmm_tpu.json" 2>&1 | tee "$out/gmm_tpu.log" ;;
+    sweep)
+      python3 benchmarks/tpu_gmm.py --sweep --shapes qwen3 ${SWEEP_ARGS:-} \
+        --out "$out/gmm_sweep.json" 2>&1 | tee "$out/gmm_sweep.log" ;;
+    layer)
+      python3 benchmarks/tpu_layer.py --mesh --profile --hlo-dir "$out" \
+        ${LAYER_ARGS:-} --out "$out/layer_tpu.json" 2>&1 | tee "$out/layer_tpu.log" ;;
+    *) echo "unknown section $s"; false ;;
+  esac
+  r=$?
+  echo "tpu_check: $s rc=$r"
+  [ $r -ne 0 ] && rc=$r
+  sleep 2
+done
+exit $rc

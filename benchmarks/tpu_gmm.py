@@ -1,0 +1,320 @@
+"""The grouped matmul on one TPU chip against its peers and the dense rate.
+
+    python3 benchmarks/tpu_gmm.py --out gmm_tpu.json
+    python3 benchmarks/tpu_gmm.py --sweep --shapes qwen3 --out gmm_sweep.json
+
+Shapes (rows = tokens x top-k, bfloat16): the up projections (gate+up) and down
+projections of the three layers of `benchmarks/tpu_layer.py`, groups balanced and
+Zipf(1.0)-skewed. For each product (`gmm`, its transposes `gmm_t` = d_lhs and `tgmm` =
+d_rhs) and candidate, the min time of 10 after warm-up and its TFLOP/s:
+
+- `dense`: one dense matmul of the same FLOPs (the practical roofline);
+- `lax.ragged_dot`: called directly, bfloat16 out;
+- `me.ragged_dot`: `me.RaggedDotGMM`'s products;
+- `me.megablox`: `me.MegabloxGMM`'s (its tile table, or the heuristic);
+- `megablox-maxtext`: JAX's megablox kernels at MaxText's default tiles (512, 1024,
+  1024);
+- `tokamax`: tokamax's `ragged_dot` (its Mosaic TPU kernel and its v5e tile table),
+  where it imports.
+
+`--sweep` searches tiles for `me.MegabloxGMM` (one dimension at a time from the
+heuristic, twice) and prints `TUNED` entries for `moe_eqx/_gmm/megablox.py`.
+"""
+
+import argparse
+import importlib
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+from moe_eqx._gmm import megablox as mbx
+from moe_eqx._gmm.ragged_dot import _RaggedDotProducts
+
+_mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+# name: (tokens, d_model, d_ff, experts, top_k)
+SHAPES = {
+    "dsv2lite": (8192, 2048, 1408, 64, 6),
+    "qwen3": (8192, 2048, 768, 128, 8),
+    "mixtral": (4096, 4096, 3584, 8, 2),
+    "tiny": (256, 256, 128, 4, 2),  # a smoke test off the TPU (`--interpret`)
+}
+INTERPRET = False
+
+
+def sizes_of(rows: int, groups: int, skew: str) -> np.ndarray:
+    if skew == "balanced":
+        w = np.ones(groups)
+    else:  # Zipf(1.0)
+        w = 1.0 / np.arange(1, groups + 1)
+        w = np.random.default_rng(0).permutation(w)
+    s = np.floor(w / w.sum() * rows).astype(np.int32)
+    s[np.argmax(s)] += rows - s.sum()
+    return s
+
+
+def timed(fn, *args, repeats=10):
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def products(k, n, groups, rows, tokamax):
+    """name -> {kind: fn(a, b_or_d, sizes)} for the candidates."""
+    rd = _RaggedDotProducts()
+    me_mb = mbx._MegabloxProducts(None, INTERPRET)
+
+    def raw_mb(tiles):
+        return {
+            "gmm": lambda a, b, s: _mb.gmm(
+                a,
+                b,
+                s,
+                preferred_element_type=a.dtype,
+                tiling=tiles,
+                interpret=INTERPRET,
+            ),
+            "gmm_t": lambda a, b, s: _mb.gmm(
+                a,
+                b,
+                s,
+                preferred_element_type=a.dtype,
+                tiling=tiles,
+                transpose_rhs=True,
+                interpret=INTERPRET,
+            ),
+            "tgmm": lambda a, d, s: _mb.tgmm(
+                a.T,
+                d,
+                s,
+                preferred_element_type=jnp.float32,
+                tiling=tiles,
+                interpret=INTERPRET,
+            ),
+        }
+
+    out = {
+        "lax.ragged_dot": {
+            "gmm": lambda a, b, s: jax.lax.ragged_dot(a, b, s),
+        },
+        "me.ragged_dot": {"gmm": rd.gmm, "gmm_t": rd.gmm_t, "tgmm": rd.tgmm},
+        "me.megablox": {"gmm": me_mb.gmm, "gmm_t": me_mb.gmm_t, "tgmm": me_mb.tgmm},
+        "megablox-maxtext": raw_mb((512, 1024, 1024)),
+    }
+    if tokamax is not None:
+        from jax import lax
+
+        gmm_t_dims = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([1], [2]), ([], [])),
+            lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[0],
+        )
+        tgmm_dims = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([0], [0]), ([], [])),
+            lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[],
+        )
+        impl = "mosaic"
+        out["tokamax"] = {
+            "gmm": lambda a, b, s: tokamax.ragged_dot(a, b, s, implementation=impl),
+            "gmm_t": lambda a, b, s: tokamax.ragged_dot_general(
+                a, b, s, gmm_t_dims, implementation=impl
+            ),
+            "tgmm": lambda a, d, s: tokamax.ragged_dot_general(
+                a,
+                d,
+                s,
+                tgmm_dims,
+                preferred_element_type=jnp.float32,
+                implementation=impl,
+            ),
+        }
+    return out
+
+
+def operands(kind, rows, k, n, groups, key):
+    ka, kb = jr.split(key)
+    if kind == "gmm":
+        return jr.normal(ka, (rows, k), jnp.bfloat16), jr.normal(
+            kb, (groups, k, n), jnp.bfloat16
+        )
+    if kind == "gmm_t":  # d_lhs: [rows, n] x [G, k, n]^T -> [rows, k]
+        return jr.normal(ka, (rows, n), jnp.bfloat16), jr.normal(
+            kb, (groups, k, n), jnp.bfloat16
+        )
+    return jr.normal(ka, (rows, k), jnp.bfloat16), jr.normal(
+        kb, (rows, n), jnp.bfloat16
+    )
+
+
+def matrices(names):
+    """(label, rows, contraction k, output n, groups) for each shape's two products."""
+    out = []
+    for name in names:
+        t, d, f, e, top = SHAPES[name]
+        out.append((f"{name}-up", t * top, d, 2 * f, e))
+        out.append((f"{name}-down", t * top, f, d, e))
+    return out
+
+
+def sweep(label, rows, k, n, groups, kind, sizes, budget_s, dims="2,1,0"):
+    """Coordinate search over `(tm, tk, tn)` for one product; returns (best, ms)."""
+    contraction, cols = (k, n) if kind != "gmm_t" else (n, k)
+    a, b = operands(kind, rows, k, n, groups, jr.key(1))
+    cand = {
+        0: [128, 256, 512, 1024],
+        1: sorted(
+            {
+                c
+                for c in (256, 512, 768, 1024, 1536, 2048, contraction)
+                if c <= contraction and c % 128 == 0
+            }
+        ),
+        2: sorted(
+            {
+                c
+                for c in (256, 512, 768, 1024, 1536, 2048, cols)
+                if c <= cols and c % 128 == 0
+            }
+        ),
+    }
+    best = mbx.tiles_for(kind, contraction, cols, rows, jnp.bfloat16)
+    seen = {}
+    start = time.perf_counter()
+
+    def cost(tiles):
+        if tiles in seen:
+            return seen[tiles]
+        tm, tk, tn = tiles
+        vmem = 2 * 2 * (tm * tk + tk * tn) + tm * tn * 8
+        if vmem > 14 * 2**20 or rows % tm:
+            seen[tiles] = float("inf")
+            return seen[tiles]
+        prod = getattr(mbx._MegabloxProducts(tiles, INTERPRET), kind)
+        try:
+            seen[tiles] = timed(jax.jit(prod), a, b, sizes, repeats=5)
+        except Exception as e:  # a tile the kernel rejects
+            print(f"  {tiles}: {type(e).__name__}: {str(e)[:120]}")
+            seen[tiles] = float("inf")
+        return seen[tiles]
+
+    cost(best)
+    for _ in range(2):
+        for dim in map(int, dims.split(",")):
+            for c in cand[dim]:
+                if time.perf_counter() - start > budget_s:
+                    break
+                t = list(best)
+                t[dim] = c
+                t = tuple(t)
+                if cost(t) < cost(best):
+                    best = t
+    print(f"{label} {kind}: best {best} {seen[best] * 1e3:.3f} ms ({len(seen)} tried)")
+    return best, seen[best], contraction, cols
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="qwen3,dsv2lite,mixtral")
+    p.add_argument("--skews", default="balanced,zipf")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--budget", type=float, default=40.0, help="seconds per sweep")
+    p.add_argument("--kinds", default="gmm,gmm_t,tgmm", help="products to sweep")
+    p.add_argument("--dims", default="2,1,0", help="tile dims to vary (0 = rows)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--interpret", action="store_true", help="Pallas interpreter")
+    args = p.parse_args()
+    global INTERPRET
+    INTERPRET = args.interpret
+    try:
+        import tokamax
+        from absl import flags
+
+        flags.FLAGS(sys.argv[:1])  # tokamax reads absl flags: not this script's
+    except Exception as e:  # not installed, or its dependencies missing
+        print(f"tokamax unavailable: {type(e).__name__}: {e}")
+        tokamax = None
+    rows_out, tuned = [], {}
+    for label, rows, k, n, groups in matrices(args.shapes.split(",")):
+        for skew in args.skews.split(","):
+            sizes = jnp.asarray(sizes_of(rows, groups, skew))
+            if args.sweep:
+                for kind in args.kinds.split(","):
+                    best, sec, c, o = sweep(
+                        f"{label} {skew}",
+                        rows,
+                        k,
+                        n,
+                        groups,
+                        kind,
+                        sizes,
+                        args.budget,
+                        args.dims,
+                    )
+                    tuned[f"{kind},{c},{o},{skew}"] = [list(best), sec * 1e3]
+                continue
+            flops = 2 * rows * k * n
+            a = jr.normal(jr.key(0), (rows, k), jnp.bfloat16)
+            w = jr.normal(jr.key(1), (k, n), jnp.bfloat16)
+            dense = timed(jax.jit(lambda a, w: a @ w), a, w)
+            rows_out.append(
+                dict(
+                    matrix=label,
+                    skew=skew,
+                    kind="all",
+                    candidate="dense",
+                    ms=dense * 1e3,
+                    tflops=flops / dense / 1e12,
+                )
+            )
+            for name, prods in products(k, n, groups, rows, tokamax).items():
+                for kind, fn in prods.items():
+                    x, y = operands(kind, rows, k, n, groups, jr.key(2))
+                    try:
+                        sec = timed(jax.jit(fn), x, y, sizes)
+                    except Exception as e:
+                        print(
+                            f"{label} {skew} {name} {kind}: "
+                            f"{type(e).__name__}: {str(e)[:200]}"
+                        )
+                        continue
+                    rows_out.append(
+                        dict(
+                            matrix=label,
+                            skew=skew,
+                            kind=kind,
+                            candidate=name,
+                            ms=sec * 1e3,
+                            tflops=flops / sec / 1e12,
+                        )
+                    )
+                    print(
+                        f"{label:16s} {skew:8s} {kind:6s} {name:18s} "
+                        f"{sec * 1e3:8.3f} ms {flops / sec / 1e12:6.1f} TFLOP/s",
+                        flush=True,
+                    )
+    if tuned:
+        print("TUNED entries:")
+        for key, (tiles, ms) in tuned.items():
+            kind, c, o, skew = key.split(",")
+            print(f'    ("{kind}", {c}, {o}): {tuple(tiles)},  # {ms:.3f} ms {skew}')
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {"device": str(jax.devices()[0]), "rows": rows_out, "tuned": tuned},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
