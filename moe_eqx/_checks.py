@@ -103,3 +103,30 @@ def check_positive(value, name: str, owner: str, *, optional: bool = False) -> N
             + (" or None" if optional else "")
             + f", got {value!r}."
         )
+
+
+def check_int(
+    value,
+    name: str,
+    *,
+    minimum: int = 1,
+    maximum: int | None = None,
+    optional: bool = False,
+) -> None:
+    """A `ValueError` naming `name` (e.g. `"num_slots"`, `"Selection.group_top"`)
+    unless `value` is an integer (not a bool; a NumPy integer counts) in
+    `[minimum, maximum]` (or, with `optional`, `None`)."""
+    if optional and value is None:
+        return
+    ok = isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+    if ok and value >= minimum and (maximum is None or value <= maximum):
+        return
+    if maximum is not None:
+        want = f"an integer in [{minimum}, {maximum}]"
+    else:
+        want = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    raise ValueError(
+        f"`{name}` must be {want}"
+        + (" or None" if optional else "")
+        + f", got {value!r}."
+    )

@@ -8,6 +8,7 @@ import math
 import equinox as eqx
 
 from ._activation import AbstractActivation, as_activation
+from ._checks import check_int
 from ._combine import OutputTransform
 from ._exchange import AbstractExchange
 from ._experts import ExpertOptions, SharedCombination
@@ -127,28 +128,13 @@ class Execution(eqx.Module):
             raise ValueError(
                 f"`on_overflow` must be 'fallback' or 'drop', got {self.on_overflow!r}."
             )
-        if (
-            not isinstance(self.num_slots, int)
-            or isinstance(self.num_slots, bool)
-            or self.num_slots < 0
-        ):
-            raise ValueError(
-                f"`num_slots` must be an integer >= 0, got {self.num_slots!r}."
-            )
+        check_int(self.num_slots, "num_slots", minimum=0)
         if self.slot_backward not in SLOT_BACKWARDS:
             raise ValueError(
                 f"`slot_backward` must be one of {SLOT_BACKWARDS}, got "
                 f"{self.slot_backward!r}."
             )
-        if self.max_slot_exports is not None and (
-            not isinstance(self.max_slot_exports, int)
-            or isinstance(self.max_slot_exports, bool)
-            or self.max_slot_exports < 1
-        ):
-            raise ValueError(
-                f"`max_slot_exports` must be a positive integer or None, got "
-                f"{self.max_slot_exports!r}."
-            )
+        check_int(self.max_slot_exports, "max_slot_exports", optional=True)
         if (
             not isinstance(self.gmm_backend, AbstractGMMBackend)
             and self.gmm_backend not in GMM_BACKENDS
@@ -182,9 +168,7 @@ class Execution(eqx.Module):
                 f"`fsdp_axes` {self.fsdp_axes} must not contain the expert axis "
                 f"{self.axis_name!r}: the experts are already split over it."
             )
-        chunks = self.token_chunks
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"`token_chunks` must be an integer >= 1, got {chunks!r}.")
+        check_int(self.token_chunks, "token_chunks")
         tensor = self.tensor_axis
         if tensor is not None:
             if not isinstance(tensor, str) or not tensor:
@@ -469,14 +453,10 @@ class MoEConfig(eqx.Module):
 
     def __check_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+            check_int(getattr(self, name), name)
         _check_bool("", ("norm_topk", "use_router_bias", "shared_gate"), self)
         for name in ("num_identity_experts", "shared_d_ff"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+            check_int(getattr(self, name), name, minimum=0)
         score = as_score(self.score_func)
         activation = as_activation(self.activation)
         for name, cls in (
@@ -518,17 +498,13 @@ class MoEConfig(eqx.Module):
 
     def _check_groups(self) -> None:
         groups, top = self.num_groups, self.top_groups
-        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-            raise ValueError(f"`num_groups` must be >= 1, got {groups!r}.")
+        check_int(groups, "num_groups")
         if self.num_experts % groups != 0:
             raise ValueError(
                 f"`num_experts` ({self.num_experts}) must be divisible by `num_groups` "
                 f"({groups})."
             )
-        if not isinstance(top, int) or isinstance(top, bool) or not 1 <= top <= groups:
-            raise ValueError(
-                f"`top_groups` must be in [1, num_groups={groups}], got {top!r}."
-            )
+        check_int(top, "top_groups", maximum=groups)
         if groups > 1 and top * (self.num_experts // groups) < self.top_k:
             raise ValueError(
                 f"`top_groups` ({top}) groups of {self.num_experts // groups} experts "

@@ -16,7 +16,7 @@ from ._activation import (
     as_activation,
     first_width,
 )
-from ._checks import check_array, check_group_sizes
+from ._checks import check_array, check_group_sizes, check_int
 from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
 from ._quant import QuantizedArray, QuantizedWeight, QuantizedWithBias, as_float
 from ._rules import DISPATCHED, EXPERT_OUT, remat_name
@@ -296,15 +296,7 @@ class SharedCombination(eqx.Module):
             )
         if self.activation is not None:
             as_activation(self.activation, "SharedCombination.activation")
-        if (
-            not isinstance(self.scored, int)
-            or isinstance(self.scored, bool)
-            or self.scored < 0
-        ):
-            raise ValueError(
-                f"`SharedCombination.scored` must be an integer >= 0, got "
-                f"{self.scored!r}."
-            )
+        check_int(self.scored, "SharedCombination.scored", minimum=0)
 
 
 class SharedExperts(eqx.Module):

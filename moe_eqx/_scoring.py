@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._checks import check_int
 from ._settings import boolean, integer, real
 
 
@@ -165,15 +166,7 @@ class Selection(eqx.Module):
     bias_on_logits: bool = eqx.field(static=True, default=False, converter=boolean)
 
     def __check_init__(self):
-        if (
-            not isinstance(self.group_top, int)
-            or isinstance(self.group_top, bool)
-            or self.group_top < 1
-        ):
-            raise ValueError(
-                f"`Selection.group_top` must be a positive integer, got "
-                f"{self.group_top!r}."
-            )
+        check_int(self.group_top, "Selection.group_top")
         _finite_at_least(
             self.group_fill, -math.inf, "Selection.group_fill", inf_ok=True
         )

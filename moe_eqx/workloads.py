@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 from jaxtyping import Bool, Float, Int
 
+from ._checks import check_int
+
 __all__ = [
     "HOT_LAYOUTS",
     "WORKLOADS",
@@ -61,8 +63,7 @@ WORKLOADS = (
 
 
 def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    check_int(value, name)
 
 
 def _rank_to_expert(

@@ -289,3 +289,48 @@ def test_chunked_dropless():
         overflow=no,
         num_chunks=0,
     )
+
+
+def test_integer_settings_share_one_check():
+    """Every integer setting goes through `_checks.check_int`: bools, floats and
+    out-of-range values are refused by name, NumPy integers accepted."""
+    from moe_eqx._checks import check_int
+
+    check_int(np.int64(3), "n")
+    check_int(None, "n", optional=True)
+    check_int(0, "n", minimum=0)
+    for bad, kw, want in [
+        (True, {}, "`n` must be a positive integer, got True"),
+        (2.0, {}, "`n` must be a positive integer"),
+        (0, {}, "`n` must be a positive integer"),
+        (-1, {"minimum": 0}, "`n` must be an integer >= 0"),
+        (5, {"maximum": 4}, r"`n` must be an integer in \[1, 4\]"),
+        (None, {}, "got None"),
+        (0, {"optional": True}, "positive integer or None"),
+    ]:
+        with pytest.raises(ValueError, match=want):
+            check_int(bad, "n", **kw)
+    # Through the stages that hold such settings.
+    for build, want in [
+        (lambda: me.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=True), "top_k"),
+        (
+            lambda: me.MoEConfig(
+                d_model=8, d_ff=8, num_experts=4, top_k=1, num_groups=2, top_groups=3
+            ),
+            "top_groups",
+        ),
+        (
+            lambda: me.MoEConfig(
+                d_model=8, d_ff=8, num_experts=4, top_k=1, num_slots=-1
+            ),
+            "num_slots",
+        ),
+        (
+            lambda: me.MoEConfig(
+                d_model=8, d_ff=8, num_experts=4, top_k=1, token_chunks=0
+            ),
+            "token_chunks",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=want):
+            build()
