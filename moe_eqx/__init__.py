@@ -24,6 +24,7 @@ from ._config import Execution as Execution, MoEConfig as MoEConfig
 from ._dispatch import sort_by_expert as sort_by_expert
 from ._exchange import (
     AbstractExchange as AbstractExchange,
+    AbstractGatherExchange as AbstractGatherExchange,
     AbstractRowExchange as AbstractRowExchange,
     AllGatherExchange as AllGatherExchange,
     DenseExchange as DenseExchange,

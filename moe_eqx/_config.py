@@ -10,7 +10,7 @@ import equinox as eqx
 from ._activation import AbstractActivation, as_activation
 from ._checks import check_int
 from ._combine import OutputTransform
-from ._exchange import AbstractExchange
+from ._exchange import AbstractExchange, check_exchange
 from ._experts import ExpertOptions, SharedCombination
 from ._gmm import AbstractGMMBackend
 from ._scoring import AbstractScore, Selection, Weighting, as_score
@@ -65,8 +65,9 @@ class Execution(eqx.Module):
         `MosaicGPUGMM(...)`), as optimistix and lineax take solver objects.
     - `exchange`: exchange backend, `"auto"`, `"dense"`, `"ragged"` or `"allgather"`
         (tokens all-gathered, outputs reduce-scattered), or an
-        [`moe_eqx.AbstractExchange`][] instance (a `DenseExchange` gets the layer's
-        `axis_name` and block size; other instances are used as given). `"auto"`
+        [`moe_eqx.AbstractExchange`][] instance over the layer's `axis_name` (a
+        `DenseExchange` gets the block size of the layer's buffers; other instances
+        are used as given). `"auto"`
         chooses from the call's static shapes and platform
         ([`moe_eqx.internal.choose_exchange`][]).
     - `axis_name`: the expert-parallel mesh axis.
@@ -153,6 +154,8 @@ class Execution(eqx.Module):
             raise ValueError(
                 f"`axis_name` must be a non-empty string, got {self.axis_name!r}."
             )
+        if isinstance(self.exchange, AbstractExchange):
+            check_exchange(self.exchange, self.axis_name)
         axes = self.fsdp_axes
         if (
             not isinstance(axes, tuple)

@@ -6,6 +6,7 @@ import jax
 
 from ._base import (
     AbstractExchange as AbstractExchange,
+    AbstractGatherExchange as AbstractGatherExchange,
     AbstractRowExchange as AbstractRowExchange,
     ExchangePlan as ExchangePlan,
     combine_rows as combine_rows,
@@ -87,8 +88,8 @@ def resolve_exchange(
     shapes: Mapping[str, int | float | bool | None] | None = None,
 ) -> AbstractExchange:
     """The exchange backend for `name` (see [`exchange_name`][] for `"auto"` and
-    `shapes`). A `DenseExchange` instance is rebuilt with this trip's `axis_name` and
-    `block_rows`; any other instance is used as given."""
+    `shapes`). A `DenseExchange` instance gets this trip's `block_rows` (it must
+    not name another); any other instance is used as given."""
     return make_exchange(
         exchange_name(name, platform, shapes=shapes),
         axis_name=axis_name,
@@ -101,10 +102,39 @@ def make_exchange(
 ) -> AbstractExchange:
     """The exchange instance for an already resolved `name` (`"dense"`, `"ragged"`,
     `"allgather"` or an instance, see [`exchange_name`][]), with no platform check."""
+    if isinstance(name, AbstractExchange):
+        check_exchange(name, axis_name)
     if is_dense(name):
+        given = getattr(name, "block_rows", None)
+        if given is not None and given != block_rows:
+            raise ValueError(
+                f"`DenseExchange(block_rows={given})`: the layer's buffers need blocks "
+                f"of {block_rows} rows (what one shard may send another), which it "
+                "sets itself: build `DenseExchange(axis_name=...)` without "
+                "`block_rows`."
+            )
         return DenseExchange(axis_name=axis_name, block_rows=block_rows)
     if isinstance(name, AbstractExchange):
         return name
     if name == "allgather":
         return AllGatherExchange(axis_name=axis_name)
     return RaggedExchange(axis_name=axis_name)
+
+
+def check_exchange(exchange: AbstractExchange, axis_name: str) -> None:
+    """A `TypeError` unless `exchange` is of one of the two kinds the trip runs
+    ([`moe_eqx.AbstractRowExchange`][], [`moe_eqx.AbstractGatherExchange`][]); a
+    `ValueError` unless it runs over `axis_name`, the layer's expert axis."""
+    if not isinstance(exchange, AbstractRowExchange | AbstractGatherExchange):
+        raise TypeError(
+            f"`exchange` {type(exchange).__name__} subclasses `AbstractExchange` "
+            "only: subclass `me.AbstractRowExchange` (moves wire rows: `dispatch`, "
+            "`combine`) or `me.AbstractGatherExchange` (gathers every token: "
+            "`gather`, `scatter`), whose methods the trip calls."
+        )
+    if exchange.axis_name != axis_name:
+        raise ValueError(
+            f"`exchange` {type(exchange).__name__} runs over the axis "
+            f"{exchange.axis_name!r}, but the layer's expert axis is {axis_name!r}: "
+            "build it with the same `axis_name`."
+        )

@@ -74,18 +74,63 @@ def make_exchange_plan(
 
 class AbstractExchange(eqx.Module):
     """How a token's activation reaches the shards holding its experts, and their
-    outputs come back.
+    outputs come back. An exchange of your own subclasses one of its two kinds,
+    which declare what the trip calls: [`moe_eqx.AbstractRowExchange`][] (moves wire
+    rows: `dispatch`, `combine`) or [`moe_eqx.AbstractGatherExchange`][] (gathers
+    every token: `gather`, `scatter`).
 
     **Fields:**
 
-    - `axis_name`: the expert-parallel mesh axis the exchange runs over.
+    - `axis_name`: the expert-parallel mesh axis the exchange runs over (the layer
+        checks it against its own).
     - `gathers_tokens` (class variable): False for an exchange that moves wire rows
         ([`moe_eqx.AbstractRowExchange`][]); True for one that gathers every token on
-        every shard and reduce-scatters the outputs ([`moe_eqx.AllGatherExchange`][]).
+        every shard and reduce-scatters the outputs
+        ([`moe_eqx.AbstractGatherExchange`][]).
     """
 
     axis_name: eqx.AbstractVar[str]
     gathers_tokens: eqx.AbstractClassVar[bool]
+
+
+class AbstractGatherExchange(AbstractExchange):
+    """An exchange that gathers every token of the expert axis on every shard and
+    sums the partial outputs back to each token's shard ([`moe_eqx.AllGatherExchange`][]
+    with JAX's collectives). Each shard then computes the pairs of the experts it
+    holds; there is no receive row buffer."""
+
+    gathers_tokens: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def gather(
+        self, rows: Shaped[Array, "tokens ..."]
+    ) -> Shaped[Array, "gathered_tokens ..."]:
+        """Every shard's rows, in shard order.
+
+        **Arguments:**
+
+        - `rows`: `[T, ...]` this shard's rows.
+
+        **Returns:**
+
+        `[R * T, ...]`: shard 0's rows, then shard 1's, ...; its transpose (the
+        backward) must be `scatter`.
+        """
+
+    @abc.abstractmethod
+    def scatter(
+        self, rows: Shaped[Array, "gathered_tokens ..."]
+    ) -> Shaped[Array, "tokens ..."]:
+        """The rows summed over the shards, each shard keeping its own block.
+
+        **Arguments:**
+
+        - `rows`: `[R * T, ...]` in the layout of `gather`.
+
+        **Returns:**
+
+        `[T, ...]`: block `shard` of the sum over all shards of `rows`.
+        """
 
 
 class AbstractRowExchange(AbstractExchange):

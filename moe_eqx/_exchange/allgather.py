@@ -8,16 +8,14 @@ hands back to each token's shard. There is no receive row buffer: what a shard
 computes is bounded by its pair buffer alone.
 """
 
-from typing import ClassVar
-
 import equinox as eqx
 import jax
 from jaxtyping import Array, Shaped
 
-from ._base import AbstractExchange
+from ._base import AbstractGatherExchange
 
 
-class AllGatherExchange(AbstractExchange):
+class AllGatherExchange(AbstractGatherExchange):
     """Tokens all-gathered over `axis_name`, outputs reduce-scattered back.
 
     **Fields:**
@@ -26,7 +24,6 @@ class AllGatherExchange(AbstractExchange):
     """
 
     axis_name: str = eqx.field(static=True)
-    gathers_tokens: ClassVar[bool] = True
 
     def gather(
         self, rows: Shaped[Array, "tokens ..."]
