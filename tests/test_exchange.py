@@ -189,3 +189,22 @@ def test_dense_return_trip_of_materialised_rows():
 
     assert scatters(True) == 1, scatters(True)  # the receiver's scatter-add only
     assert scatters(False) == 2, scatters(False)
+
+
+def test_dense_exchange_instance_in_a_layer():
+    """A `DenseExchange` instance in a layer takes the block size of the layer's
+    buffers (reported in `stats.block_rows`); naming another block size is an error,
+    not a silently different exchange."""
+    import jax.random as jr
+    from helpers import mesh
+
+    def layer(exchange):
+        cfg = me.MoEConfig(d_model=8, d_ff=8, num_experts=8, top_k=2, exchange=exchange)
+        return me.MoELayer(cfg, key=jr.key(0))
+
+    x = jr.normal(jr.key(1), (64, 8))
+    _, by_name = layer("dense")(x, mesh=mesh(8))
+    _, stats = layer(me.DenseExchange(axis_name="expert"))(x, mesh=mesh(8))
+    assert int(stats.block_rows) == int(by_name.block_rows) > 1
+    with pytest.raises(ValueError, match="block_rows=1"):
+        layer(me.DenseExchange(axis_name="expert", block_rows=1))(x, mesh=mesh(8))

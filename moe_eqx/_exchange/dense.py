@@ -21,11 +21,12 @@ class DenseExchange(AbstractRowExchange):
     - `axis_name`: the expert-parallel mesh axis the exchange runs over.
     - `block_rows`: rows of one per-destination block, at least what one sender may
         send one receiver ([`moe_eqx.internal.BufferSizes`][]`.block_rows`); each trip moves
-        `R * block_rows` rows.
+        `R * block_rows` rows. In a layer, leave it `None`: the layer sets it from
+        its buffers (another value is a `ValueError` there, not a smaller block).
     """
 
     axis_name: str = eqx.field(static=True)
-    block_rows: int = eqx.field(static=True)
+    block_rows: int | None = eqx.field(static=True, default=None)
 
     def dispatch(
         self, send: Shaped[Array, "send_rows ..."], plan: ExchangePlan, capacity: int
