@@ -30,7 +30,7 @@ from ._mesh import (
 )
 from ._permute import permute_rows
 from ._placement import physical_routing
-from ._rebuild import check_arrays_fit, graft
+from ._rebuild import check_arrays_fit, check_settings, graft
 from ._router import AbstractRouter, Router, check_expert_ids, route_tokens
 from ._rules import has_explicit_axes
 from ._shard import expert_parallel_shard_body
@@ -145,6 +145,7 @@ class MoELayer(eqx.Module):
         and a [`moe_eqx.MoEStats`][].
         """
         cfg = self.config
+        check_settings(self)
         _check_input(x, cfg)
         if experts is not None:
             check_ids(experts, x.shape[:-1], cfg)

@@ -21,6 +21,7 @@ from ._activation import (
 from ._layer import MoELayer, check_ids
 from ._mesh import spec_axes
 from ._quant import as_float
+from ._rebuild import check_settings
 from ._rules import has_explicit_axes
 
 
@@ -54,6 +55,7 @@ def reference_moe(
     The shape and dtype of `x`, and its sharding when `x` is split over `Explicit`
     mesh axes (the oracle itself computes on replicated arrays).
     """
+    check_settings(layer)
     if experts is not None:
         check_ids(experts, x.shape[:-1], layer.config)
         experts = _replicate(experts).reshape(-1, layer.config.top_k)

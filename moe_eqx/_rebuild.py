@@ -2,6 +2,9 @@
 config describes, after checking that they fit. Each function takes the layer's
 class from the layer it is given (no import of the layer)."""
 
+import dataclasses
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.random as jr
@@ -89,4 +92,67 @@ def check_arrays_fit(layer, cfg: MoEConfig) -> None:
                 f"{n}: {have.get(n, 'absent')} for {want.get(n, 'absent')}" for n in bad
             )
             + "): build a new layer for it."
+        )
+
+
+@ft.lru_cache(maxsize=64)
+def _described(layer_class, cfg: MoEConfig):
+    """The stages `cfg` describes (their settings; arrays as shapes only)."""
+    return eqx.filter_eval_shape(layer_class, cfg, key=jr.key(0))
+
+
+def _disagreements(name: str, have, want) -> list[str]:
+    if (have is None) != (want is None):
+        said = "none" if want is None else "one"
+        return [
+            f"`{name}` is {'absent' if have is None else 'present'}, the config "
+            f"describes {said}"
+        ]
+    if have is None:
+        return []
+    found = []
+    for f in dataclasses.fields(have):
+        a, b = getattr(have, f.name), getattr(want, f.name)
+        if f.metadata.get("static", False):
+            if a != b:
+                found.append(f"`{name}.{f.name}` is {a!r}, the config describes {b!r}")
+        elif (a is None) != (b is None):
+            found.append(
+                f"`{name}.{f.name}` is {'absent' if a is None else 'present'}, the "
+                f"config describes {'none' if b is None else 'one'}"
+            )
+    return found
+
+
+def check_settings(layer) -> None:
+    """A `ValueError` naming each setting on which `layer.config` and the built-in
+    stages that compute with it disagree (a config swapped in with `eqx.tree_at`, or
+    a stage's setting changed alone): the layer would silently compute with the
+    stage's. Static, so checked whenever a call is traced, which any change of them
+    forces. A router of the user's own (any class but `Router`) is its own
+    authority and is not compared."""
+    cfg = layer.config
+    try:
+        described = _described(type(layer), cfg)
+    except TypeError:  # an unhashable setting of a user's own
+        described = _described.__wrapped__(type(layer), cfg)
+    found = []
+    for name in ("router", "experts", "shared_experts"):
+        have = getattr(layer, name)
+        if name == "router" and type(have) is not Router:
+            continue
+        found += _disagreements(name, have, getattr(described, name))
+    for name in ("output_bias", "output_norm"):
+        have, want = getattr(layer, name), getattr(described, name)
+        if (have is None) != (want is None):
+            found.append(
+                f"`{name}` is {'absent' if have is None else 'present'}, the config "
+                f"describes {'none' if want is None else 'one'}"
+            )
+    if found:
+        raise ValueError(
+            "The layer's stages disagree with `layer.config`: "
+            + "; ".join(found)
+            + ". Change a setting with `layer.with_config(...)`, which rebuilds the "
+            "stages it describes, not in one place alone."
         )

@@ -3,7 +3,9 @@ settings it computes with, `MoELayer.with_config` rebuilds the stages a change
 describes (no frozen module mutated), and a router whose output does not fit the
 layer's config is refused."""
 
+import copy
 import dataclasses
+import re
 
 import equinox as eqx
 import jax
@@ -99,11 +101,13 @@ def test_a_config_changed_in_one_place_is_refused(getkey):
     cfg = dataclasses.replace(layer.config, top_k=3)
     bad = eqx.tree_at(lambda l: l.config, layer, cfg)
     x = tokens(getkey(), 8)
-    match = r"router Router returned `Routing.weights` of shape \(\d+, 2\)"
+    match = r"`router.top_k` is 2, the config describes 3"
     with pytest.raises(ValueError, match=match):
         bad(x)
     with pytest.raises(ValueError, match=match):
         bad(x, mesh=mesh(4))
+    with pytest.raises(ValueError, match=match):
+        me.reference_moe(bad, x)
 
 
 def test_with_config_keeps_a_router_of_ones_own(getkey):
@@ -150,3 +154,71 @@ def test_with_config_turns_parameters_on_and_off(getkey):
     x = tokens(getkey(), 16)
     np.testing.assert_allclose(off(x)[0], layer(x)[0], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(on(x)[0], me.reference_moe(on, x), rtol=2e-5, atol=2e-5)
+
+
+def _with_static(stage, **settings):
+    """`stage` with static settings replaced in place of its constructor (which
+    takes a config): a stage's setting changed alone."""
+    new = copy.copy(stage)
+    for name, value in settings.items():
+        object.__setattr__(new, name, value)
+    return new
+
+
+def test_every_setting_changed_in_one_place_is_refused_or_used(getkey):
+    """Each model setting changed at one place only (the config swapped in with
+    `eqx.tree_at`, or a stage's own setting) is a clear error naming it, never the
+    same output computed from the other copy; a setting held only by the config
+    (`routed_scaling_factor`, the output norm's epsilon) changes the output."""
+    cfg = me.MoEConfig(
+        d_model=16,
+        d_ff=8,
+        num_experts=8,
+        top_k=2,
+        shared_d_ff=8,
+        output=me.OutputTransform(norm_eps=1e-6),
+    )
+    layer = me.MoELayer(cfg, key=getkey())
+    x = tokens(getkey(), 16)
+    y = layer(x)[0]
+
+    def config(**changes):
+        return eqx.tree_at(
+            lambda l: l.config, layer, dataclasses.replace(cfg, **changes)
+        )
+
+    refused = {
+        "router.norm_topk": config(norm_topk=False),
+        "router.score": config(score_func="sigmoid"),
+        "router.num_groups": config(num_groups=2, top_groups=1),
+        "router.bias": config(use_router_bias=True),
+        "router.selection": config(selection=me.Selection(group_top=1)),
+        "router.weighting": config(weighting=me.Weighting(floor=1e-6)),
+        "experts.activation": config(activation="geglu"),
+        "shared_experts.scale": config(shared=me.SharedCombination(scale=0.5)),
+        "shared_experts.gate": config(shared_gate=True),
+        "output_bias": config(output=me.OutputTransform(bias=True, norm_eps=1e-6)),
+        "output_norm": config(output=me.OutputTransform()),
+        "experts.activation is GeGLU": eqx.tree_at(
+            lambda l: l.experts,
+            layer,
+            _with_static(layer.experts, activation=me.GeGLU()),
+        ),
+        "router.norm_topk is False": eqx.tree_at(
+            lambda l: l.router, layer, _with_static(layer.router, norm_topk=False)
+        ),
+        "shared_experts.scale is 0.5": eqx.tree_at(
+            lambda l: l.shared_experts,
+            layer,
+            _with_static(layer.shared_experts, scale=0.5),
+        ),
+    }
+    for name, bad in refused.items():
+        with pytest.raises(ValueError, match=re.escape(f"`{name.split()[0]}")):
+            bad(x)
+    used = {
+        "routed_scaling_factor": config(routed_scaling_factor=2.0),
+        "output.norm_eps": config(output=me.OutputTransform(norm_eps=0.5)),
+    }
+    for name, changed in used.items():
+        assert not np.allclose(changed(x)[0], y), name
