@@ -102,35 +102,26 @@ def _described(layer_class, cfg: MoEConfig):
 
 
 def _disagreements(name: str, have, want) -> list[str]:
-    if (have is None) != (want is None):
-        said = "none" if want is None else "one"
-        return [
-            f"`{name}` is {'absent' if have is None else 'present'}, the config "
-            f"describes {said}"
-        ]
-    if have is None:
+    if have is None or want is None:  # the arrays' presence is the stage's own
         return []
-    found = []
-    for f in dataclasses.fields(have):
-        a, b = getattr(have, f.name), getattr(want, f.name)
-        if f.metadata.get("static", False):
-            if a != b:
-                found.append(f"`{name}.{f.name}` is {a!r}, the config describes {b!r}")
-        elif (a is None) != (b is None):
-            found.append(
-                f"`{name}.{f.name}` is {'absent' if a is None else 'present'}, the "
-                f"config describes {'none' if b is None else 'one'}"
-            )
-    return found
+    return [
+        f"`{name}.{f.name}` is {getattr(have, f.name)!r}, the config describes "
+        f"{getattr(want, f.name)!r}"
+        for f in dataclasses.fields(have)
+        if f.metadata.get("static", False)
+        and getattr(have, f.name) != getattr(want, f.name)
+    ]
 
 
 def check_settings(layer) -> None:
-    """A `ValueError` naming each setting on which `layer.config` and the built-in
-    stages that compute with it disagree (a config swapped in with `eqx.tree_at`, or
-    a stage's setting changed alone): the layer would silently compute with the
-    stage's. Static, so checked whenever a call is traced, which any change of them
-    forces. A router of the user's own (any class but `Router`) is its own
-    authority and is not compared."""
+    """A `ValueError` naming each static setting on which `layer.config` and the
+    built-in stages that compute with it disagree (a config swapped in with
+    `eqx.tree_at`, or a stage's setting changed alone): the layer would silently
+    compute with the stage's. Static, so checked whenever a call is traced, which
+    any change of them forces. Which optional arrays a stage has (a selection bias,
+    a shared gate, an output bias) is the stage's own: it computes with them
+    whatever the config says. A router of the user's own (any class but `Router`)
+    is its own authority and is not compared."""
     cfg = layer.config
     try:
         described = _described(type(layer), cfg)
@@ -142,13 +133,6 @@ def check_settings(layer) -> None:
         if name == "router" and type(have) is not Router:
             continue
         found += _disagreements(name, have, getattr(described, name))
-    for name in ("output_bias", "output_norm"):
-        have, want = getattr(layer, name), getattr(described, name)
-        if (have is None) != (want is None):
-            found.append(
-                f"`{name}` is {'absent' if have is None else 'present'}, the config "
-                f"describes {'none' if want is None else 'one'}"
-            )
     if found:
         raise ValueError(
             "The layer's stages disagree with `layer.config`: "

@@ -166,10 +166,11 @@ def _with_static(stage, **settings):
 
 
 def test_every_setting_changed_in_one_place_is_refused_or_used(getkey):
-    """Each model setting changed at one place only (the config swapped in with
-    `eqx.tree_at`, or a stage's own setting) is a clear error naming it, never the
-    same output computed from the other copy; a setting held only by the config
-    (`routed_scaling_factor`, the output norm's epsilon) changes the output."""
+    """Each static model setting changed at one place only (the config swapped in
+    with `eqx.tree_at`, or a stage's own setting) is a clear error naming it, never
+    the same output computed from the other copy; a setting held only by the config
+    (`routed_scaling_factor`, the output norm's epsilon) changes the output, and so
+    does an optional array set on a layer whose config has none (the stage's own)."""
     cfg = me.MoEConfig(
         d_model=16,
         d_ff=8,
@@ -191,14 +192,10 @@ def test_every_setting_changed_in_one_place_is_refused_or_used(getkey):
         "router.norm_topk": config(norm_topk=False),
         "router.score": config(score_func="sigmoid"),
         "router.num_groups": config(num_groups=2, top_groups=1),
-        "router.bias": config(use_router_bias=True),
         "router.selection": config(selection=me.Selection(group_top=1)),
         "router.weighting": config(weighting=me.Weighting(floor=1e-6)),
         "experts.activation": config(activation="geglu"),
         "shared_experts.scale": config(shared=me.SharedCombination(scale=0.5)),
-        "shared_experts.gate": config(shared_gate=True),
-        "output_bias": config(output=me.OutputTransform(bias=True, norm_eps=1e-6)),
-        "output_norm": config(output=me.OutputTransform()),
         "experts.activation is GeGLU": eqx.tree_at(
             lambda l: l.experts,
             layer,
@@ -217,6 +214,12 @@ def test_every_setting_changed_in_one_place_is_refused_or_used(getkey):
         with pytest.raises(ValueError, match=re.escape(f"`{name.split()[0]}")):
             bad(x)
     used = {
+        "router.bias": eqx.tree_at(
+            lambda l: l.router.bias,
+            layer,
+            jnp.arange(8.0),
+            is_leaf=lambda a: a is None,
+        ),
         "routed_scaling_factor": config(routed_scaling_factor=2.0),
         "output.norm_eps": config(output=me.OutputTransform(norm_eps=0.5)),
     }
