@@ -42,14 +42,15 @@ Tiles = tuple[int, int, int]
 # `[M, K]^T x [M, N]` (K, N). The row tile is used where it divides the rows.
 TUNED: dict[tuple[str, int, int], Tiles] = {
     # Qwen3-30B-A3B-like experts (d_model 2048, d_ff 768), 65536 rows. The two
-    # derivative products (which `PallasTPUGMM` takes from here) on Zipf(1.0)-skewed
-    # groups, as routing is; the forward on balanced groups.
-    ("gmm", 2048, 1536): (512, 2048, 768),  # 3.52 ms balanced (the default's 4.40)
-    ("gmm_t", 1536, 2048): (256, 1536, 1024),  # 5.11 ms skewed (5.76 at rows 512)
-    ("tgmm", 2048, 1536): (256, 2048, 512),  # 6.36 ms skewed, 5.41 balanced
-    ("gmm", 768, 2048): (256, 768, 2048),  # 3.27 ms balanced (3.40)
-    ("gmm_t", 2048, 768): (128, 2048, 768),  # 2.62 ms skewed (2.98 at rows 512)
-    ("tgmm", 768, 2048): (512, 768, 1024),  # 3.63 ms skewed, 2.69 balanced
+    # derivative products (which `PallasTPUGMM` takes from here) tuned on
+    # Zipf-skewed groups, as routing is; the forward on balanced groups. Their times
+    # are in docs/measured.md ("TPU").
+    ("gmm", 2048, 1536): (512, 2048, 768),
+    ("gmm_t", 1536, 2048): (256, 1536, 1024),
+    ("tgmm", 2048, 1536): (256, 2048, 512),
+    ("gmm", 768, 2048): (256, 768, 2048),
+    ("gmm_t", 2048, 768): (128, 2048, 768),
+    ("tgmm", 768, 2048): (512, 768, 1024),
 }
 
 
@@ -67,8 +68,8 @@ def _fit(size: int, cap: int) -> int:
 def default_tiles(
     kind: str, contraction: int, out_cols: int, itemsize: int = 2
 ) -> Tiles:
-    """Tiles for a shape missing from `TUNED` (each compiled within the default 16 MiB
-    of scoped VMEM at the measured shapes): rows 256; contraction up to 2048 and
+    """Tiles for a shape missing from `TUNED` (each compiled within the default scoped
+    VMEM at the measured shapes): rows 256; contraction up to 2048 and
     output columns up to 1024 (`tgmm`, whose float32 output tile is double-buffered:
     512) at bfloat16, half of each at float32."""
     wide = 2 if itemsize >= 4 else 1

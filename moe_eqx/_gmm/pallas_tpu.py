@@ -300,7 +300,7 @@ class _TrainingProducts(AbstractProducts):
     """Many rows (training, prefill): each product by the faster of the two kernels
     measured on a v5e (`benchmarks/tpu_gmm.py`): `gmm` by `lax.ragged_dot` (written
     in `a.dtype` from its float32 accumulator), `gmm_t` and `tgmm` by megablox
-    (`lax.ragged_dot_general`'s were 1.5-2.4x slower), its `tgmm` written in the
+    (`lax.ragged_dot_general`'s were slower: docs/measured.md, "TPU"), its `tgmm` written in the
     weights' dtype."""
 
     interpret: bool = eqx.field(static=True)
