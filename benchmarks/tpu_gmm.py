@@ -33,7 +33,7 @@ import jax.random as jr
 import numpy as np
 
 from moe_eqx._gmm import megablox as mbx
-from moe_eqx._gmm.ragged_dot import _RaggedDotProducts
+from moe_eqx._gmm.ragged_dot import _GMM_T, _TGMM, _RaggedDotProducts
 
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
@@ -111,18 +111,8 @@ def products(k, n, groups, rows, tokamax):
         "megablox-maxtext": raw_mb((512, 1024, 1024)),
     }
     if tokamax is not None:
-        from jax import lax
-
-        gmm_t_dims = lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(([1], [2]), ([], [])),
-            lhs_ragged_dimensions=[0],
-            rhs_group_dimensions=[0],
-        )
-        tgmm_dims = lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(([0], [0]), ([], [])),
-            lhs_ragged_dimensions=[0],
-            rhs_group_dimensions=[],
-        )
+        # The same dimension numbers as `me.RaggedDotGMM`'s two derivative products.
+        gmm_t_dims, tgmm_dims = _GMM_T, _TGMM
         impl = "mosaic"
         out["tokamax"] = {
             "gmm": lambda a, b, s: tokamax.ragged_dot(a, b, s, implementation=impl),
