@@ -25,6 +25,13 @@
 # Wheels in .whl-tpu/ (equinox, jaxtyping, beartype, pytest, ...) are installed into
 # /tmp/site first when present, and .whl-tpu/peers/ (tokamax and its dependencies)
 # into /tmp/peers for the gmm section; the machine's own JAX stays first on the path.
+# The peers' wheels, fetched once where a package index is reachable:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl-tpu/peers \
+#     tokamax==0.0.12 qwix flax absl-py einshape pydantic pydantic-core \
+#     annotated-types typing-inspection immutabledict tensorboardx typeguard==2.13.3 \
+#     tqdm etils optax opt-einsum msgpack treescope rich markdown-it-py mdurl \
+#     pygments protobuf pyyaml filelock
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
