@@ -152,6 +152,18 @@ def biased_two_products(product, x, w_gate_up, w_down, group_sizes, activation):
     return biased(act, w_down)
 
 
+def zero_past_groups(
+    out: Float[Array, "rows n_dim"], group_sizes: Int[Array, " groups"]
+) -> Float[Array, "rows n_dim"]:
+    """`out` with its rows past `sum(group_sizes)` zero, as every backend's contract
+    says: on a TPU `lax.ragged_dot` and the megablox kernels leave them unwritten
+    (NaN was seen there)."""
+    real = jnp.arange(out.shape[0], dtype=jnp.int32) < jnp.sum(
+        group_sizes, dtype=jnp.int32
+    )
+    return jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
+
+
 def group_ids(group_sizes: Int[Array, " groups"], num_rows: int) -> Int[Array, " rows"]:
     """Group of each row; `len(group_sizes)` for rows past `sum(group_sizes)`.
 

@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from .._quant import as_float
 from .._rules import match_varying
-from ._base import AbstractGMMBackend
+from ._base import AbstractGMMBackend, zero_past_groups
 from ._products import AbstractProducts, gmm
 
 # The kernels' module (the package's own `gmm` attribute is the differentiable op).
@@ -93,12 +93,6 @@ def _padded(a: Array, rows: int) -> Array:
     return a if not extra else jnp.pad(a, ((0, extra), (0, 0)))
 
 
-def _zero_past(out: Array, group_sizes: Array, num_rows: int) -> Array:
-    # The kernel leaves rows past the last group unwritten.
-    real = jnp.arange(num_rows, dtype=jnp.int32) < jnp.sum(group_sizes, dtype=jnp.int32)
-    return jnp.where(real[:, None], out[:num_rows], 0).astype(out.dtype)
-
-
 @contextlib.contextmanager
 def _kernel_context(dtype):
     """The settings the kernels are traced under, whatever the user's: standard
@@ -137,7 +131,8 @@ class _MegabloxProducts(AbstractProducts):
                 transpose_rhs=transpose,
                 interpret=self.interpret,
             )
-        return _zero_past(out, group_sizes, a.shape[0])
+        # The kernel leaves rows past the last group unwritten.
+        return zero_past_groups(out[: a.shape[0]], group_sizes)
 
     def gmm(self, a, b, group_sizes):
         return self._gmm(a, b, group_sizes, transpose=False)
@@ -195,4 +190,4 @@ class MegabloxGMM(AbstractGMMBackend):
         with jax.named_scope("moe_eqx.gmm.megablox"):
             lhs, rhs, sizes = match_varying(lhs, rhs, group_sizes.astype(jnp.int32))
             products = _MegabloxProducts(self.tiles, self.interpret)
-            return gmm(products, lhs, rhs.astype(lhs.dtype), sizes)
+            return gmm(products, lhs, rhs, sizes)

@@ -16,7 +16,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from .._rules import acc_dtype
-from ._base import AbstractGMMBackend
+from ._base import AbstractGMMBackend, zero_past_groups
 from ._products import AbstractProducts, gmm
 
 # `a_i @ b[g]^T` (`a`'s columns against `b`'s last axis), and `a_g^T d_g` (the ragged
@@ -61,11 +61,11 @@ class _RaggedDotProducts(AbstractProducts):
 
     def gmm(self, a, b, group_sizes):
         out = _ragged(a, b, group_sizes, out=_rounded(a.dtype))
-        return _zero_past(out, group_sizes).astype(a.dtype)
+        return zero_past_groups(out, group_sizes).astype(a.dtype)
 
     def gmm_t(self, a, b, group_sizes):
         out = _ragged(a, b, group_sizes, _GMM_T, _rounded(a.dtype))
-        return _zero_past(out, group_sizes).astype(a.dtype)
+        return zero_past_groups(out, group_sizes).astype(a.dtype)
 
     def tgmm(self, a, d, group_sizes):
         return _ragged(a, d, group_sizes, _TGMM)
@@ -76,15 +76,6 @@ class _RaggedDotProducts(AbstractProducts):
         if want[1]:
             d_b = _ragged(a, d_out, group_sizes, _TGMM, _rounded(b.dtype))
         return d_a, d_b
-
-
-def _zero_past(out, group_sizes):
-    """`out` with its rows past `sum(group_sizes)` zero: on a TPU `ragged_dot` leaves
-    them unwritten (NaN was seen there), where the contract says zero."""
-    real = jnp.arange(out.shape[0], dtype=jnp.int32) < jnp.sum(
-        group_sizes, dtype=jnp.int32
-    )
-    return jnp.where(real[:, None], out, jnp.zeros((), out.dtype))
 
 
 def _rounded(dtype):
