@@ -62,10 +62,6 @@ WORKLOADS = (
 """The workload names [`sample_workload`][] takes."""
 
 
-def _check_positive(name: str, value: object) -> None:
-    check_int(value, name)
-
-
 def _rank_to_expert(
     num_experts: int, hot: str, num_shards: int | None, seed: int
 ) -> Int[np.ndarray, " experts"]:
@@ -77,7 +73,7 @@ def _rank_to_expert(
     if hot == "spread":
         if num_shards is None:
             raise ValueError("`num_shards` is required for hot='spread'.")
-        _check_positive("num_shards", num_shards)
+        check_int(num_shards, "num_shards")
         if num_experts % num_shards != 0:
             raise ValueError(
                 f"`num_experts` ({num_experts}) must be divisible by `num_shards` "
@@ -106,7 +102,7 @@ def uniform_probs(num_experts: int) -> Float[np.ndarray, " experts"]:
 
     `[E]` float64 probabilities.
     """
-    _check_positive("num_experts", num_experts)
+    check_int(num_experts, "num_experts")
     return np.full((num_experts,), 1.0 / num_experts)
 
 
@@ -135,7 +131,7 @@ def zipf_probs(
 
     `[E]` float64 probabilities.
     """
-    _check_positive("num_experts", num_experts)
+    check_int(num_experts, "num_experts")
     if not (math.isfinite(s) and s >= 0):
         raise ValueError(f"`s` must be a finite number >= 0, got {s!r}.")
     by_rank = _normalise(np.arange(1, num_experts + 1, dtype=np.float64) ** -s)
@@ -159,7 +155,7 @@ def lognormal_probs(
 
     `[E]` float64 probabilities.
     """
-    _check_positive("num_experts", num_experts)
+    check_int(num_experts, "num_experts")
     if not (math.isfinite(sigma) and sigma >= 0):
         raise ValueError(f"`sigma` must be a finite number >= 0, got {sigma!r}.")
     rng = np.random.default_rng(seed)
@@ -192,8 +188,8 @@ def rotating_hotspot_probs(
 
     `[E]` float64 probabilities.
     """
-    _check_positive("num_experts", num_experts)
-    _check_positive("num_hot", num_hot)
+    check_int(num_experts, "num_experts")
+    check_int(num_hot, "num_hot")
     if num_hot > num_experts:
         raise ValueError(f"`num_hot` ({num_hot}) must not exceed `num_experts`.")
     if not (math.isfinite(hot_factor) and hot_factor > 0):
@@ -272,7 +268,7 @@ def sample_choices(
         ("tokens", tokens),
         ("top_k", top_k),
     ):
-        _check_positive(name, value)
+        check_int(value, name)
     probs = np.asarray(probs, dtype=np.float64)
     if probs.ndim == 1:
         probs = np.broadcast_to(probs, (num_shards, probs.shape[0]))
@@ -318,7 +314,7 @@ def adversarial_choices(
         ("num_experts", num_experts),
         ("top_k", top_k),
     ):
-        _check_positive(name, value)
+        check_int(value, name)
     if top_k > num_experts:
         raise ValueError(f"`top_k` ({top_k}) must not exceed `num_experts`.")
     row = np.arange(top_k, dtype=np.int32)
@@ -343,8 +339,8 @@ def one_shard_choices(
 
     `[R, T, k]` int32 expert ids.
     """
-    _check_positive("num_experts", num_experts)
-    _check_positive("num_shards", num_shards)
+    check_int(num_experts, "num_experts")
+    check_int(num_shards, "num_shards")
     if num_experts % num_shards != 0:
         raise ValueError(
             f"`num_experts` ({num_experts}) must be divisible by `num_shards` "
@@ -483,7 +479,7 @@ def forcing_bias(
 
     `[E]` float32 bias.
     """
-    _check_positive("num_experts", num_experts)
+    check_int(num_experts, "num_experts")
     chosen = np.asarray(chosen)
     mask = np.zeros((num_experts,), dtype=bool)
     if chosen.dtype == bool:
