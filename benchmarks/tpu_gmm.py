@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+from _common import interleaved_min
 
 from moe_eqx._gmm import megablox as mbx
 from moe_eqx._gmm.ragged_dot import _GMM_T, _TGMM, _RaggedDotProducts
@@ -59,16 +60,11 @@ def sizes_of(rows: int, groups: int, skew: str) -> np.ndarray:
 
 
 def timed(fn, *args, repeats=10):
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
+    """Min seconds of `fn(*args)` after one untimed call."""
+    return interleaved_min({"fn": (fn, args)}, repeats)["fn"]
 
 
-def products(k, n, groups, rows, tokamax):
+def products(tokamax):
     """name -> {kind: fn(a, b_or_d, sizes)} for the candidates."""
     rd = _RaggedDotProducts()
     me_mb = mbx._MegabloxProducts(None, INTERPRET)
@@ -266,7 +262,7 @@ def main():
                     tflops=flops / dense / 1e12,
                 )
             )
-            for name, prods in products(k, n, groups, rows, tokamax).items():
+            for name, prods in products(tokamax).items():
                 for kind, fn in prods.items():
                     x, y = operands(kind, rows, k, n, groups, jr.key(2))
                     try:
