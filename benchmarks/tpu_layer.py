@@ -245,7 +245,7 @@ def main():
                 f"layer ({b})",
                 fn,
                 params,
-                args.profile and b in ("megablox", "free gmm"),
+                args.profile and b in ("auto", "free gmm"),
             )
         for b in args.minimal.split(","):
             if not b:
