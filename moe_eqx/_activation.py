@@ -258,15 +258,6 @@ def apply_activation(activation: AbstractActivation, h: Array) -> Array:
     return out.astype(jnp.float32)
 
 
-def activate(activation: AbstractActivation, h: Array, dtype) -> Array:
-    """`apply_activation(activation, h)` rounded to `dtype` (the hidden units the
-    down projection takes), under `jax.checkpoint`: only `h` is kept for the
-    backward, which recomputes the float32 intermediates from it in the same pass
-    that forms `h`'s cotangent, instead of keeping a float32 copy of
-    `[rows, 2 d_ff]` alive between the forward and the backward."""
-    return jax.checkpoint(lambda a: apply_activation(activation, a).astype(dtype))(h)
-
-
 # The names `MoEConfig(activation=...)` takes as shorthands.
 ACTIVATIONS: dict[str, AbstractActivation] = {
     "swiglu": SwiGLU(),

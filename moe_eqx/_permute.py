@@ -79,37 +79,16 @@ def _sum_rows(values, weight, order, inverse, num_rows):
     """`y[r] = sum_j weight[q] values[q]`, `q = inverse[r * per_row + j]`, in float32."""
     per_row = _per_row(inverse, num_rows)
     full = order.shape[0] == inverse.shape[0]
-    if per_row == 1:
-        return _sum_by_gathers(values, weight, inverse, num_rows, full)
-    return jax.lax.platform_dependent(
-        tpu=lambda: _sum_by_one_gather(values, weight, inverse, num_rows, full),
-        default=lambda: _sum_by_gathers(values, weight, inverse, num_rows, full),
-    )
-
-
-def _sum_by_gathers(values, weight, inverse, num_rows, full):
-    # One gather per `j`, summed elementwise: XLA:CPU fuses them into one loop with
-    # no intermediate `[rows, per_row, d]` array.
-    inv = inverse.reshape(num_rows, -1)
+    inv = inverse.reshape(num_rows, per_row)
     total = None
-    for j in range(inv.shape[1]):
+    # One gather per `j`, summed elementwise: XLA fuses them into one loop with no
+    # intermediate `[rows, per_row, d]` array.
+    for j in range(per_row):
         term = _take(values, inv[:, j], full).astype(jnp.float32)
         if weight is not None:
             term = term * _take(weight, inv[:, j], full).astype(jnp.float32)[:, None]
         total = term if total is None else total + term
     return total
-
-
-def _sum_by_one_gather(values, weight, inverse, num_rows, full):
-    # On a TPU a gather costs about a read of its whole operand, whatever the rows
-    # it takes: one gather of every pair, then the sum over `j`, reads the pairs
-    # once instead of `per_row` times (docs/measured.md, "TPU").
-    rows = _take(values, inverse, full).astype(jnp.float32)
-    rows = rows.reshape(num_rows, -1, *values.shape[1:])
-    if weight is not None:
-        w = _take(weight, inverse, full).astype(jnp.float32)
-        rows = rows * w.reshape(num_rows, -1, *(1,) * (values.ndim - 1))
-    return jnp.sum(rows, axis=1)
 
 
 def sum_rows(

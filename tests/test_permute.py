@@ -27,15 +27,6 @@ def _plain_unpermute(values, weight, order, per_row, num_rows):
     return out.at[order // per_row].add(contrib).astype(values.dtype)
 
 
-@pytest.fixture(params=["default", "tpu"])
-def branch(request, monkeypatch):
-    """Which of `_permute`'s sums runs: the per-row gathers (every platform but the
-    TPU) or the TPU's single gather, forced here on the CPU."""
-    if request.param == "tpu":
-        monkeypatch.setattr(jax.lax, "platform_dependent", lambda **kw: kw["tpu"]())
-    return request.param
-
-
 def _vjp(fn, primals, cotangent):
     out, vjp = jax.vjp(fn, *primals)
     return out, vjp(cotangent)
@@ -61,7 +52,7 @@ def test_inverse_permutation():
 
 @pytest.mark.parametrize("rows,per_row,kept", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_permute_rows_matches_gather(getkey, rows, per_row, kept, dtype, branch):
+def test_permute_rows_matches_gather(getkey, rows, per_row, kept, dtype):
     order, inverse = _sorted_pairs(getkey(), rows, per_row, 4, kept)
     x = jr.normal(getkey(), (rows, 5)).astype(dtype)
     ct = jr.normal(getkey(), (kept, 5)).astype(dtype)
@@ -79,7 +70,7 @@ def test_permute_rows_matches_gather(getkey, rows, per_row, kept, dtype, branch)
         assert np.all(np.asarray(dx, np.float32)[~sent] == 0)
 
 
-def test_permute_rows_trailing_shape_and_scalars(getkey, branch):
+def test_permute_rows_trailing_shape_and_scalars(getkey):
     order, inverse = _sorted_pairs(getkey(), 10, 2, 3, 20)
     w = jr.uniform(getkey(), (20,))
     ct = jr.normal(getkey(), (20,))
@@ -97,7 +88,7 @@ def test_permute_rows_trailing_shape_and_scalars(getkey, branch):
 
 @pytest.mark.parametrize("rows,per_row,kept", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_unpermute_sum_matches_scatter_add(getkey, rows, per_row, kept, dtype, branch):
+def test_unpermute_sum_matches_scatter_add(getkey, rows, per_row, kept, dtype):
     order, inverse = _sorted_pairs(getkey(), rows, per_row, 4, kept)
     values = jr.normal(getkey(), (kept, 6)).astype(dtype)
     weight = jr.uniform(getkey(), (kept,))
@@ -122,7 +113,7 @@ def test_unpermute_sum_matches_scatter_add(getkey, rows, per_row, kept, dtype, b
     assert np.all(np.asarray(dv, np.float32)[kept // 2] == 0)
 
 
-def test_unpermute_sum_against_numpy(getkey, branch):
+def test_unpermute_sum_against_numpy(getkey):
     rows, per_row = 7, 3
     order, inverse = _sorted_pairs(getkey(), rows, per_row, 3, 15)
     values = np.asarray(jr.normal(getkey(), (15, 4)))
