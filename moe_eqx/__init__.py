@@ -63,7 +63,12 @@ from ._qexperts import (
     dequantize_experts as dequantize_experts,
     quantize_experts as quantize_experts,
 )
-from ._quant import QuantizedArray as QuantizedArray
+from ._qformats import INT8 as _INT8  # noqa: F401 (registers the built-in formats)
+from ._quant import (
+    AbstractQuantFormat as AbstractQuantFormat,
+    QuantizedArray as QuantizedArray,
+    register_quant_format as register_quant_format,
+)
 from ._rebalance import rebalance as rebalance, rebalance_experts as rebalance_experts
 from ._router import (
     AbstractRouter as AbstractRouter,

@@ -165,9 +165,8 @@ def check_quantized_tensor_split(cfg: MoEConfig, experts, tensor: int) -> None:
         w = getattr(experts, name)
         if not isinstance(w, QuantizedArray):
             continue
-        block = {"float8_e4m3fn": 128, "mxfp4": 32 if name == "w_down" else 1}.get(
-            w.fmt, 1
-        )
+        # `d_ff` is `w_down`'s contracting axis and `w_gate_up`'s output axis.
+        block = w.format.block("k" if name == "w_down" else "n")
         if per_device % block:
             raise ValueError(
                 f"`config.tensor_axis` {cfg.tensor_axis!r} splits `d_ff` "

@@ -3,14 +3,14 @@
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._quant import QUANT_FORMATS, QuantizedArray, quantize
+from ._quant import AbstractQuantFormat, QuantizedArray, quant_format, quantize
 
 
 def _expert_weights(layer):
     return lambda m: (m.experts.w_gate_up, m.experts.w_down)
 
 
-def quantize_experts(layer, fmt: str):
+def quantize_experts(layer, fmt: str | AbstractQuantFormat):
     """`layer` with its routed experts' weights `w_gate_up` and `w_down` stored as
     [`moe_eqx.QuantizedArray`][]s in `fmt` (see `moe_eqx.internal.quantize`). The
     router, the experts' biases and the shared experts stay as they are.
@@ -25,16 +25,14 @@ def quantize_experts(layer, fmt: str):
         ones are a `ValueError`).
     - `fmt`: `"float8_e4m3fn"` (128 x 128 block scales), `"mxfp4"` (blocks of 32
         along the contracting axis, E8M0 scales; `d_model` and `d_ff` multiples of
-        32) or `"int8"` (a scale per output channel).
+        32), `"int8"` (a scale per output channel), or the name or instance of a
+        format of your own ([`moe_eqx.AbstractQuantFormat`][]).
 
     **Returns:**
 
     The layer with quantized experts, which dequantize to the weights' dtype.
     """
-    if fmt not in QUANT_FORMATS:
-        raise ValueError(
-            f"Unknown quantized format `fmt` {fmt!r}; expected one of {QUANT_FORMATS}."
-        )
+    fmt = quant_format(fmt)
     weights = _expert_weights(layer)(layer)
     if any(isinstance(w, QuantizedArray) for w in weights):
         raise ValueError(

@@ -4,7 +4,9 @@ with an E8M0 exponent per 32 values). Pure functions of NumPy or JAX arrays (eac
 computes with the namespace of its input), so that a weight kept quantized in memory
 can be dequantized by the same rule as one dequantized on load."""
 
+import abc
 import dataclasses
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -166,17 +168,135 @@ def dequantize_mxfp4(
 # ---------------------------------------------------------------------------------
 # Weights kept quantized in memory.
 
-QUANT_FORMATS = ("float8_e4m3fn", "mxfp4", "int8")
-# Each format's stored dtypes: (values, scales).
-_STORED = {
-    "float8_e4m3fn": (np.dtype(np.uint8), np.dtype(np.uint32)),
-    "mxfp4": (np.dtype(np.uint8), np.dtype(np.uint8)),
-    "int8": (np.dtype(np.int8), np.dtype(np.uint32)),
-}
+
+class AbstractQuantFormat(eqx.Module):
+    """How a [`moe_eqx.QuantizedArray`][] stores a weight `[..., K, N]` (`[in, out]`
+    per expert): the dtypes and shapes of its `values` and `scales`, and the rules
+    that quantize a float weight into them and dequantize it back. Every format
+    is one of these, registered under its `name` ([`moe_eqx.register_quant_format`][]);
+    the built-in ones are `"int8"`, `"float8_e4m3fn"` and `"mxfp4"`.
+
+    Subclass it with the class attributes `name`, `values_dtype` and
+    `scales_dtype`, and the methods `scales_shape`, `dequantize` and `quantize`
+    (`shape` and `block` have defaults for values stored `[..., K, N]`). A weight in
+    a format of your own runs on every backend and path: a backend dequantizes it
+    as it loads it (the TPU decode kernel and the GPU kernels read the built-in
+    formats in place). For example, 4-bit integers per output channel stored one
+    per byte:
+
+    ```python
+    class Int4(me.AbstractQuantFormat):
+        name = "int4"
+        values_dtype = np.dtype(np.int8)
+        scales_dtype = np.dtype(np.float32)
+
+        def scales_shape(self, values_shape, parts):
+            return (*values_shape[:-2], 1, values_shape[-1])
+
+        def dequantize(self, values, scales, dtype, parts):
+            return (values.astype(jnp.float32) * scales).astype(dtype)
+
+        def quantize(self, w):
+            amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)
+            scale = jnp.where(amax > 0, amax / 7, 1.0)
+            return jnp.clip(jnp.round(w / scale), -7, 7).astype(jnp.int8), scale
+
+    me.register_quant_format(Int4())
+    ```
+
+    (A float `scales` is then a float leaf: `eqx.filter_grad` differentiates it.
+    The built-in formats store float32 scales as their `uint32` bits so that a
+    quantized weight is a constant for autodiff.)
+    """
+
+    name: eqx.AbstractClassVar[str]
+    values_dtype: eqx.AbstractClassVar[np.dtype]
+    scales_dtype: eqx.AbstractClassVar[np.dtype]
+    # Whether the columns may be stored as `parts` equal parts, each blocked alone.
+    has_parts: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def scales_shape(
+        self, values_shape: tuple[int, ...], parts: int
+    ) -> tuple[int, ...]:
+        """The shape `scales` must have for `values` of `values_shape`; a
+        `ValueError` naming the layout when the format cannot store such values."""
+
+    def shape(self, values_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The logical (dequantized) shape `[..., K, N]` of `values` of this shape
+        (default: the same, for values stored `[..., K, N]`)."""
+        return tuple(values_shape)
+
+    @abc.abstractmethod
+    def dequantize(self, values: Array, scales: Array, dtype, parts: int) -> Array:
+        """The weight `[..., K, N]` as floats in `dtype` (computed in float32 and
+        rounded once)."""
+
+    @abc.abstractmethod
+    def quantize(self, w: Float[Array, "*experts k n"]) -> tuple[Array, Array]:
+        """`(values, scales)` of the float32 weight `w`."""
+
+    def block(self, axis: str) -> int:
+        """The width of the scale blocks along `axis` (`"k"` or `"n"`): a split of
+        that axis over devices must keep whole blocks (default 1: any split)."""
+        return 1
+
+
+_FORMATS: dict[str, AbstractQuantFormat] = {}
+
+
+def register_quant_format(fmt: AbstractQuantFormat) -> AbstractQuantFormat:
+    """Makes `fmt` available by its name to [`moe_eqx.QuantizedArray`][],
+    [`moe_eqx.quantize_experts`][] and `moe_eqx.internal.quantize`. Registering
+    another object under a name already taken is a `ValueError` (the same object
+    again is not).
+
+    **Arguments:**
+
+    - `fmt`: an instance of a subclass of [`moe_eqx.AbstractQuantFormat`][].
+
+    **Returns:**
+
+    `fmt`.
+    """
+    if not isinstance(fmt, AbstractQuantFormat):
+        raise TypeError(
+            f"`register_quant_format` takes an `AbstractQuantFormat` instance, got "
+            f"{type(fmt).__name__}."
+        )
+    name = fmt.name
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"A format's `name` must be a non-empty str, got {name!r}.")
+    taken = _FORMATS.get(name)
+    if taken is not None and taken != fmt:
+        raise ValueError(
+            f"The quantized format name {name!r} is taken by {type(taken).__name__}."
+        )
+    _FORMATS[name] = fmt
+    return fmt
+
+
+def quant_formats() -> tuple[str, ...]:
+    """The names of the registered quantized formats."""
+    return tuple(_FORMATS)
+
+
+def quant_format(fmt: "str | AbstractQuantFormat") -> AbstractQuantFormat:
+    """The registered format named `fmt` (or `fmt` itself, registered); an unknown
+    name is a `ValueError` listing the known ones."""
+    if isinstance(fmt, AbstractQuantFormat):
+        return register_quant_format(fmt)
+    found = _FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if found is None:
+        raise ValueError(
+            f"Unknown quantized format `fmt` {fmt!r}; expected one of "
+            f"{quant_formats()} (or a format of your own, `me.register_quant_format`)."
+        )
+    return found
+
+
 # FP8 blocks of DeepSeek-V3's published checkpoints: rows x columns of `[in, out]`.
 FP8_BLOCK = (128, 128)
-_FP8_MAX = 448.0
-_INT8_MAX = 127.0
 
 
 def _bits(a: Array, dtype) -> Array:
@@ -189,16 +309,11 @@ class QuantizedArray(eqx.Module):
     it as a constant. Its leading axes (the experts) index, slice, shard and move
     like a float array's; the backends dequantize what they load.
 
-    Formats (`fmt`):
-
-    - `"float8_e4m3fn"`: `values` `uint8` `[..., K, N]`, the FP8 E4M3 bit patterns;
-        `scales` `uint32` `[..., ceil(K / 128), ceil(N / 128)]`, the bits of one
-        float32 scale per 128 x 128 block (DeepSeek-V3's `weight_scale_inv`).
-    - `"mxfp4"`: `values` `uint8` `[..., N, K / 32, 16]`, two FP4 E2M1 codes per byte
-        (gpt-oss's `*_blocks`, blocks of 32 along the contracting axis `K`);
-        `scales` `uint8` `[..., N, K / 32]`, E8M0 exponents.
-    - `"int8"`: `values` `int8` `[..., K, N]`; `scales` `uint32` `[..., 1, N]`, the
-        bits of one float32 scale per output channel.
+    `fmt` names its [`moe_eqx.AbstractQuantFormat`][], which says how `values` and
+    `scales` hold the weight: the built-in `"float8_e4m3fn"` (128 x 128 blocks,
+    DeepSeek-V3's), `"mxfp4"` (values `[..., N, K / 32, 16]`, gpt-oss's) and
+    `"int8"` (a scale per output channel), or one of your own
+    ([`moe_eqx.register_quant_format`][]).
 
     The float32 scales are stored as their bits (`uint32`) so that no leaf is a
     float array: `eqx.filter_grad` and optimizers skip the whole weight.
@@ -206,10 +321,10 @@ class QuantizedArray(eqx.Module):
     **Fields:**
 
     - `values`, `scales`: as above.
-    - `fmt`: one of `"float8_e4m3fn"`, `"mxfp4"`, `"int8"` (static).
+    - `fmt`: the name of a registered format (static).
     - `dtype`: the dtype `dequantize` returns by default (static).
-    - `parts`: FP8 only: the columns are this many equal parts, each blocked from
-        its own first column (a gate and an up projection stored apart and put side
+    - `parts`: formats with `has_parts` (FP8) only: the columns are this many
+        equal parts, each blocked from its own first column (a gate and an up projection stored apart and put side
         by side, whose width the block need not divide).
     """
 
@@ -220,13 +335,11 @@ class QuantizedArray(eqx.Module):
     parts: int = eqx.field(static=True, default=1)
 
     def __check_init__(self):
-        if self.fmt not in QUANT_FORMATS:
+        fmt = quant_format(self.fmt)
+        if self.parts != 1 and not fmt.has_parts:
             raise ValueError(
-                f"Unknown quantized format `fmt` {self.fmt!r}; expected one of "
-                f"{QUANT_FORMATS}."
+                f"`parts` applies to formats stored in parts only, not {self.fmt!r}."
             )
-        if self.parts != 1 and self.fmt != "float8_e4m3fn":
-            raise ValueError("`parts` applies to the 'float8_e4m3fn' format only.")
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise ValueError(
                 f"`QuantizedArray.dtype` must be a floating-point dtype, got "
@@ -234,15 +347,17 @@ class QuantizedArray(eqx.Module):
             )
         if not (hasattr(self.values, "shape") and hasattr(self.scales, "shape")):
             return  # a tree of other leaves (specs, tangents): not an array's
-        want_values, want_scales = _STORED[self.fmt]
-        for name, want in (("values", want_values), ("scales", want_scales)):
+        for name, want in (
+            ("values", np.dtype(fmt.values_dtype)),
+            ("scales", np.dtype(fmt.scales_dtype)),
+        ):
             got = getattr(self, name).dtype
             if got != want:
                 raise ValueError(
                     f"`QuantizedArray.{name}` of format {self.fmt!r} must be {want}, "
                     f"got {got}."
                 )
-        expected = self._scales_shape()
+        expected = tuple(fmt.scales_shape(tuple(self.values.shape), self.parts))
         if tuple(self.scales.shape) != expected:
             raise ValueError(
                 f"`QuantizedArray.scales` of format {self.fmt!r} must have shape "
@@ -250,39 +365,15 @@ class QuantizedArray(eqx.Module):
                 f"{tuple(self.scales.shape)}."
             )
 
-    def _scales_shape(self) -> tuple[int, ...]:
-        """The shape `scales` must have for these `values` (see the formats above)."""
-        v = tuple(self.values.shape)
-        minimum = 3 if self.fmt == "mxfp4" else 2
-        if len(v) < minimum or (self.fmt == "mxfp4" and v[-1] != MXFP4_BLOCK // 2):
-            raise ValueError(
-                f"`QuantizedArray.values` of format {self.fmt!r} must be "
-                + (
-                    f"`[..., N, K / 32, {MXFP4_BLOCK // 2}]`"
-                    if self.fmt == "mxfp4"
-                    else "`[..., K, N]`"
-                )
-                + f", got shape {v}."
-            )
-        if self.fmt == "mxfp4":
-            return v[:-1]
-        if self.fmt == "int8":
-            return (*v[:-2], 1, v[-1])
-        k, n = v[-2:]
-        if n % self.parts:
-            raise ValueError(
-                f"`QuantizedArray.parts` ({self.parts}) must divide the {n} columns."
-            )
-        blocks = -(-(n // self.parts) // FP8_BLOCK[1]) * self.parts
-        return (*v[:-2], -(-k // FP8_BLOCK[0]), blocks)
+    @property
+    def format(self) -> AbstractQuantFormat:
+        """The [`moe_eqx.AbstractQuantFormat`][] named by `fmt`."""
+        return quant_format(self.fmt)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical (dequantized) shape `[..., K, N]`."""
-        v = self.values.shape
-        if self.fmt == "mxfp4":
-            return (*v[:-3], v[-2] * MXFP4_BLOCK, v[-3])
-        return tuple(v)
+        return tuple(self.format.shape(tuple(self.values.shape)))
 
     @property
     def ndim(self) -> int:
@@ -341,23 +432,7 @@ class QuantizedArray(eqx.Module):
         dequantization for FP8 and MXFP4).
         """
         dtype = self.dtype if dtype is None else dtype
-        if self.fmt == "float8_e4m3fn":
-            w = _bits(self.values, jnp.float8_e4m3fn)
-            scale = _bits(self.scales, jnp.float32)
-            if self.parts == 1:
-                return dequantize_fp8_blocks(w, scale, FP8_BLOCK, dtype)
-            pieces = zip(
-                jnp.split(w, self.parts, axis=-1),
-                jnp.split(scale, self.parts, axis=-1),
-                strict=True,
-            )
-            return jnp.concatenate(
-                [dequantize_fp8_blocks(v, s, FP8_BLOCK, dtype) for v, s in pieces], -1
-            )
-        if self.fmt == "mxfp4":
-            return _mxfp4_in_out(self.values, self.scales, dtype)
-        scale = _bits(self.scales, jnp.float32)
-        return (self.values.astype(jnp.float32) * scale).astype(dtype)
+        return self.format.dequantize(self.values, self.scales, dtype, self.parts)
 
 
 def _mxfp4_in_out(blocks, scales, dtype) -> Array:
@@ -417,110 +492,27 @@ def fp4_value(code: Int[Array, "*shape"]) -> Float[Array, "*shape"]:
 NORMAL_SCALE_BYTES = (2, 254)
 
 
-def quantize(w: Float[Array, "*experts k n"], fmt: str) -> QuantizedArray:
-    """Quantizes a weight `[..., K, N]` (`[in, out]`) into `fmt`.
-
-    - `"float8_e4m3fn"`: per 128 x 128 block, `scale = amax / 448` (1 for an all-zero
-        block) and `values = fp8(w / scale)`, rounded to nearest even.
-    - `"mxfp4"`: per 32 values along `K` (which it must divide), the OCP MX scale
-        `2 ** (floor(log2(amax)) - 2)` and `values` the E2M1 code nearest `w / scale`
-        (ties to an even code), saturating at 6.
-    - `"int8"`: per output column, `scale = amax / 127` (1 for a zero column) and
-        `values = round(w / scale)`.
+def quantize(
+    w: Float[Array, "*experts k n"], fmt: "str | AbstractQuantFormat"
+) -> QuantizedArray:
+    """Quantizes a weight `[..., K, N]` (`[in, out]`) into `fmt` (each format's
+    rule is on its class: `"int8"` [`moe_eqx.internal.Int8`][],
+    `"float8_e4m3fn"` [`moe_eqx.internal.FP8Blocks`][], `"mxfp4"`
+    [`moe_eqx.internal.MXFP4`][]).
 
     **Arguments:**
 
     - `w`: the float weight.
-    - `fmt`: one of `"float8_e4m3fn"`, `"mxfp4"`, `"int8"`.
+    - `fmt`: a registered format's name, or an [`moe_eqx.AbstractQuantFormat`][]
+        (registered by this call).
 
     **Returns:**
 
     A [`moe_eqx.QuantizedArray`][] that dequantizes to `w.dtype`.
     """
-    if fmt not in QUANT_FORMATS:
-        raise ValueError(
-            f"Unknown quantized format `fmt` {fmt!r}; expected one of {QUANT_FORMATS}."
-        )
-    wf = jnp.asarray(w).astype(jnp.float32)
-    if fmt == "float8_e4m3fn":
-        values, scales = _quantize_fp8(wf)
-    elif fmt == "mxfp4":
-        values, scales = _quantize_mxfp4(wf)
-    else:
-        values, scales = _quantize_int8(wf)
-    return QuantizedArray(values, scales, fmt, w.dtype)
-
-
-# Each a jitted function: one program per shape, not one per operation.
-@jax.jit
-def _quantize_int8(w):
-    amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)
-    scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
-    values = jnp.clip(jnp.round(w / scale), -_INT8_MAX, _INT8_MAX)
-    return values.astype(jnp.int8), _bits(scale, jnp.uint32)
-
-
-@jax.jit
-def _quantize_fp8(w):
-    *lead, k, n = w.shape
-    br, bc = FP8_BLOCK
-    kb, nb = -(-k // br), -(-n // bc)
-    padded = jnp.pad(w, [(0, 0)] * len(lead) + [(0, kb * br - k), (0, nb * bc - n)])
-    blocks = padded.reshape(*lead, kb, br, nb, bc)
-    amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
-    scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
-    full = jnp.repeat(jnp.repeat(scale, br, axis=-2)[..., :k, :], bc, axis=-1)
-    q = jnp.clip(w / full[..., :n], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
-    return _bits(q, jnp.uint8), _bits(scale, jnp.uint32)
-
-
-def _quantize_mxfp4(w):
-    k = w.shape[-2]
-    if k % MXFP4_BLOCK:
-        raise ValueError(
-            f"MXFP4 blocks of {MXFP4_BLOCK} run along the contracting axis, which "
-            f"has {k} values here: it must be a multiple of {MXFP4_BLOCK}."
-        )
-    return _quantize_mxfp4_jit(w)
-
-
-# Rounding a magnitude to the nearest E2M1 value, ties to the even code: the code is
-# the number of these midpoints it passes, passing `>` where the lower code is even
-# (a tie stays there) and `>=` where it is odd (a tie goes up).
-_FP4_MIDPOINTS = (
-    (0.25, False),
-    (0.75, True),
-    (1.25, False),
-    (1.75, True),
-    (2.5, False),
-    (3.5, True),
-    (5.0, False),
-)
-
-
-@jax.jit
-def _quantize_mxfp4_jit(w):
-    *lead, k, n = w.shape
-    # Blocks of 32 along K with N the minor axis throughout (on a TPU a minor axis of
-    # 32 codes or of 2 would be padded to 128 lanes); the stored layout at the end.
-    blocks = w.reshape(*lead, k // MXFP4_BLOCK, MXFP4_BLOCK, n)
-    amax = jnp.max(jnp.abs(blocks), axis=-2)  # [..., K / 32, N]
-    # floor(log2(amax)) exactly, from the float's exponent (`frexp`: amax = m 2^e,
-    # m in [0.5, 1)); E2M1's largest exponent is 2.
-    exponent = jnp.frexp(amax)[1] - 1 - 2
-    exponent = jnp.where(amax > 0, exponent, -127)
-    byte = jnp.clip(exponent + 127, 0, 254)
-    scaled = jnp.ldexp(blocks, (127 - byte)[..., None, :])
-    magnitude = jnp.abs(scaled)
-    code = sum(
-        ((magnitude >= mid) if up else (magnitude > mid)).astype(jnp.int32)
-        for mid, up in _FP4_MIDPOINTS
-    )
-    code = code + jnp.where(jnp.signbit(scaled) & (code > 0), 8, 0)
-    code = code.astype(jnp.uint8)
-    packed = code[..., 0::2, :] | (code[..., 1::2, :] << 4)  # [..., K / 32, 16, N]
-    packed = jnp.moveaxis(packed, -1, -3)  # [..., N, K / 32, 16]
-    return packed, jnp.swapaxes(byte, -1, -2).astype(jnp.uint8)
+    fmt = quant_format(fmt)
+    values, scales = fmt.quantize(jnp.asarray(w).astype(jnp.float32))
+    return QuantizedArray(values, scales, fmt.name, w.dtype)
 
 
 class QuantizedWithBias(eqx.Module):

@@ -69,7 +69,8 @@ from ._planner import (
     default_max_exports as default_max_exports,
     slot_pair_counts as slot_pair_counts,
 )
-from ._quant import quantize as quantize
+from ._qformats import MXFP4 as MXFP4, FP8Blocks as FP8Blocks, Int8 as Int8
+from ._quant import quant_formats as quant_formats, quantize as quantize
 from ._rebalance import (
     permute_experts as permute_experts,
     plan_placement as plan_placement,

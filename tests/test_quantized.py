@@ -340,7 +340,7 @@ def test_rebalance_moves_quantized_experts(layer, x):
     np.testing.assert_allclose(_forward(moved, x), _forward(q, x), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", _quant.QUANT_FORMATS)
+@pytest.mark.parametrize("fmt", _quant.quant_formats())
 def test_quantized_arrays_cannot_be_built_or_indexed_invalid(fmt):
     """A `QuantizedArray` checks its values' and scales' dtypes and the scales'
     shape against the values' (uint8 values read as int8 would dequantize to

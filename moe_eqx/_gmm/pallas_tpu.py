@@ -261,11 +261,18 @@ def decode_gmm(
     return out[:m]
 
 
+# The formats the kernel reads in place; a weight in another (a user's own) is
+# dequantized first.
+KERNEL_FORMATS = ("int8", "float8_e4m3fn", "mxfp4")
+
+
 def _in_kernel(w) -> bool:
     """Whether the kernel takes `w` as it is: a float array, or a `QuantizedArray`
-    (every format; MXFP4 with normal scale bytes only, see `PallasTPUGMM.ffn`), not
-    one with its bias folded in."""
-    return not is_quantized(w) or isinstance(w, QuantizedArray)
+    in one of `KERNEL_FORMATS` (MXFP4 with normal scale bytes only, see
+    `PallasTPUGMM.ffn`), not one with its bias folded in."""
+    if not is_quantized(w):
+        return True
+    return isinstance(w, QuantizedArray) and w.fmt in KERNEL_FORMATS
 
 
 class _DecodeProducts(AbstractProducts):
