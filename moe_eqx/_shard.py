@@ -17,7 +17,7 @@ from ._exchange import (
     AbstractExchange,
     exchange_name,
     is_allgather,
-    is_ragged,
+    slot_exchange,
 )
 from ._experts import Experts, SharedExperts, add_shared, expert_arrays
 from ._fallback import chunked_dropless, fallback_chunking
@@ -300,7 +300,7 @@ def _destinations(
             cfg.axis_name,
             max_exports=max_exports,
             backward=cfg.slot_backward,
-            exchange="ragged" if is_ragged(setup.exchange) else "dense",
+            exchange=slot_exchange(setup.exchange),
             with_home=True,
         )
     return TripInputs(

@@ -86,6 +86,48 @@ def test_layer_slot_backward_modes_match_oracle(
     assert float(stats.max_over_mean) < float(stats.max_over_mean_before) - 0.2
 
 
+class _RaggedSlotsExchange(me.DenseExchange):
+    """A user's exchange: the dense token exchange, the ragged slot-weight one."""
+
+    slot_exchange = "ragged"
+
+
+@pytest.mark.parametrize("ragged_slots", [False, True])
+def test_the_exchange_chooses_the_slot_collective(getkey, monkeypatch, ragged_slots):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return _emulated_ragged_all_to_all(*args, **kwargs)
+
+    monkeypatch.setattr(_slots, "_ragged_all_to_all", spy)
+    kind = _RaggedSlotsExchange if ragged_slots else me.DenseExchange
+    layer = make_layer(
+        getkey(),
+        mesh_size=4,
+        bias_kind="one_shard",
+        num_slots=2,
+        buffer_factor=None,
+        slot_backward="home",
+        exchange=kind(axis_name="expert"),
+    )
+    stats = assert_matches_oracle(layer, tokens(getkey(), 64), mesh(4))
+    assert float(stats.max_over_mean) < float(stats.max_over_mean_before) - 0.2
+    # Traced forward and with its backward's trip home (at least two calls): ragged
+    # exactly when the exchange says so.
+    assert (len(calls) >= 2) if ragged_slots else not calls
+
+
+def test_bad_slot_exchange_is_an_error():
+    class Bad(me.DenseExchange):
+        slot_exchange = "allgather"
+
+    with pytest.raises(ValueError, match="`slot_exchange` 'allgather'"):
+        me.MoEConfig(
+            d_model=8, d_ff=8, num_experts=8, top_k=2, exchange=Bad(axis_name="expert")
+        )
+
+
 # --- gather_slot_weights against a direct computation --------------------------------
 
 

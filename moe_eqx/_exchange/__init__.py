@@ -71,6 +71,14 @@ def is_ragged(exchange: "str | AbstractExchange") -> bool:
     )
 
 
+def slot_exchange(exchange: "str | AbstractExchange") -> str:
+    """The collective (`"dense"` or `"ragged"`) that moves the duplication slots'
+    weights for `exchange` (a resolved name or an instance: its `slot_exchange`)."""
+    if isinstance(exchange, AbstractExchange):
+        return exchange.slot_exchange
+    return "ragged" if exchange == "ragged" else "dense"
+
+
 def is_allgather(exchange: "str | AbstractExchange") -> bool:
     """Whether `exchange` (a resolved name or an instance) gathers tokens instead of
     moving wire rows (see [`moe_eqx.AbstractExchange`][]`.gathers_tokens`)."""
@@ -137,4 +145,9 @@ def check_exchange(exchange: AbstractExchange, axis_name: str) -> None:
             f"`exchange` {type(exchange).__name__} runs over the axis "
             f"{exchange.axis_name!r}, but the layer's expert axis is {axis_name!r}: "
             "build it with the same `axis_name`."
+        )
+    if exchange.slot_exchange not in ("dense", "ragged"):
+        raise ValueError(
+            f"`exchange` {type(exchange).__name__} has `slot_exchange` "
+            f"{exchange.slot_exchange!r}; it must be 'dense' or 'ragged'."
         )

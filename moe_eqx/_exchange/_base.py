@@ -87,10 +87,16 @@ class AbstractExchange(eqx.Module):
         ([`moe_eqx.AbstractRowExchange`][]); True for one that gathers every token on
         every shard and reduce-scatters the outputs
         ([`moe_eqx.AbstractGatherExchange`][]).
+    - `slot_exchange` (class variable): the collective that brings the expert
+        weights of duplication slots (`num_slots`) to the shards that hold them, and
+        their gradients back: `"dense"` (one `all_to_all` of fixed blocks, every
+        platform; the default) or `"ragged"` (one `ragged_all_to_all` of exactly
+        the copies, GPU and TPU). [`moe_eqx.RaggedExchange`][] takes `"ragged"`.
     """
 
     axis_name: eqx.AbstractVar[str]
     gathers_tokens: eqx.AbstractClassVar[bool]
+    slot_exchange: ClassVar[str] = "dense"
 
 
 class AbstractGatherExchange(AbstractExchange):

@@ -5,6 +5,8 @@ the offsets arithmetic (`dispatch_args`, `combine_args`) is tested on CPU agains
 `emulate_ragged_all_to_all`.
 """
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -49,6 +51,8 @@ class RaggedExchange(AbstractRowExchange):
 
     - `axis_name`: the expert-parallel mesh axis the exchange runs over.
     """
+
+    slot_exchange: ClassVar[str] = "ragged"
 
     axis_name: str = eqx.field(static=True)
 
