@@ -140,8 +140,8 @@ def _quantized_specs(a, spec: P):
     if not isinstance(a, QuantizedArray) or all(d is None for d in spec[-2:]):
         return spec
     lead, (k, n) = spec[:-2], spec[-2:]
-    if a.fmt == "mxfp4":  # values `[..., N, K / 32, 16]`, scales `[..., N, K / 32]`
-        values, scales = P(*lead, n, k, None), P(*lead, n, k)
+    if a.fmt == "mxfp4":  # values `[..., N, K / 2]`, scales `[..., N, K / 32]`
+        values, scales = P(*lead, n, k), P(*lead, n, k)
     elif a.fmt == "int8":  # scales `[..., 1, N]`
         values, scales = P(*lead, k, n), P(*lead, None, n)
     else:  # FP8: scales `[..., K / 128, N / 128]`, split with the blocks

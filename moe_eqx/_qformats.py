@@ -95,27 +95,35 @@ class FP8Blocks(AbstractQuantFormat):
 
 
 class MXFP4(AbstractQuantFormat):
-    """`"mxfp4"`: `values` `uint8` `[..., N, K / 32, 16]`, two FP4 E2M1 codes per
-    byte (gpt-oss's `*_blocks`, blocks of 32 along the contracting axis `K`, which
-    it must divide); `scales` `uint8` `[..., N, K / 32]`, E8M0 exponents, the OCP MX
-    scale `2 ** (floor(log2(amax)) - 2)`; each code the E2M1 value nearest
-    `w / scale` (ties to an even code), saturating at 6."""
+    """`"mxfp4"`: `values` `uint8` `[..., N, K / 2]`, two FP4 E2M1 codes per byte
+    (byte `j` of row `n`: `K = 2 j` in its low half, `2 j + 1` in its high half),
+    blocks of 32 along the contracting axis `K`, which it must divide; `scales`
+    `uint8` `[..., N, K / 32]`, E8M0 exponents, the OCP MX scale
+    `2 ** (floor(log2(amax)) - 2)`; each code the E2M1 value nearest `w / scale`
+    (ties to an even code), saturating at 6. gpt-oss's `*_blocks`
+    `[..., N, K / 32, 16]` are these bytes: `blocks.reshape(*blocks.shape[:-2], -1)`.
+    (No axis of 16 bytes: a TPU pads a minor axis to 128 lanes.)"""
 
     name: ClassVar[str] = "mxfp4"
     values_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
     scales_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
+    layout: ClassVar[str] = (
+        "`[..., N, K / 2]`: gpt-oss's `*_blocks` `[..., N, K / 32, 16]` reshape them "
+        "to `[..., N, K / 2]`"
+    )
 
     def scales_shape(self, values_shape, parts):
-        if len(values_shape) < 3 or values_shape[-1] != MXFP4_BLOCK // 2:
+        half = MXFP4_BLOCK // 2
+        if len(values_shape) < 2 or values_shape[-1] % half:
             raise ValueError(
                 f"`QuantizedArray.values` of format {self.name!r} must be "
-                f"`[..., N, K / 32, {MXFP4_BLOCK // 2}]`, got shape "
-                f"{tuple(values_shape)}."
+                f"`[..., N, K / 2]` with K a multiple of {MXFP4_BLOCK}, got shape "
+                f"{tuple(values_shape)} ({self.layout})."
             )
-        return tuple(values_shape[:-1])
+        return (*values_shape[:-1], values_shape[-1] // half)
 
     def shape(self, values_shape):
-        return (*values_shape[:-3], values_shape[-2] * MXFP4_BLOCK, values_shape[-3])
+        return (*values_shape[:-2], values_shape[-1] * 2, values_shape[-2])
 
     def dequantize(self, values, scales, dtype, parts):
         return _mxfp4_in_out(values, scales, dtype)
@@ -191,8 +199,8 @@ def _quantize_mxfp4(w):
     code = code + jnp.where(jnp.signbit(scaled) & (code > 0), 8, 0)
     code = code.astype(jnp.uint8)
     packed = code[..., 0::2, :] | (code[..., 1::2, :] << 4)  # [..., K / 32, 16, N]
-    packed = jnp.moveaxis(packed, -1, -3)  # [..., N, K / 32, 16]
-    return packed, jnp.swapaxes(byte, -1, -2).astype(jnp.uint8)
+    packed = packed.reshape(*lead, k // 2, n)  # [..., K / 2, N]
+    return jnp.swapaxes(packed, -1, -2), jnp.swapaxes(byte, -1, -2).astype(jnp.uint8)
 
 
 INT8 = register_quant_format(Int8())

@@ -214,6 +214,8 @@ class AbstractQuantFormat(eqx.Module):
     scales_dtype: eqx.AbstractClassVar[np.dtype]
     # Whether the columns may be stored as `parts` equal parts, each blocked alone.
     has_parts: ClassVar[bool] = False
+    # The layout of `values`, for error messages.
+    layout: ClassVar[str] = "`[..., K, N]`"
 
     @abc.abstractmethod
     def scales_shape(
@@ -311,7 +313,7 @@ class QuantizedArray(eqx.Module):
 
     `fmt` names its [`moe_eqx.AbstractQuantFormat`][], which says how `values` and
     `scales` hold the weight: the built-in `"float8_e4m3fn"` (128 x 128 blocks,
-    DeepSeek-V3's), `"mxfp4"` (values `[..., N, K / 32, 16]`, gpt-oss's) and
+    DeepSeek-V3's), `"mxfp4"` (values `[..., N, K / 2]`, gpt-oss's) and
     `"int8"` (a scale per output channel), or one of your own
     ([`moe_eqx.register_quant_format`][]).
 
@@ -362,7 +364,7 @@ class QuantizedArray(eqx.Module):
             raise ValueError(
                 f"`QuantizedArray.scales` of format {self.fmt!r} must have shape "
                 f"{expected} for values of shape {tuple(self.values.shape)}, got "
-                f"{tuple(self.scales.shape)}."
+                f"{tuple(self.scales.shape)} (values are {fmt.layout})."
             )
 
     @property
@@ -435,9 +437,11 @@ class QuantizedArray(eqx.Module):
         return self.format.dequantize(self.values, self.scales, dtype, self.parts)
 
 
-def _mxfp4_in_out(blocks, scales, dtype) -> Array:
-    """`dequantize_mxfp4`'s values `[..., N, K]` as `[..., K, N]`, exactly: the
-    bytes moved into that order first (a quarter of the float output's bytes).
+def _mxfp4_in_out(values, scales, dtype) -> Array:
+    """The MXFP4 weight of `values` `[..., N, K / 2]` and `scales` `[..., N, K / 32]`
+    (`moe_eqx.internal.MXFP4`) as `[..., K, N]`, exactly (`dequantize_mxfp4`'s
+    values, transposed): the bytes moved into that order first (a quarter of the
+    float output's bytes).
 
     Each byte is read twice along `K` (its low half at the even row, its high half
     at the odd one), so every intermediate has the weight's own `[..., K, N]` shape:
@@ -452,7 +456,9 @@ def _mxfp4_in_out(blocks, scales, dtype) -> Array:
     checkpoint has. Each branch casts to `dtype` itself, so the float32 values are
     never held whole.
     """
-    blocks = jnp.moveaxis(blocks, -3, -1)  # [..., K / 32, 16, N]
+    *lead, n, half_k = values.shape
+    blocks = jnp.swapaxes(values, -1, -2)  # [..., K / 2, N]
+    blocks = blocks.reshape(*lead, half_k // (MXFP4_BLOCK // 2), MXFP4_BLOCK // 2, n)
     byte = jnp.moveaxis(scales, -2, -1)[..., None, :]  # [..., K / 32, 1, N]
 
     def codes(blocks):

@@ -135,7 +135,8 @@ def test_mxfp4_experts_dequantize_as_transformers(jit):
     blocks, scales = blocks[None], scales[None]  # one expert; row i has scale i
     for rows in (slice(2, 255), slice(None)):
         b, s = blocks[:, rows], scales[:, rows]
-        q = _quant.QuantizedArray(jnp.asarray(b), jnp.asarray(s), "mxfp4", jnp.float32)
+        values = jnp.asarray(b.reshape(*b.shape[:-2], -1))  # the format's `[N, K / 2]`
+        q = _quant.QuantizedArray(values, jnp.asarray(s), "mxfp4", jnp.float32)
         for dtype, torch_dtype in DTYPES:
             want = convert_moe_packed_tensors(
                 torch.from_numpy(b), torch.from_numpy(s), dtype=torch_dtype

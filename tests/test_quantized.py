@@ -61,7 +61,8 @@ def _mxfp4_nearest(w):
 def test_mxfp4_round_trip_is_the_nearest_code():
     w = np.asarray(_weights(1, (2, 64, 24)))
     q = _quant.quantize(jnp.asarray(w), "mxfp4")
-    assert q.values.shape == (2, 24, 2, 16) and q.scales.dtype == jnp.uint8
+    assert q.values.shape == (2, 24, 32) and q.scales.shape == (2, 24, 2)
+    assert q.scales.dtype == jnp.uint8
     got = np.asarray(q.dequantize())
     err = np.swapaxes(np.abs(got - w), -1, -2).reshape(2, 24, 2, 32)
     np.testing.assert_allclose(err, _mxfp4_nearest(w), rtol=1e-6, atol=0)
@@ -364,3 +365,16 @@ def test_quantized_arrays_cannot_be_built_or_indexed_invalid(fmt):
         _quant.QuantizedArray(q.values, q.scales[:2], fmt, jnp.float32)
     with pytest.raises(ValueError, match=r"`QuantizedArray.dtype` must be a floating"):
         _quant.QuantizedArray(q.values, q.scales, fmt, jnp.int32)
+
+
+def test_mxfp4_takes_the_checkpoints_blocks_reshaped():
+    """gpt-oss's `*_blocks` `[..., N, K / 32, 16]` are the format's bytes: as they
+    are, a clear error saying how to lay them out; reshaped, the same weight as
+    `dequantize_mxfp4` of the blocks."""
+    w = _weights(2, (2, 64, 24))
+    q = _quant.quantize(w, "mxfp4")
+    blocks = q.values.reshape(2, 24, 2, 16)
+    with pytest.raises(ValueError, match=r"reshape them to `\[\.\.\., N, K / 2\]`"):
+        me.QuantizedArray(blocks, q.scales, "mxfp4", jnp.float32)
+    want = _quant.dequantize_mxfp4(np.asarray(blocks), np.asarray(q.scales))
+    np.testing.assert_array_equal(q.dequantize(), np.swapaxes(want, -1, -2))

@@ -177,8 +177,8 @@ def _weight_operands(w, k: int, n: int):
     if not is_quantized(w):
         return None, (w,), ((None, k, None),)
     if w.fmt == "mxfp4":
-        values = w.values.reshape(*w.values.shape[:-2], -1)  # [G, N, K / 2]
-        values = jax.lax.bitcast_convert_type(values, jnp.int8)
+        # The stored `[G, N, K / 2]` bytes as they are.
+        values = jax.lax.bitcast_convert_type(w.values, jnp.int8)
         scales = jax.lax.bitcast_convert_type(w.scales, jnp.int8)  # [G, N, K / 32]
         return "mxfp4", (values, scales), ((None, None, k // 2), (None, None, k // 32))
     _, scales = kernel_operands(w, k, n)  # scales: [G, rows of K, N] float32

@@ -315,11 +315,16 @@ def stored_experts(
 
         def fused(proj, part):
             name = f"{base}{proj}_{part}"
-            if proj == "down_proj":
-                return stacked(lambda i: read(name, (i, i + 1))[0])
-            # GPT-OSS interleaves gate and up outputs (even, odd); the layer puts
-            # all gates, then all ups.
-            return stacked(lambda i: _gates_then_ups(read(name, (i, i + 1))[0]))
+
+            def piece(i):
+                t = read(name, (i, i + 1))[0]
+                if part == "blocks":  # `[N, K / 32, 16]` -> the format's `[N, K / 2]`
+                    t = t.reshape(t.shape[0], -1)
+                # GPT-OSS interleaves gate and up outputs (even, odd); the layer
+                # puts all gates, then all ups.
+                return t if proj == "down_proj" else _gates_then_ups(t)
+
+            return stacked(piece)
 
         return tuple(
             QuantizedArray(fused(proj, "blocks"), fused(proj, "scales"), "mxfp4", dtype)
