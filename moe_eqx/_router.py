@@ -9,7 +9,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ._checks import check_array
+from ._checks import check_array, check_int
 from ._rules import histogram
 from ._scoring import AbstractScore, Selection, Weighting, as_score, soft_cap
 
@@ -218,6 +218,9 @@ class AbstractRouter(eqx.Module):
         """
 
 
+_SELECTION, _WEIGHTING = Selection(), Weighting()
+
+
 class Router(AbstractRouter):
     """The built-in linear router, composed of a score, a selection and a
     weighting.
@@ -232,7 +235,8 @@ class Router(AbstractRouter):
     the best `top_groups` of `num_groups` groups; the weights are the chosen
     scores, renormalised by [`moe_eqx.Weighting`][] with `norm_topk`.
 
-    Build it from a config (`Router(config, key=key)`), as the layer does; each
+    Build it from its own fields (`Router(weight, bias, top_k=..., num_experts=...,
+    ...)`) or from a config (`Router(config, key=key)`), as the layer does; each
     setting is a field of the router or of the part that computes it.
 
     **Fields:**
@@ -262,34 +266,128 @@ class Router(AbstractRouter):
     selection: Selection = eqx.field(static=True)
     weighting: Weighting = eqx.field(static=True)
 
-    def __init__(self, config, *, key: PRNGKeyArray):
-        """**Arguments:**
+    def __init__(
+        self,
+        weight,
+        bias: Float[Array, " experts"] | None = None,
+        logit_bias: Float[Array, " experts"] | None = None,
+        *,
+        top_k: int | None = None,
+        num_experts: int | None = None,
+        num_identity: int = 0,
+        num_shared: int = 0,
+        num_groups: int = 1,
+        top_groups: int = 1,
+        norm_topk: bool = True,
+        score: "AbstractScore | str" = "softmax",
+        selection: Selection = _SELECTION,
+        weighting: Weighting = _WEIGHTING,
+        key: PRNGKeyArray | None = None,
+    ):
+        """Either from its own fields, `Router(weight, bias, logit_bias, top_k=...,
+        num_experts=..., ...)` (each as listed above; `dataclasses.replace` of a
+        router works so), or from a config, `Router(config, key=key)`, as the layer
+        builds it: the config's routing settings, the weight initialised from
+        `key` (normal, scaled by `1 / sqrt(d_model)`) and zero biases where the
+        config asks for them.
 
-        - `config`: the [`moe_eqx.MoEConfig`][] whose routing settings it takes.
-        - `key`: for the weight's initialisation.
+        **Arguments:**
+
+        - `weight`: `[d_model, E + I + S]`, or a [`moe_eqx.MoEConfig`][].
+        - `bias`, `logit_bias`: `[E + I]` or `None`.
+        - `top_k`, `num_experts`: required with a weight.
+        - `num_identity`, `num_shared`, `num_groups`, `top_groups`, `norm_topk`,
+            `score` (an [`moe_eqx.AbstractScore`][] or its name), `selection`,
+            `weighting`: as the fields.
+        - `key`: with a config only, for the weight's initialisation.
         """
-        self.top_k = config.top_k
-        self.num_experts = config.num_experts
-        self.num_identity = config.num_identity_experts
-        self.num_shared = config.shared.scored
-        self.num_groups = config.num_groups
-        self.top_groups = config.top_groups
-        self.norm_topk = config.norm_topk
-        self.score = as_score(config.score_func)
-        self.selection = config.selection
-        self.weighting = config.weighting
-        scale = 1.0 / (config.d_model**0.5)
-        # Identity experts (LongCat-Flash) are the last `num_identity` columns.
+        if not hasattr(weight, "shape"):  # a config
+            config = weight
+            if key is None:
+                raise ValueError("`Router(config, key=...)` needs a `key`.")
+            top_k, num_experts = config.top_k, config.num_experts
+            num_identity, num_shared = config.num_identity_experts, config.shared.scored
+            num_groups, top_groups = config.num_groups, config.top_groups
+            norm_topk, score = config.norm_topk, config.score_func
+            selection, weighting = config.selection, config.weighting
+            columns = num_experts + num_identity
+            scale = 1.0 / (config.d_model**0.5)
+            weight = scale * jr.normal(
+                key, (config.d_model, columns + num_shared), jnp.float32
+            )
+            zeros = jnp.zeros((columns,), jnp.float32)
+            bias = zeros if config.use_router_bias else None
+            logit_bias = zeros if as_score(score).logit_bias else None
+        elif key is not None:
+            raise ValueError("`key` is for `Router(config, key=...)` only.")
+        if top_k is None or num_experts is None:
+            raise TypeError("`Router(weight, ...)` needs `top_k=` and `num_experts=`.")
+        self.weight, self.bias, self.logit_bias = weight, bias, logit_bias
+        self.top_k, self.num_experts = top_k, num_experts
+        self.num_identity, self.num_shared = num_identity, num_shared
+        self.num_groups, self.top_groups = num_groups, top_groups
+        self.norm_topk = norm_topk
+        self.score = as_score(score)
+        self.selection, self.weighting = selection, weighting
+
+    def __check_init__(self):
+        where = "Router"
+        check_int(self.num_experts, "Router.num_experts")
+        check_int(self.num_identity, "Router.num_identity", minimum=0)
+        check_int(self.num_shared, "Router.num_shared", minimum=0)
         columns = self.num_experts + self.num_identity
-        self.weight = scale * jr.normal(
-            key, (config.d_model, columns + self.num_shared), jnp.float32
-        )
-        self.bias = (
-            jnp.zeros((columns,), jnp.float32) if config.use_router_bias else None
-        )
-        self.logit_bias = (
-            jnp.zeros((columns,), jnp.float32) if self.score.logit_bias else None
-        )
+        check_int(self.top_k, "Router.top_k", maximum=columns)
+        check_int(self.num_groups, "Router.num_groups")
+        check_int(self.top_groups, "Router.top_groups", maximum=self.num_groups)
+        if self.num_experts % self.num_groups:
+            raise ValueError(
+                f"{where}: `num_experts` ({self.num_experts}) must be divisible by "
+                f"`num_groups` ({self.num_groups})."
+            )
+        if not isinstance(self.norm_topk, bool):
+            raise ValueError(
+                f"{where}: `norm_topk` must be True or False, got {self.norm_topk!r}."
+            )
+        for name, kind in (("selection", Selection), ("weighting", Weighting)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(
+                    f"{where}: `{name}` must be a `me.{kind.__name__}`, got "
+                    f"{type(getattr(self, name)).__name__}."
+                )
+        if not hasattr(self.weight, "shape"):
+            return  # a tree of other leaves (specs, tangents): not an array's
+        want = columns + self.num_shared
+        if self.weight.ndim != 2 or self.weight.shape[1] != want:
+            raise ValueError(
+                f"{where}: `weight` must be [d_model, {want}] (num_experts "
+                f"{self.num_experts} + num_identity {self.num_identity} + num_shared "
+                f"{self.num_shared}), got {tuple(self.weight.shape)}."
+            )
+        for name in ("bias", "logit_bias"):
+            b = getattr(self, name)
+            if b is not None and hasattr(b, "shape") and tuple(b.shape) != (columns,):
+                raise ValueError(
+                    f"{where}: `{name}` must be [{columns}] (num_experts + "
+                    f"num_identity), got {tuple(b.shape)}."
+                )
+        if self.selection.bias_on_logits and (self.bias is None or self.num_groups > 1):
+            raise ValueError(
+                f"{where}: `Selection(bias_on_logits=True)` needs a selection `bias` "
+                "and no groups."
+            )
+        if self.weighting.floor > 0 and not self.norm_topk:
+            raise ValueError(
+                f"{where}: `Weighting(floor=...)` > 0 needs `norm_topk=True`."
+            )
+        if self.score.logit_bias != (self.logit_bias is not None):
+            raise ValueError(
+                f"{where}: the score {type(self.score).__name__} "
+                + (
+                    "adds a `logit_bias`: give one."
+                    if self.score.logit_bias
+                    else "has no `logit_bias`: give none."
+                )
+            )
 
     def scores(self, x: Float[Array, "tokens d_model"]):
         """`(logits, scores, probs, shared)`: the float32 (soft-capped) logits, the

@@ -123,3 +123,47 @@ def test_aux_loss_gradients_expert_parallel(getkey, num_shards):
     np.testing.assert_allclose(
         jax.jit(losses)(layer.router), direct(layer.router), rtol=1e-5
     )
+
+
+def test_router_from_its_own_fields(getkey):
+    """A router built from its fields is the one a config builds; each field changed
+    with `dataclasses.replace` changes the routing; bad fields are clear errors."""
+    import dataclasses
+
+    cfg = me.MoEConfig(
+        d_model=8, d_ff=8, num_experts=8, top_k=3, use_router_bias=True, num_groups=2
+    )
+    from_cfg = me.Router(cfg, key=getkey())
+    bias = jr.normal(getkey(), (8,))
+    r = me.Router(
+        from_cfg.weight, bias, top_k=3, num_experts=8, num_groups=2, top_groups=1
+    )
+    x = jr.normal(getkey(), (32, 8))
+    want = eqx.tree_at(lambda m: m.bias, from_cfg, bias)(x)
+    got = r(x)
+    np.testing.assert_array_equal(got.experts, want.experts)
+    np.testing.assert_array_equal(got.weights, want.weights)
+    # One group of 4 experts of the two: every choice inside one half.
+    assert np.all(np.ptp(np.asarray(got.experts) // 4, axis=-1) == 0)
+    two = dataclasses.replace(r, top_k=2)(x)
+    assert two.experts.shape == (32, 2)
+    free = dataclasses.replace(r, top_groups=2)(x)
+    assert np.any(np.ptp(np.asarray(free.experts) // 4, axis=-1) > 0)
+    raw = dataclasses.replace(r, norm_topk=False)(x)
+    assert not np.allclose(np.sum(raw.weights, -1), 1.0)
+    sig = dataclasses.replace(r, score="sigmoid")(x)
+    assert not np.allclose(sig.weights, got.weights)
+    with pytest.raises(
+        ValueError, match=r"`Router.top_k` must be an integer in \[1, 8\]"
+    ):
+        dataclasses.replace(r, top_k=9)
+    with pytest.raises(ValueError, match=r"`weight` must be \[d_model, 9\]"):
+        dataclasses.replace(r, num_shared=1)
+    with pytest.raises(ValueError, match="divisible by `num_groups`"):
+        dataclasses.replace(r, num_groups=3, top_groups=1)
+    with pytest.raises(ValueError, match=r"`bias` must be \[8\]"):
+        dataclasses.replace(r, bias=jnp.zeros(7))
+    with pytest.raises(TypeError, match="needs `top_k=` and `num_experts=`"):
+        me.Router(from_cfg.weight)
+    with pytest.raises(ValueError, match="needs a `key`"):
+        me.Router(cfg)
