@@ -16,7 +16,9 @@ import moe_eqx as me
 from moe_eqx import _quant
 from moe_eqx._sharding import with_fsdp_axes
 
+# The built-in formats (a test module may register its own beside them).
 FORMATS = ("float8_e4m3fn", "mxfp4", "int8")
+assert set(FORMATS) <= set(_quant.quant_formats())
 # Bytes of the quantized experts over bfloat16's (the issue's goals).
 MAX_BYTES_RATIO = {"float8_e4m3fn": 0.55, "mxfp4": 0.30, "int8": 0.55}
 
@@ -341,7 +343,7 @@ def test_rebalance_moves_quantized_experts(layer, x):
     np.testing.assert_allclose(_forward(moved, x), _forward(q, x), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", _quant.quant_formats())
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_arrays_cannot_be_built_or_indexed_invalid(fmt):
     """A `QuantizedArray` checks its values' and scales' dtypes and the scales'
     shape against the values' (uint8 values read as int8 would dequantize to
