@@ -465,7 +465,7 @@ class Router(AbstractRouter):
                 valid = ok if valid is None else valid & ok
                 # In range for the gather; the token is routed nowhere below.
                 experts = jnp.where(bad, 0, experts)
-            chosen = pick_columns(scores, experts)
+            chosen = jnp.take_along_axis(scores, experts, axis=-1)
             weights, shared_weights = self.weighting(
                 chosen, shared, normalize=self.norm_topk
             )
@@ -480,20 +480,6 @@ class Router(AbstractRouter):
                 bad_ids=bad_ids,
                 shared_weights=shared_weights,
             )
-
-
-def pick_columns(
-    scores: Float[Array, "tokens columns"], experts: Int[Array, "tokens k"]
-) -> Float[Array, "tokens k"]:
-    """`take_along_axis(scores, experts, axis=-1)` as a masked sum over the columns
-    (exact: one term is not zero), for `0 <= experts < columns`. An elementwise
-    pass XLA fuses, whose derivative is one too; the gather's derivative would be a
-    scatter-add (serial on XLA:CPU), and on a TPU a gather of single numbers costs
-    about a read of its whole operand per row it takes."""
-    columns = jnp.arange(scores.shape[-1], dtype=experts.dtype)
-    hit = experts[..., None] == columns.reshape((1,) * experts.ndim + (-1,))
-    picked = jnp.where(hit, scores[..., None, :], jnp.zeros((), scores.dtype))
-    return jnp.sum(picked, axis=-1)
 
 
 def routing_of(
