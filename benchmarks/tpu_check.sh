@@ -17,8 +17,9 @@
 #           same FLOPs and a minimal MoE, the one-chip mesh and the fallback, and
 #           the costliest ops.
 # Results go to ${OUT:-benchmarks/results} (a .log and a .json per section).
-# TESTS_K (a pytest -k expression), GMM_ARGS, SWEEP_ARGS and LAYER_ARGS pass options
-# to the tests and the three benchmarks.
+# TESTS_K (a pytest -k expression), GRID_ARGS (e.g. "--cases mixtral,int8 --ways
+# jit-closed,filter_jit --timeout 120"), GMM_ARGS, SWEEP_ARGS and LAYER_ARGS pass
+# options to the tests and the four benchmarks.
 #
 #     bash benchmarks/tpu_check.sh [--quick] [section ...]   # default: all but sweep
 #
@@ -56,7 +57,7 @@ for s in $sections; do
       python3 -m pytest -q -o addopts="" -p no:cacheprovider -p no:warnings -rs \
         --durations=10 ${TESTS_K:+-k "$TESTS_K"} tests/test_tpu.py 2>&1 | tee "$out/tpu_tests.log" ;;
     grid)
-      python3 benchmarks/tpu_jit_grid.py --out "$out/jit_grid.json" 2>&1 \
+      python3 benchmarks/tpu_jit_grid.py ${GRID_ARGS:-} --out "$out/jit_grid.json" 2>&1 \
         | tee "$out/jit_grid.log" ;;
     decode)
       python3 benchmarks/tpu_decode.py --compare ${quick:+--quick --tokens 1,8,8192} \

@@ -3,13 +3,17 @@ a process of its own (a compiler abort kills only its case).
 
     python3 benchmarks/tpu_jit_grid.py --out jit_grid.json   # every case
     python3 benchmarks/tpu_jit_grid.py --case 3              # one case, in-process
+    python3 benchmarks/tpu_jit_grid.py --ways jit-closed,grad-closed,filter_jit
 
 For each case: `jax.jit(lambda x: layer(x)[0])` with the layer closed over,
 `jax.grad` of a loss of `x` with the layer closed over (under `jax.jit`),
 `jax.jit(jax.grad(...))` over the layer's float leaves with its integer leaves
 closed over, and `eqx.filter_jit` of the forward and of `eqx.filter_grad` over
-`(layer, x)` (routing replay in the `replay` case); each output checked finite and `stats.check()` run. A case passes when
-its process exits 0; a negative exit code is the signal that killed it (an abort).
+`(layer, x)` (routing replay in the `replay` case), or the `--ways` chosen; each
+output checked finite and `stats.check()` run, and each way's time (compile and
+run) printed as it ends, so that a case cut off by `--timeout` says how far it got.
+A case passes when its process exits 0; a negative exit code is the signal that
+killed it (an abort).
 """
 
 import argparse
@@ -40,7 +44,10 @@ CASES = [
 ]
 
 
-def run_case(index: int) -> None:
+WAYS = ("jit-closed", "grad-closed", "grad-floats", "filter_jit", "filter_grad")
+
+
+def run_case(index: int, ways_wanted=None) -> None:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -73,23 +80,33 @@ def run_case(index: int) -> None:
     def loss(y):
         return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
-    outs = {}
-    outs["jit closed"] = jax.jit(lambda x: call(layer, x)[0])(x)
-    outs["grad closed"] = jax.jit(jax.grad(lambda x: loss(call(layer, x)[0])))(x)
     floats, ints = eqx.partition(layer, eqx.is_inexact_array)
-    g = jax.jit(jax.grad(lambda p: loss(call(eqx.combine(p, ints), x)[0])))(floats)
-    outs["grad floats"] = jax.tree.leaves(g)[0]
-    y, stats = eqx.filter_jit(call)(layer, x)
-    stats.check()
-    outs["filter_jit"] = y
-    gl, gx = eqx.filter_jit(eqx.filter_grad(lambda args: loss(call(*args)[0])))(
-        (layer, x)
-    )
-    outs["filter_grad"] = gx
-    for what, a in outs.items():
+
+    def filter_jit_forward():
+        y, stats = eqx.filter_jit(call)(layer, x)
+        stats.check()
+        return y
+
+    ways = {
+        "jit-closed": lambda: jax.jit(lambda x: call(layer, x)[0])(x),
+        "grad-closed": lambda: jax.jit(jax.grad(lambda x: loss(call(layer, x)[0])))(x),
+        "grad-floats": lambda: jax.tree.leaves(
+            jax.jit(jax.grad(lambda p: loss(call(eqx.combine(p, ints), x)[0])))(floats)
+        )[0],
+        "filter_jit": filter_jit_forward,
+        "filter_grad": lambda: eqx.filter_jit(
+            eqx.filter_grad(lambda args: loss(call(*args)[0]))
+        )((layer, x))[1],
+    }
+    for what in WAYS if ways_wanted is None else ways_wanted:
+        start = time.perf_counter()
+        a = ways[what]()
         if not bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))):
             raise SystemExit(f"{name}: {what} is not finite")
-    print(f"{name}: all five compiled and ran")
+        # Each way's time as it ends: a case cut off by the timeout says how far
+        # it got.
+        print(f"{name}: {what} {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"{name}: all compiled and ran")
 
 
 def main():
@@ -98,9 +115,14 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=int, default=240)
     p.add_argument("--cases", default=None, help="comma-separated names (default: all)")
+    p.add_argument("--ways", default=",".join(WAYS), help="comma-separated ways")
     args = p.parse_args()
+    ways = args.ways.split(",")
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown:
+        p.error(f"unknown --ways {unknown}; known: {list(WAYS)}")
     if args.case is not None:
-        run_case(args.case)
+        run_case(args.case, ways)
         return
     rows = []
     names = None if args.cases is None else set(args.cases.split(","))
@@ -110,17 +132,25 @@ def main():
         start = time.perf_counter()
         try:
             proc = subprocess.run(
-                [sys.executable, __file__, "--case", str(i)],
+                [sys.executable, __file__, "--case", str(i), "--ways", args.ways],
                 capture_output=True,
                 text=True,
                 timeout=args.timeout,
             )
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-600:]
-        except subprocess.TimeoutExpired:
-            rc, tail = "timeout", ""
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout or ""
+            out = out.decode(errors="replace") if isinstance(out, bytes) else out
+            rc, tail = "timeout", out[-600:]
         row = dict(case=case[0], rc=rc, seconds=round(time.perf_counter() - start, 1))
         if rc != 0:
             row["tail"] = tail
+        else:
+            row["ways"] = [
+                line.split(": ", 1)[1]
+                for line in proc.stdout.splitlines()
+                if line.startswith(f"{case[0]}: ") and line.endswith(" s")
+            ]
         rows.append(row)
         print(json.dumps(row), flush=True)
         time.sleep(2)  # the chip is free again before the next process
