@@ -13,7 +13,13 @@ from ._combine import OutputTransform
 from ._exchange import AbstractExchange, check_exchange
 from ._experts import ExpertOptions, SharedCombination
 from ._gmm import AbstractGMMBackend
-from ._scoring import AbstractScore, Selection, Weighting, as_score
+from ._scoring import (
+    AbstractScore,
+    Selection,
+    Weighting,
+    as_score,
+    check_routing_settings,
+)
 from ._settings import (
     axis_names as _axis_names,
     boolean as _boolean,
@@ -475,14 +481,17 @@ class MoEConfig(eqx.Module):
                     f"{getattr(self, name)!r}."
                 )
         identity = self.num_identity_experts
-        if self.top_k > self.num_experts + identity:
-            raise ValueError(
-                f"`top_k` ({self.top_k}) must not exceed `num_experts` "
-                f"({self.num_experts})"
-                + (f" plus `num_identity_experts` ({identity})." if identity else ".")
-            )
-        self._check_groups()
-        self._check_router()
+        check_routing_settings(
+            num_experts=self.num_experts,
+            num_identity=identity,
+            top_k=self.top_k,
+            num_groups=self.num_groups,
+            top_groups=self.top_groups,
+            has_bias=self.use_router_bias,
+            norm_topk=self.norm_topk,
+            selection=self.selection,
+            weighting=self.weighting,
+        )
         self._check_shared(score, activation)
         if identity and (self.num_groups > 1 or self.expert_options.weight_on_input):
             raise ValueError(
@@ -497,40 +506,6 @@ class MoEConfig(eqx.Module):
             raise ValueError(
                 f"`routed_scaling_factor` must be a positive finite number, got "
                 f"{self.routed_scaling_factor!r}."
-            )
-
-    def _check_groups(self) -> None:
-        groups, top = self.num_groups, self.top_groups
-        check_int(groups, "num_groups")
-        if self.num_experts % groups != 0:
-            raise ValueError(
-                f"`num_experts` ({self.num_experts}) must be divisible by `num_groups` "
-                f"({groups})."
-            )
-        check_int(top, "top_groups", maximum=groups)
-        if groups > 1 and top * (self.num_experts // groups) < self.top_k:
-            raise ValueError(
-                f"`top_groups` ({top}) groups of {self.num_experts // groups} experts "
-                f"hold fewer than `top_k` ({self.top_k}) experts."
-            )
-
-    def _check_router(self) -> None:
-        if self.selection.bias_on_logits:
-            if not self.use_router_bias:
-                raise ValueError(
-                    "`Selection(bias_on_logits=True)` needs `use_router_bias=True` "
-                    "(without a bias, the top-k of the logits is the top-k of the "
-                    "scores)."
-                )
-            if self.num_groups > 1:
-                raise ValueError(
-                    "`Selection(bias_on_logits=True)` with group-limited routing is "
-                    "not supported."
-                )
-        if self.weighting.floor > 0 and not self.norm_topk:
-            raise ValueError(
-                "`Weighting(floor=...)` > 0 floors the renormalisation's divisor: it "
-                "needs `norm_topk=True`."
             )
 
     def _check_shared(self, score: AbstractScore, activation) -> None:

@@ -11,7 +11,14 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import check_array, check_int
 from ._rules import histogram
-from ._scoring import AbstractScore, Selection, Weighting, as_score, soft_cap
+from ._scoring import (
+    AbstractScore,
+    Selection,
+    Weighting,
+    as_score,
+    check_routing_settings,
+    soft_cap,
+)
 
 
 class Routing(eqx.Module):
@@ -335,15 +342,8 @@ class Router(AbstractRouter):
         check_int(self.num_experts, "Router.num_experts")
         check_int(self.num_identity, "Router.num_identity", minimum=0)
         check_int(self.num_shared, "Router.num_shared", minimum=0)
+        check_int(self.top_k, "Router.top_k")
         columns = self.num_experts + self.num_identity
-        check_int(self.top_k, "Router.top_k", maximum=columns)
-        check_int(self.num_groups, "Router.num_groups")
-        check_int(self.top_groups, "Router.top_groups", maximum=self.num_groups)
-        if self.num_experts % self.num_groups:
-            raise ValueError(
-                f"{where}: `num_experts` ({self.num_experts}) must be divisible by "
-                f"`num_groups` ({self.num_groups})."
-            )
         if not isinstance(self.norm_topk, bool):
             raise ValueError(
                 f"{where}: `norm_topk` must be True or False, got {self.norm_topk!r}."
@@ -354,6 +354,18 @@ class Router(AbstractRouter):
                     f"{where}: `{name}` must be a `me.{kind.__name__}`, got "
                     f"{type(getattr(self, name)).__name__}."
                 )
+        check_routing_settings(
+            num_experts=self.num_experts,
+            num_identity=self.num_identity,
+            top_k=self.top_k,
+            num_groups=self.num_groups,
+            top_groups=self.top_groups,
+            has_bias=self.bias is not None,
+            norm_topk=self.norm_topk,
+            selection=self.selection,
+            weighting=self.weighting,
+            where=where,
+        )
         if not hasattr(self.weight, "shape"):
             return  # a tree of other leaves (specs, tangents): not an array's
         want = columns + self.num_shared
@@ -370,15 +382,6 @@ class Router(AbstractRouter):
                     f"{where}: `{name}` must be [{columns}] (num_experts + "
                     f"num_identity), got {tuple(b.shape)}."
                 )
-        if self.selection.bias_on_logits and (self.bias is None or self.num_groups > 1):
-            raise ValueError(
-                f"{where}: `Selection(bias_on_logits=True)` needs a selection `bias` "
-                "and no groups."
-            )
-        if self.weighting.floor > 0 and not self.norm_topk:
-            raise ValueError(
-                f"{where}: `Weighting(floor=...)` > 0 needs `norm_topk=True`."
-            )
         if self.score.logit_bias != (self.logit_bias is not None):
             raise ValueError(
                 f"{where}: the score {type(self.score).__name__} "

@@ -245,3 +245,65 @@ class Weighting(eqx.Module):
         if self.floor > 0:
             total = jnp.maximum(total, self.floor)
         return chosen / total, None if shared is None else shared / total
+
+
+def check_routing_settings(
+    *,
+    num_experts: int,
+    num_identity: int,
+    top_k: int,
+    num_groups: int,
+    top_groups: int,
+    has_bias: bool,
+    norm_topk: bool,
+    selection: Selection,
+    weighting: Weighting,
+    where: str = "",
+) -> None:
+    """The routing settings' cross-checks, the same for `MoEConfig` and `Router`
+    (`where`: the class named in the errors, `""` for the config's): `top_k`
+    within the experts, whole expert groups holding `top_k` experts, and what the
+    selection and the weighting need."""
+
+    def fail(message):
+        raise ValueError(f"{where}: {message}" if where else message)
+
+    field = f"{where}." if where else ""
+    if top_k > num_experts + num_identity:
+        fail(
+            f"`top_k` ({top_k}) must not exceed `num_experts` ({num_experts})"
+            + (
+                f" plus `num_identity_experts` ({num_identity})."
+                if num_identity
+                else "."
+            )
+        )
+    check_int(num_groups, field + "num_groups")
+    if num_experts % num_groups != 0:
+        fail(
+            f"`num_experts` ({num_experts}) must be divisible by `num_groups` "
+            f"({num_groups})."
+        )
+    check_int(top_groups, field + "top_groups", maximum=num_groups)
+    if num_groups > 1 and top_groups * (num_experts // num_groups) < top_k:
+        fail(
+            f"`top_groups` ({top_groups}) groups of {num_experts // num_groups} "
+            f"experts hold fewer than `top_k` ({top_k}) experts."
+        )
+    if selection.bias_on_logits:
+        if not has_bias:
+            fail(
+                "`Selection(bias_on_logits=True)` needs a selection bias "
+                "(`use_router_bias=True`; without one, the top-k of the logits is "
+                "the top-k of the scores)."
+            )
+        if num_groups > 1:
+            fail(
+                "`Selection(bias_on_logits=True)` with group-limited routing is "
+                "not supported."
+            )
+    if weighting.floor > 0 and not norm_topk:
+        fail(
+            "`Weighting(floor=...)` > 0 floors the renormalisation's divisor: it "
+            "needs `norm_topk=True`."
+        )

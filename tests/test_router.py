@@ -153,10 +153,10 @@ def test_router_from_its_own_fields(getkey):
     assert not np.allclose(np.sum(raw.weights, -1), 1.0)
     sig = dataclasses.replace(r, score="sigmoid")(x)
     assert not np.allclose(sig.weights, got.weights)
-    with pytest.raises(
-        ValueError, match=r"`Router.top_k` must be an integer in \[1, 8\]"
-    ):
+    with pytest.raises(ValueError, match=r"Router: `top_k` \(9\) must not exceed"):
         dataclasses.replace(r, top_k=9)
+    with pytest.raises(ValueError, match=r"Router: `top_groups` \(1\) groups of 4"):
+        dataclasses.replace(r, top_k=5)
     with pytest.raises(ValueError, match=r"`weight` must be \[d_model, 9\]"):
         dataclasses.replace(r, num_shared=1)
     with pytest.raises(ValueError, match="divisible by `num_groups`"):
