@@ -7,7 +7,11 @@ composes in their own model, the backends, the auxiliary losses and the Hugging 
 import. The building blocks under the stages are in [`moe_eqx.internal`][].
 """
 
-from . import internal as internal, workloads as workloads
+from . import (
+    _qformats as _qformats,  # registers the built-in quantized formats
+    internal as internal,
+    workloads as workloads,
+)
 from ._activation import (
     GELU as GELU,
     AbstractActivation as AbstractActivation,
@@ -63,7 +67,6 @@ from ._qexperts import (
     dequantize_experts as dequantize_experts,
     quantize_experts as quantize_experts,
 )
-from ._qformats import INT8 as _INT8  # noqa: F401 (registers the built-in formats)
 from ._quant import (
     AbstractQuantFormat as AbstractQuantFormat,
     QuantizedArray as QuantizedArray,

@@ -136,16 +136,11 @@ def _trimmed(spec: P) -> P:
 
 def _quantized_specs(a, spec: P):
     """`spec` for a float array; for a `QuantizedArray` split along `d_ff`, the
-    specs of its values and scales, whose layouts differ by format."""
+    specs of its values and scales, as its format lays them out."""
     if not isinstance(a, QuantizedArray) or all(d is None for d in spec[-2:]):
         return spec
-    lead, (k, n) = spec[:-2], spec[-2:]
-    if a.fmt == "mxfp4":  # values `[..., N, K / 2]`, scales `[..., N, K / 32]`
-        values, scales = P(*lead, n, k), P(*lead, n, k)
-    elif a.fmt == "int8":  # scales `[..., 1, N]`
-        values, scales = P(*lead, k, n), P(*lead, None, n)
-    else:  # FP8: scales `[..., K / 128, N / 128]`, split with the blocks
-        values, scales = P(*lead, k, n), P(*lead, k, n)
+    values, scales = a.format.partition_specs(tuple(spec[:-2]), *spec[-2:])
+    values, scales = P(*values), P(*scales)
     return eqx.tree_at(
         lambda q: (q.values, q.scales),
         a,

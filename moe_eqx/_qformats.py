@@ -23,11 +23,11 @@ _FP8_MAX = 448.0
 _INT8_MAX = 127.0
 
 
-def _k_n(values_shape, fmt: str, layout: str = "`[..., K, N]`"):
+def _k_n(values_shape, fmt: str):
     if len(values_shape) < 2:
         raise ValueError(
-            f"`QuantizedArray.values` of format {fmt!r} must be {layout}, got shape "
-            f"{tuple(values_shape)}."
+            f"`QuantizedArray.values` of format {fmt!r} must be `[..., K, N]`, got "
+            f"shape {tuple(values_shape)}."
         )
     return values_shape[-2:]
 
@@ -51,6 +51,9 @@ class Int8(AbstractQuantFormat):
 
     def quantize(self, w):
         return _quantize_int8(w)
+
+    def partition_specs(self, lead, k, n):
+        return (*lead, k, n), (*lead, None, n)  # one scale row
 
 
 class FP8Blocks(AbstractQuantFormat):
@@ -140,6 +143,9 @@ class MXFP4(AbstractQuantFormat):
     def block(self, axis):
         return MXFP4_BLOCK if axis == "k" else 1
 
+    def partition_specs(self, lead, k, n):
+        return (*lead, n, k), (*lead, n, k)  # both `[..., N, K / ...]`
+
 
 # Each a jitted function: one program per shape, not one per operation.
 @jax.jit
@@ -203,6 +209,5 @@ def _quantize_mxfp4(w):
     return jnp.swapaxes(packed, -1, -2), jnp.swapaxes(byte, -1, -2).astype(jnp.uint8)
 
 
-INT8 = register_quant_format(Int8())
-FP8 = register_quant_format(FP8Blocks())
-MXFP4_FORMAT = register_quant_format(MXFP4())
+for _fmt in (Int8(), FP8Blocks(), MXFP4()):
+    register_quant_format(_fmt)

@@ -243,6 +243,12 @@ class AbstractQuantFormat(eqx.Module):
         that axis over devices must keep whole blocks (default 1: any split)."""
         return 1
 
+    def partition_specs(self, lead: tuple, k, n) -> tuple[tuple, tuple]:
+        """The partition-spec entries of `values` and `scales` for a weight whose
+        `[..., K, N]` is split as `(*lead, k, n)` (default: both laid out
+        `[..., K, N]` and split alike, the scales with their blocks)."""
+        return (*lead, k, n), (*lead, k, n)
+
 
 _FORMATS: dict[str, AbstractQuantFormat] = {}
 
@@ -326,8 +332,9 @@ class QuantizedArray(eqx.Module):
     - `fmt`: the name of a registered format (static).
     - `dtype`: the dtype `dequantize` returns by default (static).
     - `parts`: formats with `has_parts` (FP8) only: the columns are this many
-        equal parts, each blocked from its own first column (a gate and an up projection stored apart and put side
-        by side, whose width the block need not divide).
+        equal parts, each blocked from its own first column (a gate and an up
+        projection stored apart and put side by side, whose width the block need
+        not divide).
     """
 
     values: Array

@@ -4,6 +4,7 @@ from collections.abc import Mapping
 
 import jax
 
+from .._slots import SLOT_EXCHANGES
 from ._base import (
     AbstractExchange as AbstractExchange,
     AbstractGatherExchange as AbstractGatherExchange,
@@ -76,7 +77,7 @@ def slot_exchange(exchange: "str | AbstractExchange") -> str:
     weights for `exchange` (a resolved name or an instance: its `slot_exchange`)."""
     if isinstance(exchange, AbstractExchange):
         return exchange.slot_exchange
-    return "ragged" if exchange == "ragged" else "dense"
+    return "ragged" if is_ragged(exchange) else "dense"
 
 
 def is_allgather(exchange: "str | AbstractExchange") -> bool:
@@ -146,8 +147,8 @@ def check_exchange(exchange: AbstractExchange, axis_name: str) -> None:
             f"{exchange.axis_name!r}, but the layer's expert axis is {axis_name!r}: "
             "build it with the same `axis_name`."
         )
-    if exchange.slot_exchange not in ("dense", "ragged"):
+    if exchange.slot_exchange not in SLOT_EXCHANGES:
         raise ValueError(
             f"`exchange` {type(exchange).__name__} has `slot_exchange` "
-            f"{exchange.slot_exchange!r}; it must be 'dense' or 'ragged'."
+            f"{exchange.slot_exchange!r}; it must be one of {SLOT_EXCHANGES}."
         )
