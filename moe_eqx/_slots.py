@@ -39,11 +39,11 @@ import numpy as np
 from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
 from ._autodiff import custom_linear
+from ._exchange._base import SLOT_EXCHANGES
 from ._planner import most_exports
 from ._rules import all_to_all, div, exclusive_cumsum, rem
 
 SLOT_BACKWARDS = ("auto", "all_gather", "home")
-SLOT_EXCHANGES = ("dense", "ragged")
 
 # A module-level name, so that tests can run the ragged path on CPU (where XLA has no
 # lowering of the collective) through an emulation of its documented semantics.

@@ -4,8 +4,8 @@ from collections.abc import Mapping
 
 import jax
 
-from .._slots import SLOT_EXCHANGES
 from ._base import (
+    SLOT_EXCHANGES,
     AbstractExchange as AbstractExchange,
     AbstractGatherExchange as AbstractGatherExchange,
     AbstractRowExchange as AbstractRowExchange,

@@ -72,6 +72,11 @@ def make_exchange_plan(
     )
 
 
+# The collectives that can move the duplication slots' weights
+# (`AbstractExchange.slot_exchange`).
+SLOT_EXCHANGES = ("dense", "ragged")
+
+
 class AbstractExchange(eqx.Module):
     """How a token's activation reaches the shards holding its experts, and their
     outputs come back. An exchange of your own subclasses one of its two kinds,
