@@ -18,8 +18,9 @@
 #           the costliest ops.
 # Results go to ${OUT:-benchmarks/results} (a .log and a .json per section).
 # TESTS_K (a pytest -k expression), GRID_ARGS (e.g. "--cases mixtral,int8 --ways
-# jit-closed,filter_jit --timeout 120"), GMM_ARGS, SWEEP_ARGS and LAYER_ARGS pass
-# options to the tests and the four benchmarks.
+# jit-closed,filter_jit --timeout 120", or "--in-process"), DECODE_ARGS (e.g.
+# "--profile --tokens 1,8"), GMM_ARGS, SWEEP_ARGS and LAYER_ARGS pass options to the
+# tests and the five benchmarks.
 #
 #     bash benchmarks/tpu_check.sh [--quick] [section ...]   # default: all but sweep
 #
@@ -61,7 +62,7 @@ for s in $sections; do
         | tee "$out/jit_grid.log" ;;
     decode)
       python3 benchmarks/tpu_decode.py --compare ${quick:+--quick --tokens 1,8,8192} \
-        --out "$out/decode_tpu.json" 2>&1 | tee "$out/decode_tpu.log" ;;
+        ${DECODE_ARGS:-} --out "$out/decode_tpu.json" 2>&1 | tee "$out/decode_tpu.log" ;;
     gmm)
       install .whl-tpu/peers /tmp/peers
       PYTHONPATH="$PYTHONPATH:/tmp/peers" python3 benchmarks/tpu_gmm.py \

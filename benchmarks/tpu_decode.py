@@ -17,13 +17,20 @@ would), one device. Rows, for each expert format (`bf16`, `int8`,
   bytes (goal at decode sizes: temporaries <= 1.25x stored);
 - `bound_ms`: bytes of the distinct experts the tokens touch (their stored format)
   over the chip's 819 GB/s; `over_bound`: `ms` over that (goal for bf16 at 1 and 8
-  tokens: <= 2).
+  tokens: <= 2);
+- with `--profile`: `device_ms`, the sum of the call's device ops in a profiler
+  trace (the chip's time without the host's dispatch), `device_over_bound`, and
+  `ops`, the costliest ops.
 
 Prints a table and writes JSON (`--out`).
 """
 
 import argparse
+import collections
+import glob
 import json
+import os
+import tempfile
 import time
 
 import equinox as eqx
@@ -49,6 +56,26 @@ def _timed(fns: dict, repeats: int) -> dict:
     return best
 
 
+def _device_ops(fn, arg, reps: int = 5) -> tuple[float, list]:
+    """Device time per call (the sum of its ops' times in a profiler trace, so
+    without the host's dispatch) in ms, and its costliest ops `[(name, ms)]`."""
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        for _ in range(reps):
+            jax.block_until_ready(fn(arg))
+    path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
+    total = collections.Counter()
+    for plane in jax.profiler.ProfileData.from_file(path).planes:
+        if "TPU:0" not in plane.name and "/device:" not in plane.name:
+            continue
+        for line in plane.lines:
+            if line.name in ("XLA Ops", "XLA ops"):
+                for ev in line.events:
+                    total[ev.name] += ev.duration_ns
+    ops = [(name, ns / reps / 1e6) for name, ns in total.most_common(8)]
+    return sum(total.values()) / reps / 1e6, ops
+
+
 def _expert_bytes(layer) -> int:
     return sum(w.nbytes for w in (layer.experts.w_gate_up, layer.experts.w_down))
 
@@ -60,6 +87,9 @@ def main():
     p.add_argument("--shape", default="2048,1408,64,6", help="d_model,d_ff,E,k")
     p.add_argument("--compare", action="store_true", help="also gmm_backend=ragged_dot")
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--profile", action="store_true", help="device time and costliest ops per row"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     d_model, d_ff, num_experts, top_k = map(int, args.shape.split(","))
@@ -106,6 +136,7 @@ def main():
                     bound_ms=len(touched) * per_expert / HBM_BYTES_PER_S * 1e3,
                 )
             best = _timed(fns, repeats)
+            device = {}
             for fmt, seconds in best.items():
                 row = dict(
                     tokens=tokens,
@@ -116,6 +147,12 @@ def main():
                 )
                 row["temp_over_stored"] = row["temp_mib"] / row["stored_mib"]
                 row["over_bound"] = row["ms"] / row["bound_ms"]
+                if args.profile:
+                    row["device_ms"], row["ops"] = _device_ops(*fns[fmt])
+                    row["device_over_bound"] = row["device_ms"] / row["bound_ms"]
+                    device[fmt] = row["device_ms"]
+                    if device.get("bf16"):  # no device ops off a TPU
+                        row["device_over_bf16"] = row["device_ms"] / device["bf16"]
                 if "bf16" in best:
                     row["over_bf16"] = seconds / best["bf16"]
                 rows.append(row)
@@ -131,6 +168,9 @@ def main():
         "temp_over_stored",
         "bound_ms",
         "over_bound",
+        "device_ms",
+        "device_over_bound",
+        "device_over_bf16",
         "error",
     ]
     print()

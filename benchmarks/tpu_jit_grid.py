@@ -13,7 +13,9 @@ closed over, and `eqx.filter_jit` of the forward and of `eqx.filter_grad` over
 output checked finite and `stats.check()` run, and each way's time (compile and
 run) printed as it ends, so that a case cut off by `--timeout` says how far it got.
 A case passes when its process exits 0; a negative exit code is the signal that
-killed it (an abort).
+killed it (an abort). `--in-process` runs the cases one after another in this
+process instead (no process start or chip setup per case; an abort then ends the
+run, and the rows printed and written so far say how far it got).
 """
 
 import argparse
@@ -55,6 +57,7 @@ def run_case(index: int, ways_wanted=None) -> None:
 
     import moe_eqx as me
 
+    setup_start = time.perf_counter()
     name, tokens, d, f, e, k, dtype, use_mesh, settings = CASES[index]
     settings = dict(settings)
     fmt = settings.pop("quantize", None)
@@ -98,6 +101,8 @@ def run_case(index: int, ways_wanted=None) -> None:
             eqx.filter_grad(lambda args: loss(call(*args)[0]))
         )((layer, x))[1],
     }
+    jax.block_until_ready((layer, x))
+    print(f"{name}: setup {time.perf_counter() - setup_start:.1f} s", flush=True)
     for what in WAYS if ways_wanted is None else ways_wanted:
         start = time.perf_counter()
         a = ways[what]()
@@ -109,6 +114,43 @@ def run_case(index: int, ways_wanted=None) -> None:
     print(f"{name}: all compiled and ran")
 
 
+def _in_process(index: int, ways, start: float) -> dict:
+    import contextlib
+    import io
+    import traceback
+
+    import jax
+
+    printed = io.StringIO()
+    rc = 0
+    try:
+        with contextlib.redirect_stdout(printed):
+            run_case(index, ways)
+    except BaseException as e:  # noqa: BLE001 -- a failing case is a row
+        rc = 1
+        printed.write(
+            traceback.format_exc()[-600:] if not isinstance(e, SystemExit) else str(e)
+        )
+    jax.clear_caches()
+    name = CASES[index][0]
+    row = dict(case=name, rc=rc, seconds=round(time.perf_counter() - start, 1))
+    lines = printed.getvalue().splitlines()
+    row["ways"] = [
+        line.split(": ", 1)[1]
+        for line in lines
+        if line.startswith(f"{name}: ") and line.endswith(" s")
+    ]
+    if rc:
+        row["tail"] = printed.getvalue()[-600:]
+    return row
+
+
+def _write(path, rows) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--case", type=int, default=None)
@@ -116,6 +158,7 @@ def main():
     p.add_argument("--timeout", type=int, default=240)
     p.add_argument("--cases", default=None, help="comma-separated names (default: all)")
     p.add_argument("--ways", default=",".join(WAYS), help="comma-separated ways")
+    p.add_argument("--in-process", action="store_true", help="no process per case")
     args = p.parse_args()
     ways = args.ways.split(",")
     unknown = sorted(set(ways) - set(WAYS))
@@ -130,6 +173,11 @@ def main():
         if names is not None and case[0] not in names:
             continue
         start = time.perf_counter()
+        if args.in_process:
+            rows.append(_in_process(i, ways, start))
+            print(json.dumps(rows[-1]), flush=True)
+            _write(args.out, rows)
+            continue
         try:
             proc = subprocess.run(
                 [sys.executable, __file__, "--case", str(i), "--ways", args.ways],
@@ -156,9 +204,7 @@ def main():
         time.sleep(2)  # the chip is free again before the next process
     passed = sum(r["rc"] == 0 for r in rows)
     print(f"jit grid: {passed} of {len(rows)} cases passed")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    _write(args.out, rows)
     sys.exit(0 if passed == len(rows) else 1)
 
 
