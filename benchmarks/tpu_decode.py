@@ -10,7 +10,8 @@ would), one device. Rows, for each expert format (`bf16`, `int8`,
 `float8_e4m3fn`, `mxfp4`), token count and GMM backend (`auto`, and the backend
 `auto` picked before, `ragged_dot`, with `--compare`):
 
-- `ms`: min forward time over repetitions run round-robin;
+- `ms`: min forward time over repetitions run round-robin (wall clock, with the
+  host's dispatch and wait; `floor_ms` is that of a jitted `x + 1`);
 - `over_bf16`: that over the bfloat16 layer's at the same tokens and backend
   (goals: int8 and FP8 <= 0.8, MXFP4 <= 0.6 at 1 and 8 tokens; each <= 1.1 at 8192);
 - `temp_mib` and `stored_mib`: the compiled temporaries, and the experts' stored
@@ -106,6 +107,9 @@ def main():
     rows = []
     for tokens in map(int, args.tokens.split(",")):
         x = jr.normal(jr.key(tokens), (tokens, d_model), jnp.bfloat16)
+        # The host's share of a call: a jitted program that does almost nothing.
+        floor = _timed({"floor": (jax.jit(lambda x: x + 1), x)}, repeats)["floor"]
+        print(f"tokens {tokens}: dispatch floor {floor * 1e3:.3f} ms", flush=True)
         touched = np.unique(
             np.asarray(base.router(x, jnp.ones((tokens,), bool)).experts)
         )
@@ -143,6 +147,7 @@ def main():
                     format=fmt,
                     backend=backend,
                     ms=seconds * 1e3,
+                    floor_ms=floor * 1e3,
                     **meta[fmt],
                 )
                 row["temp_over_stored"] = row["temp_mib"] / row["stored_mib"]

@@ -156,7 +156,9 @@ def main():
     p.add_argument("--case", type=int, default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=int, default=240)
-    p.add_argument("--cases", default=None, help="comma-separated names (default: all)")
+    p.add_argument(
+        "--cases", default=None, help="comma-separated names, run in that order"
+    )
     p.add_argument("--ways", default=",".join(WAYS), help="comma-separated ways")
     p.add_argument("--in-process", action="store_true", help="no process per case")
     args = p.parse_args()
@@ -168,10 +170,14 @@ def main():
         run_case(args.case, ways)
         return
     rows = []
-    names = None if args.cases is None else set(args.cases.split(","))
-    for i, case in enumerate(CASES):
-        if names is not None and case[0] not in names:
-            continue
+    # The cases in the order `--cases` names them (cheap ones first, say).
+    index = {case[0]: i for i, case in enumerate(CASES)}
+    names = list(index) if args.cases is None else args.cases.split(",")
+    unknown = sorted(set(names) - set(index))
+    if unknown:
+        p.error(f"unknown --cases {unknown}; known: {list(index)}")
+    for i in (index[name] for name in names):
+        case = CASES[i]
         start = time.perf_counter()
         if args.in_process:
             rows.append(_in_process(i, ways, start))

@@ -85,24 +85,25 @@ class MoELayer(eqx.Module):
     output_norm: Float[Array, " d_model"] | None = None
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
-        router_key, experts_key, shared_key = jr.split(key, 3)
         self.config = config
-        self.router = Router(config, key=router_key)
-        self.experts = Experts(config, key=experts_key, dtype=dtype)
-        self.shared_experts = (
-            SharedExperts(config, key=shared_key, dtype=dtype)
-            if config.shared_d_ff > 0
-            else None
-        )
-        self.expert_ids = jnp.arange(config.num_experts, dtype=jnp.int32)
-        self.output_bias = (
-            jnp.zeros((config.d_model,), dtype) if config.output.bias else None
-        )
-        self.output_norm = (
-            jnp.ones((config.d_model,), dtype)
-            if config.output.norm_eps is not None
-            else None
-        )
+        built = None
+        if jax.default_backend() != "cpu":
+            # One compiled program, not one per array: each eager operation is a
+            # compilation of its own, slow on an accelerator (docs/measured.md).
+            try:
+                built = _initial_fields_jit(config, dtype, key)
+            except TypeError:  # a setting of the user's own that cannot be hashed
+                pass
+        if built is None:
+            built = _initial_fields(config, dtype, key)
+        (
+            self.router,
+            self.experts,
+            self.shared_experts,
+            self.expert_ids,
+            self.output_bias,
+            self.output_norm,
+        ) = built
 
     def __call__(
         self,
@@ -249,6 +250,29 @@ def _check_replayed(stats: MoEStats, router, forced) -> None:
         f"expert ids (`experts=`, routing replay): {int(bad)} ids were not used. A "
         "router must use `experts` when it is given (see `moe_eqx.AbstractRouter`)."
     )
+
+
+def _initial_fields(config: MoEConfig, dtype, key: PRNGKeyArray) -> tuple:
+    """A new layer's fields but its config: the stages, drawn from `key`."""
+    router_key, experts_key, shared_key = jr.split(key, 3)
+    shared = (
+        SharedExperts(config, key=shared_key, dtype=dtype)
+        if config.shared_d_ff > 0
+        else None
+    )
+    return (
+        Router(config, key=router_key),
+        Experts(config, key=experts_key, dtype=dtype),
+        shared,
+        jnp.arange(config.num_experts, dtype=jnp.int32),
+        jnp.zeros((config.d_model,), dtype) if config.output.bias else None,
+        jnp.ones((config.d_model,), dtype)
+        if config.output.norm_eps is not None
+        else None,
+    )
+
+
+_initial_fields_jit = eqx.filter_jit(_initial_fields)
 
 
 def _check_input(x, cfg: MoEConfig) -> None:

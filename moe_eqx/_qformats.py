@@ -57,17 +57,19 @@ class Int8(AbstractQuantFormat):
 
 
 class FP8Blocks(AbstractQuantFormat):
-    """`"float8_e4m3fn"`: `values` `uint8` `[..., K, N]`, the FP8 E4M3 bit
-    patterns; `scales` `uint32` `[..., ceil(K / 128), ceil(N / 128)]`, the bits of
+    """`"float8_e4m3fn"`: `values` `int8` `[..., K, N]`, the FP8 E4M3 bit
+    patterns (bytes as `int8`, the TPU kernels' byte type; `uint8` bytes are
+    reinterpreted on construction); `scales` `uint32` `[..., ceil(K / 128), ceil(N / 128)]`, the bits of
     one float32 scale per 128 x 128 block (DeepSeek-V3's `weight_scale_inv`),
     `amax / 448` (1 for a zero block); values rounded to nearest even. Stored in
     `parts` (a gate and an up projection side by side), each part is blocked from
     its own first column."""
 
     name: ClassVar[str] = "float8_e4m3fn"
-    values_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
+    values_dtype: ClassVar[np.dtype] = np.dtype(np.int8)
     scales_dtype: ClassVar[np.dtype] = np.dtype(np.uint32)
     has_parts: ClassVar[bool] = True
+    bit_patterns: ClassVar[bool] = True
 
     def scales_shape(self, values_shape, parts):
         k, n = _k_n(values_shape, self.name)
@@ -98,18 +100,20 @@ class FP8Blocks(AbstractQuantFormat):
 
 
 class MXFP4(AbstractQuantFormat):
-    """`"mxfp4"`: `values` `uint8` `[..., N, K / 2]`, two FP4 E2M1 codes per byte
+    """`"mxfp4"`: `values` `[..., N, K / 2]`, two FP4 E2M1 codes per byte
     (byte `j` of row `n`: `K = 2 j` in its low half, `2 j + 1` in its high half),
     blocks of 32 along the contracting axis `K`, which it must divide; `scales`
-    `uint8` `[..., N, K / 32]`, E8M0 exponents, the OCP MX scale
+    `[..., N, K / 32]`, E8M0 exponents (both bytes as `int8`, the TPU kernels' byte
+    type; `uint8` bytes are reinterpreted on construction), the OCP MX scale
     `2 ** (floor(log2(amax)) - 2)`; each code the E2M1 value nearest `w / scale`
     (ties to an even code), saturating at 6. gpt-oss's `*_blocks`
     `[..., N, K / 32, 16]` are these bytes: `blocks.reshape(*blocks.shape[:-2], -1)`.
     (No axis of 16 bytes: a TPU pads a minor axis to 128 lanes.)"""
 
     name: ClassVar[str] = "mxfp4"
-    values_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
-    scales_dtype: ClassVar[np.dtype] = np.dtype(np.uint8)
+    values_dtype: ClassVar[np.dtype] = np.dtype(np.int8)
+    scales_dtype: ClassVar[np.dtype] = np.dtype(np.int8)
+    bit_patterns: ClassVar[bool] = True
     layout: ClassVar[str] = (
         "`[..., N, K / 2]`: gpt-oss's `*_blocks` `[..., N, K / 32, 16]` reshape them "
         "to `[..., N, K / 2]`"
@@ -129,7 +133,7 @@ class MXFP4(AbstractQuantFormat):
         return (*values_shape[:-2], values_shape[-1] * 2, values_shape[-2])
 
     def dequantize(self, values, scales, dtype, parts):
-        return _mxfp4_in_out(values, scales, dtype)
+        return _mxfp4_in_out(_bits(values, jnp.uint8), _bits(scales, jnp.uint8), dtype)
 
     def quantize(self, w):
         k = w.shape[-2]
@@ -167,7 +171,7 @@ def _quantize_fp8(w):
     scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
     full = jnp.repeat(jnp.repeat(scale, br, axis=-2)[..., :k, :], bc, axis=-1)
     q = jnp.clip(w / full[..., :n], -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
-    return _bits(q, jnp.uint8), _bits(scale, jnp.uint32)
+    return _bits(q, jnp.int8), _bits(scale, jnp.uint32)
 
 
 # Rounding a magnitude to the nearest E2M1 value, ties to the even code: the code is
@@ -206,7 +210,10 @@ def _quantize_mxfp4(w):
     code = code.astype(jnp.uint8)
     packed = code[..., 0::2, :] | (code[..., 1::2, :] << 4)  # [..., K / 32, 16, N]
     packed = packed.reshape(*lead, k // 2, n)  # [..., K / 2, N]
-    return jnp.swapaxes(packed, -1, -2), jnp.swapaxes(byte, -1, -2).astype(jnp.uint8)
+    byte = byte.astype(jnp.uint8)
+    return _bits(jnp.swapaxes(packed, -1, -2), jnp.int8), _bits(
+        jnp.swapaxes(byte, -1, -2), jnp.int8
+    )
 
 
 for _fmt in (Int8(), FP8Blocks(), MXFP4()):

@@ -216,6 +216,10 @@ class AbstractQuantFormat(eqx.Module):
     has_parts: ClassVar[bool] = False
     # The layout of `values`, for error messages.
     layout: ClassVar[str] = "`[..., K, N]`"
+    # Whether `values` and `scales` are bit patterns (FP8, E8M0 bytes), which a
+    # `QuantizedArray` takes in either signedness of their width and reinterprets
+    # (not integers whose value is their meaning, as int8's values).
+    bit_patterns: ClassVar[bool] = False
 
     @abc.abstractmethod
     def scales_shape(
@@ -307,8 +311,26 @@ def quant_format(fmt: "str | AbstractQuantFormat") -> AbstractQuantFormat:
 FP8_BLOCK = (128, 128)
 
 
-def _bits(a: Array, dtype) -> Array:
-    return jax.lax.bitcast_convert_type(a, dtype)
+def _bits(a: Array | np.ndarray, dtype) -> Array:
+    return jax.lax.bitcast_convert_type(jnp.asarray(a), dtype)
+
+
+def _as_stored(a, want):
+    """`a` reinterpreted as `want` when it holds integers of the same width and the
+    other signedness (a bitcast: the same bytes); else `a` as it is."""
+    dtype = getattr(a, "dtype", None)
+    want = np.dtype(want)
+    if (
+        dtype is None
+        or np.dtype(dtype) == want
+        or want.kind not in "iu"
+        or np.dtype(dtype).kind not in "iu"
+        or np.dtype(dtype).itemsize != want.itemsize
+    ):
+        return a
+    if isinstance(a, np.ndarray):
+        return a.view(want)
+    return jax.lax.bitcast_convert_type(a, want)
 
 
 class QuantizedArray(eqx.Module):
@@ -342,6 +364,16 @@ class QuantizedArray(eqx.Module):
     fmt: str = eqx.field(static=True)
     dtype: np.dtype = eqx.field(static=True, converter=np.dtype)
     parts: int = eqx.field(static=True, default=1)
+
+    def __init__(self, values, scales, fmt: str, dtype, parts: int = 1):
+        # Bytes of the other signedness than the format stores (`uint8` where it
+        # stores `int8`, as checkpoints hold them) are reinterpreted, not converted.
+        found = _FORMATS.get(fmt)
+        if found is not None and found.bit_patterns:
+            values = _as_stored(values, found.values_dtype)
+            scales = _as_stored(scales, found.scales_dtype)
+        self.values, self.scales, self.fmt = values, scales, fmt
+        self.dtype, self.parts = np.dtype(dtype), parts
 
     def __check_init__(self):
         fmt = quant_format(self.fmt)

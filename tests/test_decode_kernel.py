@@ -26,6 +26,20 @@ def _close(a, b, tol):
     np.testing.assert_allclose(a, b, atol=tol * max(1.0, np.abs(b).max()), rtol=0)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+def test_kernel_reads_the_stored_bytes_themselves(fmt):
+    """The kernel's weight operands are the stored `int8` bytes themselves: any
+    conversion on the way (a bitcast, even `uint8` to `int8`) was a copy of every
+    expert's weight in each decode step on a TPU (docs/measured.md, "TPU")."""
+    from moe_eqx._gmm.pallas_tpu import _weight_operands
+
+    w = quantize(jr.normal(jr.key(1), (G, K, N)), fmt)
+    _, arrays, _ = _weight_operands(w, K, N)
+    assert arrays[0] is w.values and w.values.dtype == jnp.int8
+    if fmt == "mxfp4":
+        assert arrays[1] is w.scales and w.scales.dtype == jnp.int8
+
+
 @pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_values_match_dequantizing_first(fmt, dtype):

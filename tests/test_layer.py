@@ -155,3 +155,54 @@ def test_bfloat16_weights_expert_parallel(getkey, overrides):
             jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))
         )
         assert err <= 2e-2 * scale, (err, scale)
+
+
+def test_compiled_initialisation_draws_the_same_layer(monkeypatch):
+    """Off the CPU a layer's arrays are drawn in one compiled program (each eager
+    operation is a compilation of its own there): the same arrays as drawn one
+    operation at a time (up to the last bit, where XLA folds the scale into the
+    draw), every optional array included; a setting that cannot be hashed (so
+    cannot key a compiled program) is drawn eagerly, bit for bit."""
+    from moe_eqx import _layer
+
+    cfg = me.MoEConfig(
+        d_model=32,
+        d_ff=16,
+        num_experts=4,
+        top_k=2,
+        use_router_bias=True,
+        shared_d_ff=8,
+        shared_gate=True,
+        output=me.OutputTransform(bias=True, norm_eps=1e-6),
+        expert_options=me.ExpertOptions(bias=True),
+    )
+    eager = me.MoELayer(cfg, dtype=jnp.bfloat16, key=jr.key(3))
+    calls = []
+    compiled = _layer._initial_fields_jit
+
+    def counted(*args):
+        calls.append(args)
+        return compiled(*args)
+
+    monkeypatch.setattr(_layer, "_initial_fields_jit", counted)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    built = me.MoELayer(cfg, dtype=jnp.bfloat16, key=jr.key(3))
+    assert len(calls) == 1
+    leaves = jax.tree.leaves(eager)
+    assert len(leaves) == len(jax.tree.leaves(built)) == 12
+    assert jax.tree.structure(eager) == jax.tree.structure(built)
+    for a, b in zip(leaves, jax.tree.leaves(built), strict=True):
+        assert a.dtype == b.dtype
+        # One float32 ulp, or one bfloat16 ulp where that rounding flips.
+        rtol = 1e-6 if a.dtype != jnp.bfloat16 else 2.0**-7
+        np.testing.assert_allclose(
+            np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol, atol=0
+        )
+
+    def unhashable(*args):
+        raise TypeError("unhashable")
+
+    monkeypatch.setattr(_layer, "_initial_fields_jit", unhashable)
+    again = me.MoELayer(cfg, dtype=jnp.bfloat16, key=jr.key(3))
+    for a, b in zip(leaves, jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -35,7 +35,7 @@ def test_fp8_round_trip_is_within_half_a_step():
     # Partial blocks on both axes (200 = 128 + 72, 136 = 128 + 8).
     w = _weights(0, (2, 200, 136))
     q = _quant.quantize(w, "float8_e4m3fn")
-    assert q.values.dtype == jnp.uint8 and q.scales.shape == (2, 2, 2)
+    assert q.values.dtype == jnp.int8 and q.scales.shape == (2, 2, 2)
     got = np.asarray(q.dequantize())
     scale = np.asarray(jax.lax.bitcast_convert_type(q.scales, jnp.float32))
     full = np.repeat(np.repeat(scale, 128, axis=1)[:, :200], 128, axis=2)[..., :136]
@@ -64,7 +64,7 @@ def test_mxfp4_round_trip_is_the_nearest_code():
     w = np.asarray(_weights(1, (2, 64, 24)))
     q = _quant.quantize(jnp.asarray(w), "mxfp4")
     assert q.values.shape == (2, 24, 32) and q.scales.shape == (2, 24, 2)
-    assert q.scales.dtype == jnp.uint8
+    assert q.values.dtype == q.scales.dtype == jnp.int8  # bytes
     got = np.asarray(q.dequantize())
     err = np.swapaxes(np.abs(got - w), -1, -2).reshape(2, 24, 2, 32)
     np.testing.assert_allclose(err, _mxfp4_nearest(w), rtol=1e-6, atol=0)
@@ -356,9 +356,20 @@ def test_quantized_arrays_cannot_be_built_or_indexed_invalid(fmt):
     for index in ((slice(None), 0), (0, 0), Ellipsis, None, 0.5, (1, slice(None), 3)):
         with pytest.raises(ValueError, match="QuantizedArray"):
             q[index]
-    wrong_values = (
-        q.values.view(jnp.uint8) if fmt == "int8" else q.values.view(jnp.int8)
-    )
+    if fmt == "int8":  # integers: unsigned ones would mean other values
+        wrong_values = q.values.view(jnp.uint8)
+    else:  # bit patterns: the other signedness is the same bytes, reinterpreted
+        wrong_values = q.values.astype(jnp.int32)
+        same = _quant.QuantizedArray(
+            np.asarray(q.values).view(np.uint8),
+            jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+            if fmt == "mxfp4"
+            else q.scales,
+            fmt,
+            jnp.float32,
+        )
+        assert same.values.dtype == q.values.dtype
+        np.testing.assert_array_equal(same.dequantize(), q.dequantize())
     with pytest.raises(
         ValueError, match=r"`QuantizedArray.values` of format .* must be"
     ):
@@ -378,5 +389,7 @@ def test_mxfp4_takes_the_checkpoints_blocks_reshaped():
     blocks = q.values.reshape(2, 24, 2, 16)
     with pytest.raises(ValueError, match=r"reshape them to `\[\.\.\., N, K / 2\]`"):
         me.QuantizedArray(blocks, q.scales, "mxfp4", jnp.float32)
-    want = _quant.dequantize_mxfp4(np.asarray(blocks), np.asarray(q.scales))
+    want = _quant.dequantize_mxfp4(
+        np.asarray(blocks).view(np.uint8), np.asarray(q.scales).view(np.uint8)
+    )
     np.testing.assert_array_equal(q.dequantize(), np.swapaxes(want, -1, -2))

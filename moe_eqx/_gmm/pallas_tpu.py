@@ -176,15 +176,13 @@ def _weight_operands(w, k: int, n: int):
     leading axis is the group, the block's `None`."""
     if not is_quantized(w):
         return None, (w,), ((None, k, None),)
-    if w.fmt == "mxfp4":
-        # The stored `[G, N, K / 2]` bytes as they are.
-        values = jax.lax.bitcast_convert_type(w.values, jnp.int8)
-        scales = jax.lax.bitcast_convert_type(w.scales, jnp.int8)  # [G, N, K / 32]
+    # The stored bytes as they are, `int8` (a bitcast, even of `uint8` to `int8`,
+    # is a copy of the whole weight on a TPU when it feeds a kernel).
+    if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[G, N, K / 32]`
+        values, scales = w.values, w.scales
         return "mxfp4", (values, scales), ((None, None, k // 2), (None, None, k // 32))
     _, scales = kernel_operands(w, k, n)  # scales: [G, rows of K, N] float32
-    # The stored bytes as they are (a bitcast through float8 was a copy on a TPU).
-    values = jax.lax.bitcast_convert_type(w.values, jnp.int8)
-    return w.fmt, (values, scales), ((None, k, None), (None, scales.shape[1], None))
+    return w.fmt, (w.values, scales), ((None, k, None), (None, scales.shape[1], None))
 
 
 def decode_gmm(
@@ -415,7 +413,8 @@ class PallasTPUGMM(AbstractGMMBackend):
         lo, hi = NORMAL_SCALE_BYTES
         edge = jnp.zeros((), bool)
         for w in mxfp4:
-            edge = edge | jnp.any((w.scales < lo) | (w.scales > hi))
+            byte = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+            edge = edge | jnp.any((byte < lo) | (byte > hi))
 
         def exact(x, w_gate_up, w_down, group_sizes):
             # One expert's float matrices at a time: no float copy of them all.
