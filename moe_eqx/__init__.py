@@ -58,6 +58,7 @@ from ._hf import (
 )
 from ._layer import MoELayer as MoELayer
 from ._oracle import reference_moe as reference_moe
+from ._output import LayerOutput as LayerOutput
 from ._overflow import overflow_predicate as overflow_predicate
 from ._planner import (
     DuplicationPlan as DuplicationPlan,

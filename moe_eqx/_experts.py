@@ -31,6 +31,25 @@ def _check_float(dtype) -> None:
         )
 
 
+def _check_width(owner: str, activation, w_gate_up, w_down) -> None:
+    """The first product's width fits the activation (`2 d_ff` gated, `d_ff` not),
+    else a `ValueError` naming the stage: e.g. an ungated activation swapped onto
+    gated weights."""
+    shape_up = getattr(w_gate_up, "shape", None)
+    shape_down = getattr(w_down, "shape", None)
+    if shape_up is None or shape_down is None or len(shape_down) < 2:
+        return  # a tree of other leaves (specs, tangents)
+    d_ff = shape_down[-2]
+    want = first_width(activation, d_ff)
+    if shape_up[-1] != want:
+        raise ValueError(
+            f"`{owner}.w_gate_up` has {shape_up[-1]} columns; its activation "
+            f"{type(activation).__name__} ({'gated' if activation.gated else 'ungated'}) "
+            f"with `d_ff` {d_ff} (`w_down`'s rows) needs {want}. A gated and an "
+            "ungated activation need different weights: build new ones."
+        )
+
+
 class ExpertOptions(eqx.Module):
     """How a model's routed experts differ from `act(x @ W1_e) @ Wd_e` weighted by
     the routing weight (`MoEConfig.expert_options`).
@@ -86,30 +105,75 @@ class Experts(eqx.Module):
     activation: AbstractActivation = eqx.field(static=True)
     weight_on_input: bool = eqx.field(static=True)
 
-    def __init__(self, config, *, dtype=jnp.float32, key: PRNGKeyArray):
-        """**Arguments:**
+    def __init__(
+        self,
+        w_gate_up,
+        w_down=None,
+        b_gate_up=None,
+        b_down=None,
+        *,
+        activation: "AbstractActivation | str" = "swiglu",
+        weight_on_input: bool = False,
+        dtype=jnp.float32,
+        key: PRNGKeyArray | None = None,
+    ):
+        """Either from its own fields, `Experts(w_gate_up, w_down, b_gate_up,
+        b_down, activation=..., weight_on_input=...)` (each as listed above;
+        `dataclasses.replace` of the experts works so), or from a config,
+        `Experts(config, dtype=..., key=key)`, as the layer builds them: the
+        config's settings, the weights initialised from `key` (normal, scaled by
+        `1 / sqrt(fan_in)`) and zero biases where it asks for them.
 
-        - `config`: the [`moe_eqx.MoEConfig`][] whose experts' settings it takes.
-        - `dtype`: the weights' floating-point dtype.
-        - `key`: for the weights' initialisation.
+        **Arguments:**
+
+        - `w_gate_up`: the weight (a float array or a `QuantizedArray`), or a
+            [`moe_eqx.MoEConfig`][].
+        - `w_down`, `b_gate_up`, `b_down`, `activation` (an
+            [`moe_eqx.AbstractActivation`][] or its name), `weight_on_input`: as the
+            fields (`w_down` required with a weight).
+        - `dtype`, `key`: with a config only: the weights' floating-point dtype and
+            the key of their initialisation.
         """
-        _check_float(dtype)
-        gu_key, down_key = jr.split(key)
-        e, h, f = config.num_experts, config.d_model, config.d_ff
-        self.activation = as_activation(config.activation)
-        self.weight_on_input = config.expert_options.weight_on_input
-        width = first_width(self.activation, f)
-        self.w_gate_up = (
-            jr.normal(gu_key, (e, h, width), jnp.float32) / h**0.5
-        ).astype(dtype)
-        self.w_down = (jr.normal(down_key, (e, f, h), jnp.float32) / f**0.5).astype(
-            dtype
-        )
-        if config.expert_options.bias:
-            self.b_gate_up = jnp.zeros((e, width), dtype)
-            self.b_down = jnp.zeros((e, h), dtype)
-        else:
-            self.b_gate_up = self.b_down = None
+        if not hasattr(w_gate_up, "shape"):  # a config
+            config = w_gate_up
+            if key is None:
+                raise ValueError("`Experts(config, key=...)` needs a `key`.")
+            _check_float(dtype)
+            gu_key, down_key = jr.split(key)
+            e, h, f = config.num_experts, config.d_model, config.d_ff
+            activation = as_activation(config.activation)
+            weight_on_input = config.expert_options.weight_on_input
+            width = first_width(activation, f)
+            w_gate_up = (jr.normal(gu_key, (e, h, width), jnp.float32) / h**0.5).astype(
+                dtype
+            )
+            w_down = (jr.normal(down_key, (e, f, h), jnp.float32) / f**0.5).astype(
+                dtype
+            )
+            if config.expert_options.bias:
+                b_gate_up = jnp.zeros((e, width), dtype)
+                b_down = jnp.zeros((e, h), dtype)
+        elif key is not None:
+            raise ValueError("`key` is for `Experts(config, key=...)` only.")
+        elif w_down is None:
+            raise TypeError("`Experts(w_gate_up, w_down, ...)` needs `w_down`.")
+        self.w_gate_up, self.w_down = w_gate_up, w_down
+        self.b_gate_up, self.b_down = b_gate_up, b_down
+        self.activation = as_activation(activation)
+        self.weight_on_input = boolean(weight_on_input)
+
+    def __check_init__(self):
+        if not isinstance(self.weight_on_input, bool):
+            raise ValueError(
+                f"`Experts.weight_on_input` must be True or False, got "
+                f"{self.weight_on_input!r}."
+            )
+        if self.weight_on_input and self.b_gate_up is not None:
+            raise ValueError(
+                "`Experts` with `weight_on_input=True` and biases is not supported (an "
+                "expert's bias would act on every token, routed or not)."
+            )
+        _check_width("Experts", self.activation, self.w_gate_up, self.w_down)
 
     @property
     def num_experts(self) -> int:
@@ -326,36 +390,79 @@ class SharedExperts(eqx.Module):
     scale: float = eqx.field(static=True)
     num_scored: int = eqx.field(static=True)
 
-    def __init__(self, config, *, dtype=jnp.float32, key: PRNGKeyArray):
-        """**Arguments:**
+    def __init__(
+        self,
+        w_gate_up,
+        w_down=None,
+        gate=None,
+        *,
+        activation: "AbstractActivation | str" = "swiglu",
+        scale: float = 1.0,
+        num_scored: int = 0,
+        dtype=jnp.float32,
+        key: PRNGKeyArray | None = None,
+    ):
+        """Either from its own fields, `SharedExperts(w_gate_up, w_down, gate,
+        activation=..., scale=..., num_scored=...)` (each as listed above;
+        `dataclasses.replace` works so), or from a config, `SharedExperts(config,
+        dtype=..., key=key)`, as the layer builds them (`shared_d_ff > 0`; the
+        weights and the gate initialised from `key`, normal, scaled by
+        `1 / sqrt(fan_in)`).
 
-        - `config`: the [`moe_eqx.MoEConfig`][] whose shared experts' settings it
-            takes (`shared_d_ff > 0`).
-        - `dtype`: the weights' floating-point dtype.
-        - `key`: for the weights' initialisation.
+        **Arguments:**
+
+        - `w_gate_up`: the weight, or a [`moe_eqx.MoEConfig`][].
+        - `w_down`, `gate`, `activation` (an [`moe_eqx.AbstractActivation`][] or its
+            name), `scale`, `num_scored`: as the fields (`w_down` required with a
+            weight).
+        - `dtype`, `key`: with a config only.
         """
-        if config.shared_d_ff < 1:
-            raise ValueError("`SharedExperts` needs `config.shared_d_ff > 0`.")
-        _check_float(dtype)
-        gu_key, down_key, gate_key = jr.split(key, 3)
-        h, f = config.d_model, config.shared_d_ff
-        combination = config.shared
-        own = combination.activation
-        self.activation = as_activation(
-            config.activation if own is None else own, "SharedCombination.activation"
-        )
-        self.scale = combination.scale
-        self.num_scored = combination.scored
-        width = first_width(self.activation, f)
-        self.w_gate_up = (jr.normal(gu_key, (h, width), jnp.float32) / h**0.5).astype(
-            dtype
-        )
-        self.w_down = (jr.normal(down_key, (f, h), jnp.float32) / f**0.5).astype(dtype)
-        self.gate = (
-            (jr.normal(gate_key, (h,), jnp.float32) / h**0.5).astype(dtype)
-            if config.shared_gate
-            else None
-        )
+        if not hasattr(w_gate_up, "shape"):  # a config
+            config = w_gate_up
+            if config.shared_d_ff < 1:
+                raise ValueError("`SharedExperts` needs `config.shared_d_ff > 0`.")
+            if key is None:
+                raise ValueError("`SharedExperts(config, key=...)` needs a `key`.")
+            _check_float(dtype)
+            gu_key, down_key, gate_key = jr.split(key, 3)
+            h, f = config.d_model, config.shared_d_ff
+            combination = config.shared
+            own = combination.activation
+            activation = as_activation(
+                config.activation if own is None else own,
+                "SharedCombination.activation",
+            )
+            scale, num_scored = combination.scale, combination.scored
+            width = first_width(activation, f)
+            w_gate_up = (jr.normal(gu_key, (h, width), jnp.float32) / h**0.5).astype(
+                dtype
+            )
+            w_down = (jr.normal(down_key, (f, h), jnp.float32) / f**0.5).astype(dtype)
+            gate = (
+                (jr.normal(gate_key, (h,), jnp.float32) / h**0.5).astype(dtype)
+                if config.shared_gate
+                else None
+            )
+        elif key is not None:
+            raise ValueError("`key` is for `SharedExperts(config, key=...)` only.")
+        elif w_down is None:
+            raise TypeError("`SharedExperts(w_gate_up, w_down, ...)` needs `w_down`.")
+        self.w_gate_up, self.w_down, self.gate = w_gate_up, w_down, gate
+        self.activation = as_activation(activation, "SharedExperts.activation")
+        self.scale = real(scale)
+        self.num_scored = integer(num_scored)
+
+    def __check_init__(self):
+        if not (
+            isinstance(self.scale, int | float)
+            and not isinstance(self.scale, bool)
+            and math.isfinite(self.scale)
+        ):
+            raise ValueError(
+                f"`SharedExperts.scale` must be a finite number, got {self.scale!r}."
+            )
+        check_int(self.num_scored, "SharedExperts.num_scored", minimum=0)
+        _check_width("SharedExperts", self.activation, self.w_gate_up, self.w_down)
 
     def __call__(
         self,

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._combine import add_identity, combine, weight_inputs
 from ._compat import concrete_mesh
-from ._config import EXECUTION_FIELDS, MoEConfig
+from ._config import EXECUTION_FIELDS, Execution, MoEConfig
 from ._dispatch import sort_by_expert
 from ._experts import Experts, SharedExperts, add_shared, expert_arrays, expert_ffn
 from ._fsdp import expert_specs, shared_specs
@@ -28,9 +28,10 @@ from ._mesh import (
     resolve_platform,
     spec_axes,
 )
+from ._output import LayerOutput, layer_output
 from ._permute import permute_rows
 from ._placement import physical_routing
-from ._rebuild import check_arrays_fit, check_settings, graft
+from ._rebuild import check_arrays_fit, graft, layer_config
 from ._router import AbstractRouter, Router, check_expert_ids, route_tokens
 from ._rules import has_explicit_axes
 from ._shard import expert_parallel_shard_body
@@ -64,28 +65,29 @@ class MoELayer(eqx.Module):
         `experts.w_gate_up[p]` is expert `expert_ids[p]`, on shard `p // (E / R)`.
         Identity by default; [`moe_eqx.rebalance_experts`][] re-places experts. The
         router and its bias keep logical ids.
-    - `config`: the [`moe_eqx.MoEConfig`][] (all static: no arrays), held here alone:
-        how the layer runs, and the recipe its stages were built from (each stage
-        holds the settings it computes with). Change it with
-        `layer.with_config(...)`, which rebuilds the stages it describes.
-    - `output_bias`: `[d_model]` added to every token's output with
-        `OutputTransform.bias` (JetMoE), else `None`.
-    - `output_norm`: `[d_model]`, the weight of the RMSNorm of the output with
-        `OutputTransform.norm_eps` (A.X-K1), else `None`.
+    - `output`: the [`moe_eqx.LayerOutput`][]: `routed_scale`
+        (`routed_scaling_factor`), and the optional output `bias` (JetMoE) and
+        RMSNorm (`norm`, `norm_eps`; A.X-K1).
+    - `execution`: the [`moe_eqx.Execution`][]: how the layer runs (buffer, overflow,
+        slots, backends, exchange, axes, chunks), which no stage computes with.
+
+    Every setting is held once, by the stage that computes with it; `layer.config`
+    is the [`moe_eqx.MoEConfig`][] they describe, read from them. Change a setting
+    at its home (`eqx.tree_at(lambda l: l.router, layer, dataclasses.replace(
+    layer.router, top_k=3))`) or by its config name with `layer.with_config(...)`,
+    which rebuilds the stages it describes.
     """
 
     router: AbstractRouter
     experts: Experts
     shared_experts: SharedExperts | None
     expert_ids: Int[Array, " experts"]
-    # A field, not a static one, so that `eqx.tree_at` reaches it: an `MoEConfig` has
-    # only static fields, so it is still all in the tree's structure.
-    config: MoEConfig
-    output_bias: Float[Array, " d_model"] | None = None
-    output_norm: Float[Array, " d_model"] | None = None
+    output: LayerOutput
+    # A field, not a static one, so that `eqx.tree_at` reaches it: an `Execution`
+    # has only static fields, so it is still all in the tree's structure.
+    execution: Execution
 
     def __init__(self, config: MoEConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
-        self.config = config
         built = None
         if jax.default_backend() != "cpu":
             # One compiled program, not one per array: each eager operation is a
@@ -101,9 +103,25 @@ class MoELayer(eqx.Module):
             self.experts,
             self.shared_experts,
             self.expert_ids,
-            self.output_bias,
-            self.output_norm,
+            self.output,
         ) = built
+        self.execution = config.execution
+
+    @property
+    def config(self) -> MoEConfig:
+        """The [`moe_eqx.MoEConfig`][] the layer's stages describe (read from them;
+        cached per description)."""
+        return layer_config(self)
+
+    @property
+    def output_bias(self) -> Float[Array, " d_model"] | None:
+        """`output.bias`."""
+        return self.output.bias
+
+    @property
+    def output_norm(self) -> Float[Array, " d_model"] | None:
+        """`output.norm`."""
+        return self.output.norm
 
     def __call__(
         self,
@@ -146,7 +164,6 @@ class MoELayer(eqx.Module):
         and a [`moe_eqx.MoEStats`][].
         """
         cfg = self.config
-        check_settings(self)
         _check_input(x, cfg)
         if experts is not None:
             check_ids(experts, x.shape[:-1], cfg)
@@ -171,7 +188,7 @@ class MoELayer(eqx.Module):
             )
             y = y.reshape(*batch_shape, cfg.d_model)
             _check_replayed(stats, self.router, experts)
-            return cfg.output(y, self.output_bias, self.output_norm), stats
+            return self.output(y), stats
         # A concrete `x` on other devices (e.g. committed to one) joins the mesh, and
         # `y` goes where `x` is (`output_home`).
         home = output_home(x, ambient)
@@ -196,7 +213,7 @@ class MoELayer(eqx.Module):
         if home is not None and back is not None:
             if not back.is_equivalent_to(home, y.ndim):
                 y = jax.device_put(y, home)
-        return cfg.output(y, self.output_bias, self.output_norm), stats
+        return self.output(y), stats
 
     def with_config(self, **changes) -> "MoELayer":
         """The layer with fields of its config replaced, on the same arrays: e.g.
@@ -221,7 +238,7 @@ class MoELayer(eqx.Module):
             return self
         if set(changes) <= set(EXECUTION_FIELDS) | {"execution"}:
             # How it runs: no stage holds any of it.
-            return eqx.tree_at(lambda l: l.config, self, cfg)
+            return eqx.tree_at(lambda l: l.execution, self, cfg.execution)
         check_arrays_fit(self, cfg)
         skeleton = eqx.filter_eval_shape(MoELayer, cfg, key=jr.key(0))
         if not isinstance(self.router, Router):  # a router of the user's own: kept
@@ -253,7 +270,7 @@ def _check_replayed(stats: MoEStats, router, forced) -> None:
 
 
 def _initial_fields(config: MoEConfig, dtype, key: PRNGKeyArray) -> tuple:
-    """A new layer's fields but its config: the stages, drawn from `key`."""
+    """A new layer's stages, drawn from `key`."""
     router_key, experts_key, shared_key = jr.split(key, 3)
     shared = (
         SharedExperts(config, key=shared_key, dtype=dtype)
@@ -265,10 +282,7 @@ def _initial_fields(config: MoEConfig, dtype, key: PRNGKeyArray) -> tuple:
         Experts(config, key=experts_key, dtype=dtype),
         shared,
         jnp.arange(config.num_experts, dtype=jnp.int32),
-        jnp.zeros((config.d_model,), dtype) if config.output.bias else None,
-        jnp.ones((config.d_model,), dtype)
-        if config.output.norm_eps is not None
-        else None,
+        layer_output(config, dtype),
     )
 
 

@@ -21,7 +21,6 @@ from ._activation import (
 from ._layer import MoELayer, check_ids
 from ._mesh import spec_axes
 from ._quant import as_float
-from ._rebuild import check_settings
 from ._rules import has_explicit_axes
 
 
@@ -55,7 +54,6 @@ def reference_moe(
     The shape and dtype of `x`, and its sharding when `x` is split over `Explicit`
     mesh axes (the oracle itself computes on replicated arrays).
     """
-    check_settings(layer)
     if experts is not None:
         check_ids(experts, x.shape[:-1], layer.config)
         experts = _replicate(experts).reshape(-1, layer.config.top_k)
@@ -109,7 +107,6 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
     ].add(jnp.where(real, routing.weights, 0.0))
     # Columns in physical order: the weights at position p are expert expert_ids[p].
     dense_w = dense_w[:, layer.expert_ids]
-    cfg = layer.config
     xf = x.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     w_gu = as_float(layer.experts.w_gate_up, jnp.float32)
@@ -133,7 +130,7 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
         y = jnp.einsum("te,eth->th", dense_w, out, precision=hp)
     identity = jnp.sum(jnp.where(real, 0.0, routing.weights), axis=1)
     y = y + identity[:, None] * xf
-    y = y * jnp.float32(cfg.routed_scaling_factor)
+    y = y * jnp.float32(layer.output.routed_scale)
     shared = layer.shared_experts
     if shared is not None:
         gu = jnp.dot(xf, shared.w_gate_up.astype(jnp.float32), precision=hp)
@@ -146,12 +143,12 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
             gate = jnp.dot(xf, shared.gate.astype(jnp.float32), precision=hp)
             s = s * jax.nn.sigmoid(gate)[:, None]
         y = y + s * jnp.float32(shared.scale)
-    if layer.output_bias is not None:
-        y = y + layer.output_bias.astype(jnp.float32)[None, :]
-    if layer.output_norm is not None:
-        eps = cfg.output.norm_eps
-        rms = jnp.sqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
-        y = layer.output_norm.astype(jnp.float32)[None, :] * (y / rms)
+    out = layer.output
+    if out.bias is not None:
+        y = y + out.bias.astype(jnp.float32)[None, :]
+    if out.norm is not None:
+        rms = jnp.sqrt(jnp.mean(y * y, axis=-1, keepdims=True) + out.norm_eps)
+        y = out.norm.astype(jnp.float32)[None, :] * (y / rms)
     return y.astype(x.dtype).reshape(*batch_shape, x.shape[-1])
 
 

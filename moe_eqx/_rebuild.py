@@ -1,17 +1,23 @@
-"""`MoELayer.with_config`'s rebuild: a layer's arrays grafted onto the stages a new
-config describes, after checking that they fit. Each function takes the layer's
-class from the layer it is given (no import of the layer)."""
+"""A layer's config and its stages: the config the stages describe
+(`layer_config`, which `MoELayer.config` reads), and `MoELayer.with_config`'s
+rebuild, the layer's arrays grafted onto the stages a new config describes after
+checking that they fit. Each function takes the layer's class from the layer it is
+given (no import of the layer)."""
 
-import dataclasses
 import functools as ft
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 
+from ._activation import ACTIVATIONS
+from ._combine import OutputTransform
 from ._config import MoEConfig
+from ._experts import ExpertOptions, SharedCombination
 from ._quant import QuantizedArray
 from ._router import Router
+from ._scoring import SCORES
 
 
 def _is_weight(a) -> bool:
@@ -95,48 +101,199 @@ def check_arrays_fit(layer, cfg: MoEConfig) -> None:
         )
 
 
-@ft.lru_cache(maxsize=64)
-def _described(layer_class, cfg: MoEConfig):
-    """The stages `cfg` describes (their settings; arrays as shapes only)."""
-    return eqx.filter_eval_shape(layer_class, cfg, key=jr.key(0))
-
-
-def _disagreements(name: str, have, want) -> list[str]:
-    if have is None or want is None:  # the arrays' presence is the stage's own
-        return []
-    return [
-        f"`{name}.{f.name}` is {getattr(have, f.name)!r}, the config describes "
-        f"{getattr(want, f.name)!r}"
-        for f in dataclasses.fields(have)
-        if f.metadata.get("static", False)
-        and getattr(have, f.name) != getattr(want, f.name)
-    ]
-
-
-def check_settings(layer) -> None:
-    """A `ValueError` naming each static setting on which `layer.config` and the
-    built-in stages that compute with it disagree (a config swapped in with
-    `eqx.tree_at`, or a stage's setting changed alone): the layer would silently
-    compute with the stage's. Static, so checked whenever a call is traced, which
-    any change of them forces. Which optional arrays a stage has (a selection bias,
-    a shared gate, an output bias) is the stage's own: it computes with them
-    whatever the config says. A router of the user's own (any class but `Router`)
-    is its own authority and is not compared."""
-    cfg = layer.config
-    try:
-        described = _described(type(layer), cfg)
-    except TypeError:  # an unhashable setting of a user's own
-        described = _described.__wrapped__(type(layer), cfg)
-    found = []
-    for name in ("router", "experts", "shared_experts"):
-        have = getattr(layer, name)
-        if name == "router" and type(have) is not Router:
-            continue
-        found += _disagreements(name, have, getattr(described, name))
-    if found:
+def layer_config(layer) -> MoEConfig:
+    """The [`moe_eqx.MoEConfig`][] a layer's stages describe: every model setting
+    read from the one stage that holds it (the router's routing settings, the
+    experts' activation and options, the shared experts' combination, the output
+    stage's scale, bias and norm), the sizes from the arrays' shapes, and how it
+    runs from `layer.execution`. A router of the user's own declares its `top_k`,
+    `num_experts`, `num_identity` and `num_shared` as attributes, or they are read
+    from the shapes of the `Routing` it returns (traced once, not run); its other
+    settings are its own business (the config's defaults stand for them)."""
+    experts, shared = layer.experts, layer.shared_experts
+    if not all(hasattr(a, "shape") for a in (experts.w_gate_up, layer.expert_ids)):
         raise ValueError(
-            "The layer's stages disagree with `layer.config`: "
-            + "; ".join(found)
-            + ". Change a setting with `layer.with_config(...)`, which rebuilds the "
-            "stages it describes, not in one place alone."
+            "`layer.config` is read from the layer's stages and the shapes of its "
+            f"arrays; this tree's are {type(experts.w_gate_up).__name__}, not arrays "
+            "(`eqx.tree_at(lambda l: l.config, ...)` cannot change it: change a "
+            "setting at the stage that holds it, or with `layer.with_config(...)`)."
         )
+    d_model = experts.w_gate_up.shape[-2]
+    key = (
+        _settings_of(layer.router, d_model),
+        tuple(experts.w_gate_up.shape[-2:]),
+        experts.w_down.shape[-2],
+        layer.expert_ids.shape[-1],
+        experts.activation,
+        experts.b_gate_up is not None,
+        experts.weight_on_input,
+        None
+        if shared is None
+        else (
+            shared.w_down.shape[-2],
+            shared.gate is not None,
+            shared.scale,
+            shared.activation,
+            shared.num_scored,
+        ),
+        layer.output.routed_scale,
+        layer.output.bias is not None,
+        layer.output.norm_eps,
+        layer.execution,
+    )
+    try:
+        return _config_of(*key)
+    except TypeError:  # a setting of the user's own that cannot be hashed
+        return _config_of.__wrapped__(*key)
+
+
+def _named(value, names: dict):
+    """`value`'s shorthand name where it is one of `names`' objects, else itself."""
+    for name, obj in names.items():
+        if type(obj) is type(value) and obj == value:
+            return name
+    return value
+
+
+def _settings_of(router, d_model: int) -> tuple:
+    """The routing settings of `router` that a config holds, as a tuple (hashable)."""
+    if isinstance(router, Router):
+        return (
+            router.top_k,
+            router.num_experts,
+            router.num_identity,
+            router.num_shared,
+            _named(router.score, SCORES),
+            router.norm_topk,
+            router.num_groups,
+            router.top_groups,
+            router.bias is not None,
+            router.selection,
+            router.weighting,
+        )
+    names = ("top_k", "num_experts", "num_identity", "num_shared")
+    if all(isinstance(getattr(router, n, None), int) for n in names):
+        declared = tuple(getattr(router, n) for n in names)
+    else:
+        # Traced once per kind of router: its structure (static fields included),
+        # its arrays' shapes and its other leaves' values.
+        leaves, structure = jax.tree.flatten(router)
+        kind = tuple((a.shape, a.dtype) if eqx.is_array(a) else a for a in leaves)
+        try:
+            declared = _routing_shape_cache(structure, kind, _Unhashed(router), d_model)
+        except TypeError:  # a part of the router that cannot be hashed
+            declared = _routing_shape(router, d_model)
+    top_k, num_experts, num_identity, num_shared = declared
+    # Per-expert scores where the router scores shared experts (a config with
+    # softmax scores cannot have them); the router computes its own.
+    score = "sigmoid" if num_shared else "softmax"
+    return (top_k, num_experts, num_identity, num_shared, score, True, 1, 1, False)
+
+
+class _Unhashed:
+    """A value carried past `lru_cache`'s key (equal to any other)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self):
+        return 0
+
+    def __eq__(self, other):
+        return isinstance(other, _Unhashed)
+
+
+@ft.lru_cache(maxsize=64)
+def _routing_shape_cache(structure, kind, router, d_model):
+    return _routing_shape(router.value, d_model)
+
+
+def _routing_shape(router, d_model: int) -> tuple[int, int, int, int]:
+    """`(top_k, num_experts, num_identity, num_shared)` from the shapes of the
+    `Routing` the router returns for two tokens (traced, not run)."""
+    x = jax.ShapeDtypeStruct((2, d_model), jnp.float32)
+    valid = jax.ShapeDtypeStruct((2,), jnp.bool_)
+    try:
+        routing = eqx.filter_eval_shape(router, x, valid)
+        weights = routing.shared_weights
+        return (
+            routing.experts.shape[-1],
+            routing.counts.shape[-1],
+            routing.identity_counts.shape[-1],
+            0 if weights is None else weights.shape[-1],
+        )
+    except Exception as e:
+        raise ValueError(
+            f"The layer's router {type(router).__name__} could not be traced on "
+            f"`[2, {d_model}]` tokens to read its `top_k` and expert counts from the "
+            f"`Routing` it returns ({type(e).__name__}: {e}); declare them as its "
+            "attributes `top_k`, `num_experts`, `num_identity` and `num_shared`."
+        ) from e
+
+
+@ft.lru_cache(maxsize=256)
+def _config_of(
+    routing,
+    gate_up_shape,
+    d_ff,
+    num_experts,
+    activation,
+    expert_bias,
+    weight_on_input,
+    shared,
+    routed_scale,
+    output_bias,
+    norm_eps,
+    execution,
+) -> MoEConfig:
+    top_k, router_experts, num_identity, num_shared, score, norm_topk = routing[:6]
+    num_groups, top_groups, use_bias = routing[6:9]
+    selection, weighting = (
+        (routing[9], routing[10]) if len(routing) > 9 else (None,) * 2
+    )
+    if router_experts != num_experts:
+        raise ValueError(
+            f"The layer's router routes to {router_experts} experts, but it holds "
+            f"{num_experts} (`experts`, `expert_ids`)."
+        )
+    activation_name = _named(activation, ACTIVATIONS)
+    if shared is None:
+        shared_d_ff, shared_gate, combination = 0, False, SharedCombination()
+        if num_shared:
+            raise ValueError(
+                f"The layer's router scores {num_shared} shared experts, but the "
+                "layer has none (`shared_experts` is None)."
+            )
+    else:
+        shared_d_ff, shared_gate, scale, shared_activation, scored = shared
+        if scored != num_shared:
+            raise ValueError(
+                f"The layer's router scores {num_shared} shared experts, but its "
+                f"shared experts are {scored} (`SharedExperts.num_scored`)."
+            )
+        own = None if shared_activation == activation else shared_activation
+        combination = SharedCombination(
+            scale=scale, activation=_named(own, ACTIVATIONS), scored=scored
+        )
+    return MoEConfig(
+        d_model=gate_up_shape[0],
+        d_ff=d_ff,
+        num_experts=num_experts,
+        top_k=top_k,
+        score_func=score,
+        norm_topk=norm_topk,
+        num_groups=num_groups,
+        top_groups=top_groups,
+        use_router_bias=use_bias,
+        routed_scaling_factor=routed_scale,
+        shared_d_ff=shared_d_ff,
+        shared_gate=shared_gate,
+        num_identity_experts=num_identity,
+        activation=activation_name,
+        selection=selection,
+        weighting=weighting,
+        shared=combination,
+        output=OutputTransform(bias=output_bias, norm_eps=norm_eps),
+        expert_options=ExpertOptions(bias=expert_bias, weight_on_input=weight_on_input),
+        execution=execution,
+    )

@@ -474,4 +474,4 @@ def expert_parallel_shard(
         x,
         experts,
     )
-    return cfg.output(y, layer.output_bias, layer.output_norm), stats
+    return layer.output(y), stats

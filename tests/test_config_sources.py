@@ -1,11 +1,10 @@
-"""One value per setting: the layer holds its config once, each stage holds the
-settings it computes with, `MoELayer.with_config` rebuilds the stages a change
-describes (no frozen module mutated), and a router whose output does not fit the
-layer's config is refused."""
+"""One value per setting: each stage holds the settings it computes with and the
+layer holds no config (`layer.config` is read from the stages), a setting changed at
+its home takes effect and shows in `layer.config`, `MoELayer.with_config` rebuilds
+the stages a change describes (no frozen module mutated), and a router whose output
+does not fit the layer is refused."""
 
-import copy
 import dataclasses
-import re
 
 import equinox as eqx
 import jax
@@ -68,16 +67,127 @@ def test_a_changed_setting_changes_every_stage(getkey):
     assert not np.allclose(y, layer(x)[0], atol=1e-3)
 
 
-def test_the_config_is_held_once(getkey):
-    """The layer holds one `MoEConfig`; its stages hold their own settings, not a
-    copy of it."""
-    layer = make_layer(getkey(), top_k=3, shared_d_ff=8, num_slots=1)
-    assert _configs(layer) == [layer.config]
-    for stage in (layer.router, layer.experts, layer.shared_experts):
+ROUND_TRIP = [
+    dict(),
+    dict(
+        score_func="sigmoid",
+        num_groups=4,
+        top_groups=2,
+        use_router_bias=True,
+        routed_scaling_factor=2.5,
+        shared_d_ff=8,
+        shared_gate=True,
+        activation="geglu",
+        selection=me.Selection(group_top=1),
+        weighting=me.Weighting(floor=1e-6),
+        output=me.OutputTransform(bias=True, norm_eps=1e-5),
+        buffer_factor=1.5,
+        num_slots=1,
+    ),
+    dict(
+        score_func="sigmoid",
+        num_identity_experts=2,
+        shared_d_ff=8,
+        shared=me.SharedCombination(scale=0.5, activation="relu2", scored=2),
+        expert_options=me.ExpertOptions(bias=True),
+    ),
+    dict(expert_options=me.ExpertOptions(weight_on_input=True), top_k=1),
+]
+
+
+@pytest.mark.parametrize(
+    "changes", ROUND_TRIP, ids=["plain", "deepseek", "scored", "llama4"]
+)
+def test_the_config_is_read_from_the_stages(getkey, changes):
+    """No `MoEConfig` anywhere in a layer's pytree (static fields included), no
+    stage holds one, and the config the stages describe is the one the layer was
+    built from."""
+    cfg = me.MoEConfig(
+        **{**dict(d_model=16, d_ff=8, num_experts=8, top_k=2), **changes}
+    )
+    layer = me.MoELayer(cfg, key=getkey())
+    assert _configs(layer) == []
+    for stage in (layer.router, layer.experts, layer.shared_experts, layer.output):
         assert not hasattr(stage, "config")
-    assert layer.router.top_k == 3
-    # And the count can fail: a second config beside the layer's is found.
-    assert len(_configs((layer, [layer.config]))) == 2
+    assert layer.config == cfg
+    # And the count can fail: a config beside the layer is found.
+    assert len(_configs((layer, [cfg]))) == 1
+
+
+def _differences(a: me.MoEConfig, b: me.MoEConfig) -> dict:
+    return {
+        f.name: getattr(b, f.name)
+        for f in dataclasses.fields(a)
+        if getattr(a, f.name) != getattr(b, f.name)
+    }
+
+
+def test_every_setting_changes_at_its_home(getkey):
+    """Each model setting changed where it lives (`dataclasses.replace` of its stage,
+    swapped in with `eqx.tree_at`) changes the output, shows in `layer.config`, and
+    gives what `with_config` gives for the config it describes (on one device and
+    at EP4): the config is a complete view of the stages."""
+    cfg = me.MoEConfig(
+        d_model=16,
+        d_ff=8,
+        num_experts=8,
+        top_k=2,
+        shared_d_ff=8,
+        use_router_bias=True,
+        output=me.OutputTransform(norm_eps=1e-6),
+    )
+    layer = me.MoELayer(cfg, key=getkey())
+    layer = eqx.tree_at(lambda l: l.router.bias, layer, jnp.linspace(-0.3, 0.3, 8))
+    x = tokens(getkey(), 16)
+    y = layer(x)[0]
+
+    def at(where, **settings):
+        return eqx.tree_at(where, layer, dataclasses.replace(where(layer), **settings))
+
+    def router(l):
+        return l.router
+
+    def experts(l):
+        return l.experts
+
+    def shared(l):
+        return l.shared_experts
+
+    def output(l):
+        return l.output
+
+    homes = {
+        "router.top_k": at(router, top_k=3),
+        "router.norm_topk": at(router, norm_topk=False),
+        "router.score": at(router, score=me.Sigmoid()),
+        "router.groups": at(router, num_groups=2, top_groups=1),
+        "router.selection": at(router, selection=me.Selection(bias_on_logits=True)),
+        "router.weighting": at(router, weighting=me.Weighting(floor=0.4)),
+        "router.bias": eqx.tree_at(lambda l: l.router.bias, layer, jnp.zeros(8)),
+        "experts.activation": at(experts, activation=me.GeGLU()),
+        "shared_experts.scale": at(shared, scale=0.5),
+        "shared_experts.activation": at(shared, activation=me.GeGLU()),
+        "output.routed_scale": at(output, routed_scale=2.0),
+        "output.norm_eps": at(output, norm_eps=0.5),
+    }
+    for name, changed in homes.items():
+        changes = _differences(layer.config, changed.config)
+        if name == "router.bias":  # the array's values, not a setting
+            assert changes == {}
+            changes = None
+        else:
+            assert changes, name
+        for m in (None, mesh(4)):
+            got = changed(x, mesh=m)[0]
+            assert not np.allclose(got, y, atol=1e-4), name
+            if changes is not None:
+                want = layer.with_config(**changes)(x, mesh=m)[0]
+                np.testing.assert_allclose(
+                    got, want, rtol=1e-6, atol=1e-6, err_msg=name
+                )
+        np.testing.assert_allclose(
+            changed(x)[0], me.reference_moe(changed, x), rtol=2e-5, atol=2e-5
+        )
 
 
 def test_routing_settings_change_through_with_config(getkey):
@@ -94,20 +204,31 @@ def test_routing_settings_change_through_with_config(getkey):
         np.testing.assert_allclose(y, me.reference_moe(new, x), rtol=2e-5, atol=2e-5)
 
 
-def test_a_config_changed_in_one_place_is_refused(getkey):
-    """A config swapped in with `eqx.tree_at` alone, whose router still routes to 2
-    experts per token: the layer refuses the router's output, naming it."""
+def test_an_activation_that_does_not_fit_the_weights_is_refused(getkey):
+    """An ungated activation swapped onto gated weights (or the reverse) is a clear
+    error when the stage is built, not a shape error deep in a product."""
+    layer = make_layer(getkey(), shared_d_ff=8)
+    d_ff = layer.config.d_ff
+    with pytest.raises(
+        ValueError, match=rf"`Experts.w_gate_up` has {2 * d_ff} columns.*ReLU2"
+    ):
+        dataclasses.replace(layer.experts, activation=me.ReLU2())
+    with pytest.raises(ValueError, match=r"`SharedExperts.w_gate_up` has 16 columns"):
+        dataclasses.replace(layer.shared_experts, activation="relu2")
+    ungated = me.MoELayer(
+        dataclasses.replace(layer.config, activation="relu2"), key=getkey()
+    )
+    with pytest.raises(ValueError, match=rf"has {d_ff} columns.*needs {2 * d_ff}"):
+        dataclasses.replace(ungated.experts, activation=me.SwiGLU())
+
+
+def test_the_config_cannot_be_swapped_in(getkey):
+    """`layer.config` is read, not held: swapping one in with `eqx.tree_at` is a
+    clear error that says where settings are changed."""
     layer = make_layer(getkey())
     cfg = dataclasses.replace(layer.config, top_k=3)
-    bad = eqx.tree_at(lambda l: l.config, layer, cfg)
-    x = tokens(getkey(), 8)
-    match = r"`router.top_k` is 2, the config describes 3"
-    with pytest.raises(ValueError, match=match):
-        bad(x)
-    with pytest.raises(ValueError, match=match):
-        bad(x, mesh=mesh(4))
-    with pytest.raises(ValueError, match=match):
-        me.reference_moe(bad, x)
+    with pytest.raises(ValueError, match=r"with_config"):
+        eqx.tree_at(lambda l: l.config, layer, cfg)
 
 
 def test_with_config_keeps_a_router_of_ones_own(getkey):
@@ -118,6 +239,11 @@ def test_with_config_keeps_a_router_of_ones_own(getkey):
     layer = make_layer(getkey())
     own = HashRouter.of(layer.router, vocab=11, key=getkey())
     mine = eqx.tree_at(lambda l: l.router, layer, own)
+    # Its `top_k` and expert counts read from the `Routing` it returns (it
+    # declares no `num_experts`), the built-in router's other settings defaulted.
+    assert (mine.config.top_k, mine.config.num_experts) == (2, 8)
+    wider = dataclasses.replace(own, top_k=3)
+    assert eqx.tree_at(lambda l: l.router, layer, wider).config.top_k == 3
     new = mine.with_config(num_slots=1, activation="geglu")
     assert eqx.tree_equal(new.router, own)
     assert isinstance(new.experts.activation, me.GeGLU)
@@ -154,74 +280,3 @@ def test_with_config_turns_parameters_on_and_off(getkey):
     x = tokens(getkey(), 16)
     np.testing.assert_allclose(off(x)[0], layer(x)[0], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(on(x)[0], me.reference_moe(on, x), rtol=2e-5, atol=2e-5)
-
-
-def _with_static(stage, **settings):
-    """`stage` with static settings replaced in place of its constructor (which
-    takes a config): a stage's setting changed alone."""
-    new = copy.copy(stage)
-    for name, value in settings.items():
-        object.__setattr__(new, name, value)
-    return new
-
-
-def test_every_setting_changed_in_one_place_is_refused_or_used(getkey):
-    """Each static model setting changed at one place only (the config swapped in
-    with `eqx.tree_at`, or a stage's own setting) is a clear error naming it, never
-    the same output computed from the other copy; a setting held only by the config
-    (`routed_scaling_factor`, the output norm's epsilon) changes the output, and so
-    does an optional array set on a layer whose config has none (the stage's own)."""
-    cfg = me.MoEConfig(
-        d_model=16,
-        d_ff=8,
-        num_experts=8,
-        top_k=2,
-        shared_d_ff=8,
-        output=me.OutputTransform(norm_eps=1e-6),
-    )
-    layer = me.MoELayer(cfg, key=getkey())
-    x = tokens(getkey(), 16)
-    y = layer(x)[0]
-
-    def config(**changes):
-        return eqx.tree_at(
-            lambda l: l.config, layer, dataclasses.replace(cfg, **changes)
-        )
-
-    refused = {
-        "router.norm_topk": config(norm_topk=False),
-        "router.score": config(score_func="sigmoid"),
-        "router.num_groups": config(num_groups=2, top_groups=1),
-        "router.selection": config(selection=me.Selection(group_top=1)),
-        "router.weighting": config(weighting=me.Weighting(floor=1e-6)),
-        "experts.activation": config(activation="geglu"),
-        "shared_experts.scale": config(shared=me.SharedCombination(scale=0.5)),
-        "experts.activation is GeGLU": eqx.tree_at(
-            lambda l: l.experts,
-            layer,
-            _with_static(layer.experts, activation=me.GeGLU()),
-        ),
-        "router.norm_topk is False": eqx.tree_at(
-            lambda l: l.router, layer, _with_static(layer.router, norm_topk=False)
-        ),
-        "shared_experts.scale is 0.5": eqx.tree_at(
-            lambda l: l.shared_experts,
-            layer,
-            _with_static(layer.shared_experts, scale=0.5),
-        ),
-    }
-    for name, bad in refused.items():
-        with pytest.raises(ValueError, match=re.escape(f"`{name.split()[0]}")):
-            bad(x)
-    used = {
-        "router.bias": eqx.tree_at(
-            lambda l: l.router.bias,
-            layer,
-            jnp.arange(8.0),
-            is_leaf=lambda a: a is None,
-        ),
-        "routed_scaling_factor": config(routed_scaling_factor=2.0),
-        "output.norm_eps": config(output=me.OutputTransform(norm_eps=0.5)),
-    }
-    for name, changed in used.items():
-        assert not np.allclose(changed(x)[0], y), name

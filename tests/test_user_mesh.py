@@ -111,7 +111,7 @@ _ROOT = pathlib.Path(__file__).parents[1]
 _PAGES_WITH_CODE = {
     "README.md": 2,
     "docs/guide.md": 4,
-    "docs/own-stages.md": 7,
+    "docs/own-stages.md": 8,
     "docs/scaling-out.md": 5,
 }
 

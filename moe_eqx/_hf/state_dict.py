@@ -297,9 +297,9 @@ def import_layer(
     if logit_bias is not None:
         new[lambda l: l.router.logit_bias] = jnp.asarray(logit_bias)
     if output_bias is not None:
-        new[lambda l: l.output_bias] = arr(output_bias, layer.output_bias)
+        new[lambda l: l.output.bias] = arr(output_bias, layer.output.bias)
     if output_norm is not None:
-        new[lambda l: l.output_norm] = arr(output_norm, layer.output_norm)
+        new[lambda l: l.output.norm] = arr(output_norm, layer.output.norm)
     if expert_biases is not None:
         b_gu, b_dn = expert_biases
         new[lambda l: l.experts.b_gate_up] = arr(b_gu, layer.experts.b_gate_up)
