@@ -366,7 +366,7 @@ class SharedCombination(eqx.Module):
 class SharedExperts(eqx.Module):
     """The shared expert(s) every token goes through (DeepSeek-V3, Qwen2-MoE): one expert
     of width `shared_d_ff` (several shared experts are one wider one), optionally
-    scaled per token by `sigmoid(x @ gate)`, or with `num_scored = S` each of its `S`
+    scaled per token by `sigmoid(x @ gate)`, or, given the router's weights of `S`
     equal blocks of `shared_d_ff / S` hidden units scaled per token by that shared
     expert's routing weight.
 
@@ -379,8 +379,6 @@ class SharedExperts(eqx.Module):
     - `activation`: its [`moe_eqx.AbstractActivation`][]
         (`SharedCombination.activation`, else the routed experts').
     - `scale`: multiplies its output in the layer (`SharedCombination.scale`).
-    - `num_scored`: `S`, the shared experts the router scores
-        (`SharedCombination.scored`).
     """
 
     w_gate_up: Float[Array, "d_model two_d_ff"]
@@ -388,7 +386,6 @@ class SharedExperts(eqx.Module):
     gate: Float[Array, " d_model"] | None
     activation: AbstractActivation = eqx.field(static=True)
     scale: float = eqx.field(static=True)
-    num_scored: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -398,12 +395,11 @@ class SharedExperts(eqx.Module):
         *,
         activation: "AbstractActivation | str" = "swiglu",
         scale: float = 1.0,
-        num_scored: int = 0,
         dtype=jnp.float32,
         key: PRNGKeyArray | None = None,
     ):
         """Either from its own fields, `SharedExperts(w_gate_up, w_down, gate,
-        activation=..., scale=..., num_scored=...)` (each as listed above;
+        activation=..., scale=...)` (each as listed above;
         `dataclasses.replace` works so), or from a config, `SharedExperts(config,
         dtype=..., key=key)`, as the layer builds them (`shared_d_ff > 0`; the
         weights and the gate initialised from `key`, normal, scaled by
@@ -413,7 +409,7 @@ class SharedExperts(eqx.Module):
 
         - `w_gate_up`: the weight, or a [`moe_eqx.MoEConfig`][].
         - `w_down`, `gate`, `activation` (an [`moe_eqx.AbstractActivation`][] or its
-            name), `scale`, `num_scored`: as the fields (`w_down` required with a
+            name), `scale`: as the fields (`w_down` required with a
             weight).
         - `dtype`, `key`: with a config only.
         """
@@ -432,7 +428,7 @@ class SharedExperts(eqx.Module):
                 config.activation if own is None else own,
                 "SharedCombination.activation",
             )
-            scale, num_scored = combination.scale, combination.scored
+            scale = combination.scale
             width = first_width(activation, f)
             w_gate_up = (jr.normal(gu_key, (h, width), jnp.float32) / h**0.5).astype(
                 dtype
@@ -450,7 +446,6 @@ class SharedExperts(eqx.Module):
         self.w_gate_up, self.w_down, self.gate = w_gate_up, w_down, gate
         self.activation = as_activation(activation, "SharedExperts.activation")
         self.scale = real(scale)
-        self.num_scored = integer(num_scored)
 
     def __check_init__(self):
         if not (
@@ -461,7 +456,6 @@ class SharedExperts(eqx.Module):
             raise ValueError(
                 f"`SharedExperts.scale` must be a finite number, got {self.scale!r}."
             )
-        check_int(self.num_scored, "SharedExperts.num_scored", minimum=0)
         _check_width("SharedExperts", self.activation, self.w_gate_up, self.w_down)
 
     def __call__(
@@ -476,8 +470,9 @@ class SharedExperts(eqx.Module):
         **Arguments:**
 
         - `x`: `[T, d_model]`.
-        - `weights`: `[T, S]` per-token weights of the `S = num_scored` shared
-            experts (`Routing.shared_weights`); required exactly when `S > 0`.
+        - `weights`: `[T, S]` per-token weights of `S` shared experts the router
+            scores (`Routing.shared_weights`, `SharedCombination.scored = S`), each
+            `shared_d_ff / S` hidden units wide; `None` for unscored ones.
 
         **Returns:**
 
@@ -488,15 +483,14 @@ class SharedExperts(eqx.Module):
             "x", x, shape=(None, self.w_gate_up.shape[0]), kind="float", where=where
         )
         if weights is not None:
-            shape = (x.shape[0], self.num_scored)
+            shape = (x.shape[0], None)
             check_array("weights", weights, shape=shape, kind="float", where=where)
-        num_shared = self.num_scored
-        if (weights is None) != (num_shared == 0):
-            raise ValueError(
-                f"`weights` must be given exactly when the router scores the "
-                f"shared experts (`num_scored` is {num_shared}), got "
-                f"weights={weights!r}."
-            )
+            units, num_shared = self.w_down.shape[0], weights.shape[1]
+            if num_shared < 1 or units % num_shared:
+                raise ValueError(
+                    f"{where}: `weights` score {num_shared} shared experts, which "
+                    f"must divide the {units} hidden units (`shared_d_ff`)."
+                )
         return self.hidden_part(x, weights)
 
     def hidden_part(self, x, weights=None, *, activation=None, units=None):
@@ -511,7 +505,7 @@ class SharedExperts(eqx.Module):
             if weights is not None:
                 rows = self.w_down.shape[0]
                 start, total = (0, rows) if units is None else units
-                block = total // self.num_scored
+                block = total // weights.shape[1]
                 w = jnp.repeat(weights.astype(jnp.float32), block, axis=1)
                 act = act * jax.lax.dynamic_slice_in_dim(w, start, rows, axis=1)
             out = jnp.dot(act.astype(x.dtype), self.w_down.astype(x.dtype))

@@ -135,8 +135,9 @@ def _reference(layer: MoELayer, x: Float[Array, "*batch d_model"], forced=None):
     if shared is not None:
         gu = jnp.dot(xf, shared.w_gate_up.astype(jnp.float32), precision=hp)
         act = _reference_activation(shared.activation, gu)
-        if shared.num_scored:  # block s of hidden units times shared expert s's weight
-            block = shared.w_down.shape[0] // shared.num_scored
+        scored = routing.shared_weights
+        if scored is not None:  # block s of hidden units times shared expert s's weight
+            block = shared.w_down.shape[0] // scored.shape[1]
             act = act * jnp.repeat(routing.shared_weights, block, axis=1)
         s = jnp.dot(act, shared.w_down.astype(jnp.float32), precision=hp)
         if shared.gate is not None:

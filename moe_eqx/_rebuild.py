@@ -134,7 +134,6 @@ def layer_config(layer) -> MoEConfig:
             shared.gate is not None,
             shared.scale,
             shared.activation,
-            shared.num_scored,
         ),
         layer.output.routed_scale,
         layer.output.bias is not None,
@@ -265,15 +264,10 @@ def _config_of(
                 "layer has none (`shared_experts` is None)."
             )
     else:
-        shared_d_ff, shared_gate, scale, shared_activation, scored = shared
-        if scored != num_shared:
-            raise ValueError(
-                f"The layer's router scores {num_shared} shared experts, but its "
-                f"shared experts are {scored} (`SharedExperts.num_scored`)."
-            )
+        shared_d_ff, shared_gate, scale, shared_activation = shared
         own = None if shared_activation == activation else shared_activation
         combination = SharedCombination(
-            scale=scale, activation=_named(own, ACTIVATIONS), scored=scored
+            scale=scale, activation=_named(own, ACTIVATIONS), scored=num_shared
         )
     return MoEConfig(
         d_model=gate_up_shape[0],

@@ -43,7 +43,7 @@ def test_inkling_matches_its_block(num_shards, x):
     cfg, block = _block()
     layer = _assert_matches_block(block, cfg.to_dict(), x, num_shards)
     assert layer.config.shared.scored == 2 and layer.config.shared_d_ff == 24
-    assert layer.shared_experts.num_scored == layer.router.num_shared == 2
+    assert layer.config.shared.scored == layer.router.num_shared == 2
 
 
 # The wrapper: the text model's config under `text_config`, its weights under

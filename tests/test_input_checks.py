@@ -113,6 +113,16 @@ def test_shared_experts(layer):
         s,
         jnp.ones((3, H), jnp.int32),
     )
+    # Scored shared experts must split the hidden units evenly.
+    units = s.w_down.shape[0]
+    _raises(
+        ValueError,
+        rf"SharedExperts: `weights` score {units + 1} shared experts, which must "
+        rf"divide the {units} hidden units",
+        s,
+        _x(),
+        jnp.ones((_x().shape[0], units + 1)),
+    )
 
 
 def test_gmm():
