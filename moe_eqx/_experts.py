@@ -96,6 +96,10 @@ class Experts(eqx.Module):
     - `activation`: the [`moe_eqx.AbstractActivation`][] (`MoEConfig.activation`).
     - `weight_on_input`: the routing weight scales the expert's input
         (`ExpertOptions.weight_on_input`, Llama-4).
+    - `sizes`: `(E, d_model, d_ff)` of the whole weights, read from them when the
+        stage is built (static: the same inside `shard_map`, where a device holds
+        part of them, and in trees of other leaves); checked against them when the
+        layer is called.
     """
 
     w_gate_up: Float[Array, "experts d_model two_d_ff"] | QuantizedArray
@@ -104,6 +108,10 @@ class Experts(eqx.Module):
     b_down: Float[Array, "experts d_model"] | None
     activation: AbstractActivation = eqx.field(static=True)
     weight_on_input: bool = eqx.field(static=True)
+    # `(E, d_model, d_ff)` of the whole weights, read from them when built: kept
+    # inside `shard_map` (where each device holds a part) and in trees of the
+    # layer's structure whose leaves are not arrays (optimizer states, specs).
+    sizes: tuple[int, int, int] | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -114,6 +122,7 @@ class Experts(eqx.Module):
         *,
         activation: "AbstractActivation | str" = "swiglu",
         weight_on_input: bool = False,
+        sizes: tuple[int, int, int] | None = None,
         dtype=jnp.float32,
         key: PRNGKeyArray | None = None,
     ):
@@ -131,6 +140,8 @@ class Experts(eqx.Module):
         - `w_down`, `b_gate_up`, `b_down`, `activation` (an
             [`moe_eqx.AbstractActivation`][] or its name), `weight_on_input`: as the
             fields (`w_down` required with a weight).
+        - `sizes`: `(E, d_model, d_ff)`; read from the weights whenever they have
+            shapes (`dataclasses.replace` passes the old ones).
         - `dtype`, `key`: with a config only: the weights' floating-point dtype and
             the key of their initialisation.
         """
@@ -161,6 +172,11 @@ class Experts(eqx.Module):
         self.b_gate_up, self.b_down = b_gate_up, b_down
         self.activation = as_activation(activation)
         self.weight_on_input = boolean(weight_on_input)
+        up, down = getattr(w_gate_up, "shape", None), getattr(w_down, "shape", None)
+        if up is not None and down is not None and len(up) >= 3:
+            self.sizes = (int(up[-3]), int(up[-2]), int(down[-2]))
+        else:
+            self.sizes = sizes
 
     def __check_init__(self):
         if not isinstance(self.weight_on_input, bool):
@@ -177,7 +193,8 @@ class Experts(eqx.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.w_gate_up.shape[0]
+        """`E`, of the whole weights (see `sizes`)."""
+        return self.w_gate_up.shape[-3] if self.sizes is None else self.sizes[0]
 
     def with_biases_folded(
         self, x: Float[Array, "rows d_model"]
@@ -210,7 +227,7 @@ class Experts(eqx.Module):
 
         `[M, d_model]`; rows beyond `sum(group_sizes)` are zero.
         """
-        d_model, num_experts = self.w_gate_up.shape[1], self.num_experts
+        d_model, num_experts = self.w_gate_up.shape[1], self.w_gate_up.shape[0]
         check_array("x", x, shape=(None, d_model), kind="float", where="Experts")
         check_group_sizes(
             "group_sizes", group_sizes, num_experts, x.shape[0], "Experts"
@@ -379,6 +396,7 @@ class SharedExperts(eqx.Module):
     - `activation`: its [`moe_eqx.AbstractActivation`][]
         (`SharedCombination.activation`, else the routed experts').
     - `scale`: multiplies its output in the layer (`SharedCombination.scale`).
+    - `sizes`: `(d_model, shared_d_ff)` of the whole weights (as `Experts.sizes`).
     """
 
     w_gate_up: Float[Array, "d_model two_d_ff"]
@@ -386,6 +404,8 @@ class SharedExperts(eqx.Module):
     gate: Float[Array, " d_model"] | None
     activation: AbstractActivation = eqx.field(static=True)
     scale: float = eqx.field(static=True)
+    # `(d_model, shared_d_ff)` of the whole weights (as `Experts.sizes`).
+    sizes: tuple[int, int] | None = eqx.field(static=True, default=None)
 
     def __init__(
         self,
@@ -395,6 +415,7 @@ class SharedExperts(eqx.Module):
         *,
         activation: "AbstractActivation | str" = "swiglu",
         scale: float = 1.0,
+        sizes: tuple[int, int] | None = None,
         dtype=jnp.float32,
         key: PRNGKeyArray | None = None,
     ):
@@ -411,6 +432,8 @@ class SharedExperts(eqx.Module):
         - `w_down`, `gate`, `activation` (an [`moe_eqx.AbstractActivation`][] or its
             name), `scale`: as the fields (`w_down` required with a
             weight).
+        - `sizes`: `(d_model, shared_d_ff)`; read from the weights whenever they
+            have shapes.
         - `dtype`, `key`: with a config only.
         """
         if not hasattr(w_gate_up, "shape"):  # a config
@@ -446,6 +469,11 @@ class SharedExperts(eqx.Module):
         self.w_gate_up, self.w_down, self.gate = w_gate_up, w_down, gate
         self.activation = as_activation(activation, "SharedExperts.activation")
         self.scale = real(scale)
+        up, down = getattr(w_gate_up, "shape", None), getattr(w_down, "shape", None)
+        if up is not None and down is not None and len(down) >= 2:
+            self.sizes = (int(up[-2]), int(down[-2]))
+        else:
+            self.sizes = sizes
 
     def __check_init__(self):
         if not (

@@ -31,7 +31,7 @@ from ._mesh import (
 from ._output import LayerOutput, layer_output
 from ._permute import permute_rows
 from ._placement import physical_routing
-from ._rebuild import check_arrays_fit, graft, layer_config
+from ._rebuild import check_arrays_fit, check_sizes, graft, layer_config
 from ._router import AbstractRouter, Router, check_expert_ids, route_tokens
 from ._rules import has_explicit_axes
 from ._shard import expert_parallel_shard_body
@@ -111,16 +111,24 @@ class MoELayer(eqx.Module):
     def config(self) -> MoEConfig:
         """The [`moe_eqx.MoEConfig`][] the layer's stages describe (read from them;
         cached per description)."""
+        if type(self.expert_ids).__name__ == "_LeafWrapper":  # inside `eqx.tree_at`
+            raise ValueError(
+                "`layer.config` is read from the layer's stages, not held: "
+                "`eqx.tree_at(lambda l: l.config, ...)` cannot change it. Change a "
+                "setting at the stage that holds it, or with `layer.with_config(...)`."
+            )
         return layer_config(self)
 
+    # Unannotated: `eqx.tree_at(lambda l: l.output_bias, ...)` reaches the array
+    # through them (and finds a wrapped leaf, not an array).
     @property
-    def output_bias(self) -> Float[Array, " d_model"] | None:
-        """`output.bias`."""
+    def output_bias(self):
+        """`output.bias`: `[d_model]` or `None`."""
         return self.output.bias
 
     @property
-    def output_norm(self) -> Float[Array, " d_model"] | None:
-        """`output.norm`."""
+    def output_norm(self):
+        """`output.norm`: `[d_model]` or `None`."""
         return self.output.norm
 
     def __call__(
@@ -164,6 +172,7 @@ class MoELayer(eqx.Module):
         and a [`moe_eqx.MoEStats`][].
         """
         cfg = self.config
+        check_sizes(self)
         _check_input(x, cfg)
         if experts is not None:
             check_ids(experts, x.shape[:-1], cfg)

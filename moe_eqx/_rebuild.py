@@ -15,6 +15,7 @@ from ._activation import ACTIVATIONS
 from ._combine import OutputTransform
 from ._config import MoEConfig
 from ._experts import ExpertOptions, SharedCombination
+from ._hash_router import HashRouter
 from ._quant import QuantizedArray
 from ._router import Router
 from ._scoring import SCORES
@@ -109,28 +110,28 @@ def layer_config(layer) -> MoEConfig:
     runs from `layer.execution`. A router of the user's own declares its `top_k`,
     `num_experts`, `num_identity` and `num_shared` as attributes, or they are read
     from the shapes of the `Routing` it returns (traced once, not run); its other
-    settings are its own business (the config's defaults stand for them)."""
+    settings are its own business (the config's defaults stand for them). The sizes
+    are the stages' `sizes`, of the whole weights, so the config is the same inside
+    `shard_map` and for trees of the layer's structure with other leaves."""
     experts, shared = layer.experts, layer.shared_experts
-    if not all(hasattr(a, "shape") for a in (experts.w_gate_up, layer.expert_ids)):
+    if experts.sizes is None or (shared is not None and shared.sizes is None):
         raise ValueError(
-            "`layer.config` is read from the layer's stages and the shapes of its "
-            f"arrays; this tree's are {type(experts.w_gate_up).__name__}, not arrays "
-            "(`eqx.tree_at(lambda l: l.config, ...)` cannot change it: change a "
-            "setting at the stage that holds it, or with `layer.with_config(...)`)."
+            "The layer's experts record no sizes (built from arrays without "
+            "shapes): build them from their weights."
         )
-    d_model = experts.w_gate_up.shape[-2]
+    num_experts, d_model, d_ff = experts.sizes
     key = (
         _settings_of(layer.router, d_model),
-        tuple(experts.w_gate_up.shape[-2:]),
-        experts.w_down.shape[-2],
-        layer.expert_ids.shape[-1],
+        d_model,
+        d_ff,
+        num_experts,
         experts.activation,
         experts.b_gate_up is not None,
         experts.weight_on_input,
         None
         if shared is None
         else (
-            shared.w_down.shape[-2],
+            shared.sizes[1],
             shared.gate is not None,
             shared.scale,
             shared.activation,
@@ -156,6 +157,8 @@ def _named(value, names: dict):
 
 def _settings_of(router, d_model: int) -> tuple:
     """The routing settings of `router` that a config holds, as a tuple (hashable)."""
+    if isinstance(router, HashRouter):  # its scorer's settings
+        router = router.scorer
     if isinstance(router, Router):
         return (
             router.top_k,
@@ -211,9 +214,8 @@ def _routing_shape(router, d_model: int) -> tuple[int, int, int, int]:
     """`(top_k, num_experts, num_identity, num_shared)` from the shapes of the
     `Routing` the router returns for two tokens (traced, not run)."""
     x = jax.ShapeDtypeStruct((2, d_model), jnp.float32)
-    valid = jax.ShapeDtypeStruct((2,), jnp.bool_)
     try:
-        routing = eqx.filter_eval_shape(router, x, valid)
+        routing = eqx.filter_eval_shape(router, x)
         weights = routing.shared_weights
         return (
             routing.experts.shape[-1],
@@ -233,7 +235,7 @@ def _routing_shape(router, d_model: int) -> tuple[int, int, int, int]:
 @ft.lru_cache(maxsize=256)
 def _config_of(
     routing,
-    gate_up_shape,
+    d_model,
     d_ff,
     num_experts,
     activation,
@@ -270,7 +272,7 @@ def _config_of(
             scale=scale, activation=_named(own, ACTIVATIONS), scored=num_shared
         )
     return MoEConfig(
-        d_model=gate_up_shape[0],
+        d_model=d_model,
         d_ff=d_ff,
         num_experts=num_experts,
         top_k=top_k,
@@ -291,3 +293,28 @@ def _config_of(
         expert_options=ExpertOptions(bias=expert_bias, weight_on_input=weight_on_input),
         execution=execution,
     )
+
+
+def check_sizes(layer) -> None:
+    """The layer's expert weights have the sizes their stages record (whole
+    weights, outside `shard_map`), else a `ValueError`: an array swapped in with
+    `eqx.tree_at` that does not fit (build the stage anew for other sizes)."""
+    for name in ("experts", "shared_experts"):
+        stage = getattr(layer, name)
+        if stage is None or stage.sizes is None:
+            continue
+        up = getattr(stage.w_gate_up, "shape", None)
+        down = getattr(stage.w_down, "shape", None)
+        if up is None or down is None:
+            continue
+        if name == "experts":
+            have = (up[-3], up[-2], down[-2])
+        else:
+            have = (up[-2], down[-2])
+        if tuple(have) != tuple(stage.sizes):
+            raise ValueError(
+                f"`{name}`'s weights have sizes {tuple(have)}, but the stage records "
+                f"{tuple(stage.sizes)} (`{name}.sizes`): an array of other sizes was "
+                "swapped in. Build the stage from its arrays instead "
+                "(`dataclasses.replace` or its constructor)."
+            )

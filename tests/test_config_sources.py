@@ -280,3 +280,26 @@ def test_with_config_turns_parameters_on_and_off(getkey):
     x = tokens(getkey(), 16)
     np.testing.assert_allclose(off(x)[0], layer(x)[0], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(on(x)[0], me.reference_moe(on, x), rtol=2e-5, atol=2e-5)
+
+
+def test_sizes_are_the_whole_weights_and_checked(getkey):
+    """The experts record the sizes of their whole weights, so a layer's config is
+    the same for a tree of its structure with other leaves (an optimizer state with
+    `None` for the integer arrays); an expert weight of other sizes swapped in with
+    `eqx.tree_at` is refused when the layer is called, naming the stage."""
+    layer = make_layer(getkey(), shared_d_ff=8)
+    floats = eqx.filter(layer, eqx.is_inexact_array)
+    assert floats.expert_ids is None and floats.config == layer.config
+    assert layer.experts.sizes == (8, 16, 24) and layer.shared_experts.sizes == (16, 8)
+    x = tokens(getkey(), 8)
+    fewer = eqx.tree_at(lambda l: l.experts.w_down, layer, layer.experts.w_down[:, :20])
+    with pytest.raises(
+        ValueError, match=r"`experts`'s weights have sizes \(8, 16, 20\)"
+    ):
+        fewer(x)
+    rebuilt = dataclasses.replace(
+        layer.experts,
+        w_gate_up=layer.experts.w_gate_up[..., :40],
+        w_down=layer.experts.w_down[:, :20],
+    )
+    assert rebuilt.sizes == (8, 16, 20)

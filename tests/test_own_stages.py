@@ -212,15 +212,36 @@ def test_second_order(getkey):
 
 
 def test_router_output_is_checked(getkey):
-    """A router whose output does not fit the layer (k of its own) is refused with
-    its name, not run."""
+    """A router's `k` is its own (the layer's config reads it from the router), but
+    a router whose output does not fit what it declares, or routes to another
+    number of experts than the layer holds, is refused with its name, not run."""
     layer = _layer(getkey())
     router = layer.router
-    bad = eqx.tree_at(
+    x = tokens(getkey(), 8)
+    own_k = eqx.tree_at(
         lambda l: l.router, layer, HashRouter(router.weight, router.planes, top_k=3)
     )
-    with pytest.raises(ValueError, match=r"router HashRouter returned `Routing"):
-        bad(tokens(getkey(), 8))
+    assert own_k.config.top_k == 3
+    np.testing.assert_allclose(
+        own_k(x)[0], me.reference_moe(own_k, x), rtol=2e-5, atol=2e-5
+    )
+
+    class Declares(me.AbstractRouter):
+        inner: me.AbstractRouter
+        top_k: int = eqx.field(static=True, default=3)
+        num_experts: int = eqx.field(static=True, default=E)
+        num_identity: int = eqx.field(static=True, default=0)
+        num_shared: int = eqx.field(static=True, default=0)
+
+        def __call__(self, x, valid=None, *, experts=None):
+            return self.inner(x, valid, experts=experts)
+
+    lying = eqx.tree_at(lambda l: l.router, layer, Declares(router))
+    with pytest.raises(ValueError, match=r"router Declares returned `Routing"):
+        lying(x)
+    fewer = HashRouter(router.weight[:, :6], router.planes, top_k=2)
+    with pytest.raises(ValueError, match=rf"routes to 6 experts, but it holds {E}"):
+        eqx.tree_at(lambda l: l.router, layer, fewer)(x)
 
 
 @pytest.mark.parametrize("where", ["one device", "EP8 fallback + slot"])
