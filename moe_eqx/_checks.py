@@ -87,6 +87,16 @@ def check_group_sizes(name: str, sizes, num_groups: int, num_rows: int, where: s
         )
 
 
+def check_finite(value, name: str, owner: str) -> None:
+    """A `ValueError` naming `owner.name` unless `value` is a finite number."""
+    if not (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    ):
+        raise ValueError(f"`{owner}.{name}` must be a finite number, got {value!r}.")
+
+
 def check_positive(value, name: str, owner: str, *, optional: bool = False) -> None:
     """A `ValueError` naming `owner.name` unless `value` is a positive finite number
     (or, with `optional`, `None`)."""

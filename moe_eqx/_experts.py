@@ -1,7 +1,5 @@
 """Expert stage: gated (SwiGLU, ...) or ungated experts, applied as grouped matmuls."""
 
-import math
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -16,7 +14,7 @@ from ._activation import (
     as_activation,
     first_width,
 )
-from ._checks import check_array, check_group_sizes, check_int
+from ._checks import check_array, check_finite, check_group_sizes, check_int
 from ._gmm import AbstractGMMBackend, GradAcc, resolve_backend
 from ._quant import QuantizedArray, QuantizedWeight, QuantizedWithBias, as_float
 from ._rules import DISPATCHED, EXPERT_OUT, remat_name
@@ -366,15 +364,7 @@ class SharedCombination(eqx.Module):
     scored: int = eqx.field(static=True, default=0, converter=integer)
 
     def __check_init__(self):
-        if not (
-            isinstance(self.scale, int | float)
-            and not isinstance(self.scale, bool)
-            and math.isfinite(self.scale)
-        ):
-            raise ValueError(
-                f"`SharedCombination.scale` must be a finite number, got "
-                f"{self.scale!r}."
-            )
+        check_finite(self.scale, "scale", "SharedCombination")
         if self.activation is not None:
             as_activation(self.activation, "SharedCombination.activation")
         check_int(self.scored, "SharedCombination.scored", minimum=0)
@@ -476,14 +466,7 @@ class SharedExperts(eqx.Module):
             self.sizes = sizes
 
     def __check_init__(self):
-        if not (
-            isinstance(self.scale, int | float)
-            and not isinstance(self.scale, bool)
-            and math.isfinite(self.scale)
-        ):
-            raise ValueError(
-                f"`SharedExperts.scale` must be a finite number, got {self.scale!r}."
-            )
+        check_finite(self.scale, "scale", "SharedExperts")
         _check_width("SharedExperts", self.activation, self.w_gate_up, self.w_down)
 
     def __call__(

@@ -3,8 +3,6 @@ and transforms the sum (a bias, an RMSNorm). Each of its settings lives here alo
 `MoEConfig.routed_scaling_factor` and `MoEConfig.output` are the recipe it is built
 from."""
 
-import math
-
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -41,17 +39,7 @@ class LayerOutput(eqx.Module):
     norm_eps: float | None = eqx.field(static=True, default=None, converter=real)
 
     def __check_init__(self):
-        scale = self.routed_scale
-        if not (
-            isinstance(scale, int | float)
-            and not isinstance(scale, bool)
-            and math.isfinite(scale)
-            and scale > 0
-        ):
-            raise ValueError(
-                f"`LayerOutput.routed_scale` must be a positive finite number, got "
-                f"{scale!r}."
-            )
+        check_positive(self.routed_scale, "routed_scale", "LayerOutput")
         check_positive(self.norm_eps, "norm_eps", "LayerOutput", optional=True)
         if (self.norm is None) != (self.norm_eps is None):
             raise ValueError(

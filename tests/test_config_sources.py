@@ -303,3 +303,21 @@ def test_sizes_are_the_whole_weights_and_checked(getkey):
         w_down=layer.experts.w_down[:, :20],
     )
     assert rebuilt.sizes == (8, 16, 20)
+
+
+def test_stage_settings_are_checked_where_they_live():
+    """Bad settings of the stages built from their own fields are clear errors
+    naming the stage's field."""
+    with pytest.raises(ValueError, match=r"`LayerOutput.routed_scale` must be a pos"):
+        me.LayerOutput(routed_scale=0)
+    with pytest.raises(ValueError, match=r"`LayerOutput.norm` .* go together"):
+        me.LayerOutput(norm=jnp.ones(4))
+    with pytest.raises(ValueError, match=r"`LayerOutput.norm_eps` must be a positive"):
+        me.LayerOutput(norm=jnp.ones(4), norm_eps=-1.0)
+    w = jnp.ones((4, 8, 6))
+    with pytest.raises(ValueError, match=r"`SharedExperts.scale` must be a finite"):
+        me.SharedExperts(jnp.ones((8, 6)), jnp.ones((3, 8)), scale=float("inf"))
+    with pytest.raises(TypeError, match=r"needs `w_down`"):
+        me.Experts(w)
+    with pytest.raises(ValueError, match=r"`key` is for `Experts\(config"):
+        me.Experts(w, jnp.ones((4, 3, 8)), key=jax.random.key(0))
