@@ -132,9 +132,8 @@ def check_routing(
     routing, *, tokens: int, top_k: int, num_experts: int, num_identity: int, router
 ) -> None:
     """A router's output fits the layer (the [`moe_eqx.AbstractRouter`][] contract),
-    else a `ValueError` naming the router and the field: a user's own router, or the
-    layer's config changed without its router (`MoELayer.with_config` changes
-    both)."""
+    else a `ValueError` naming the router and the field: a user's own router whose
+    output is not what it declares (its `top_k`, `num_experts`, ...)."""
     name = type(router).__name__
     if not isinstance(routing, Routing):
         raise ValueError(
@@ -155,8 +154,8 @@ def check_routing(
                 f"The router {name} returned `Routing.{field}` of shape {have}; the "
                 f"layer needs {shape} (tokens, `config.top_k` {top_k}, "
                 f"`config.num_experts` {num_experts}, `config.num_identity_experts` "
-                f"{num_identity}). Change a layer's settings with "
-                "`layer.with_config(...)`, which changes its router too."
+                f"{num_identity}), which the router declares: its output must fit "
+                "its own `top_k` and expert counts."
             )
 
 
