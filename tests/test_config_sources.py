@@ -165,6 +165,7 @@ def test_every_setting_changes_at_its_home(getkey):
         "router.weighting": at(router, weighting=me.Weighting(floor=0.4)),
         "router.bias": eqx.tree_at(lambda l: l.router.bias, layer, jnp.zeros(8)),
         "experts.activation": at(experts, activation=me.GeGLU()),
+        "experts.weight_on_input": at(experts, weight_on_input=True),
         "shared_experts.scale": at(shared, scale=0.5),
         "shared_experts.activation": at(shared, activation=me.GeGLU()),
         "output.routed_scale": at(output, routed_scale=2.0),
