@@ -48,6 +48,16 @@ def _check_width(owner: str, activation, w_gate_up, w_down) -> None:
         )
 
 
+def weight_sizes(w_gate_up, w_down, *, routed: bool) -> tuple[int, ...] | None:
+    """The sizes the weights have: `(E, d_model, d_ff)` of routed experts' (`routed`),
+    `(d_model, shared_d_ff)` of shared experts'; `None` for leaves without shapes."""
+    up, down = getattr(w_gate_up, "shape", None), getattr(w_down, "shape", None)
+    lead = 1 if routed else 0
+    if up is None or down is None or len(up) < 2 + lead or len(down) < 2:
+        return None
+    return (*(int(n) for n in up[len(up) - 2 - lead : -1]), int(down[-2]))
+
+
 class ExpertOptions(eqx.Module):
     """How a model's routed experts differ from `act(x @ W1_e) @ Wd_e` weighted by
     the routing weight (`MoEConfig.expert_options`).
@@ -170,11 +180,8 @@ class Experts(eqx.Module):
         self.b_gate_up, self.b_down = b_gate_up, b_down
         self.activation = as_activation(activation)
         self.weight_on_input = boolean(weight_on_input)
-        up, down = getattr(w_gate_up, "shape", None), getattr(w_down, "shape", None)
-        if up is not None and down is not None and len(up) >= 3:
-            self.sizes = (int(up[-3]), int(up[-2]), int(down[-2]))
-        else:
-            self.sizes = sizes
+        read = weight_sizes(w_gate_up, w_down, routed=True)
+        self.sizes = sizes if read is None else read
 
     def __check_init__(self):
         if not isinstance(self.weight_on_input, bool):
@@ -459,11 +466,8 @@ class SharedExperts(eqx.Module):
         self.w_gate_up, self.w_down, self.gate = w_gate_up, w_down, gate
         self.activation = as_activation(activation, "SharedExperts.activation")
         self.scale = real(scale)
-        up, down = getattr(w_gate_up, "shape", None), getattr(w_down, "shape", None)
-        if up is not None and down is not None and len(down) >= 2:
-            self.sizes = (int(up[-2]), int(down[-2]))
-        else:
-            self.sizes = sizes
+        read = weight_sizes(w_gate_up, w_down, routed=False)
+        self.sizes = sizes if read is None else read
 
     def __check_init__(self):
         check_finite(self.scale, "scale", "SharedExperts")

@@ -14,7 +14,7 @@ import jax.random as jr
 from ._activation import ACTIVATIONS
 from ._combine import OutputTransform
 from ._config import MoEConfig
-from ._experts import ExpertOptions, SharedCombination
+from ._experts import ExpertOptions, SharedCombination, weight_sizes
 from ._hash_router import HashRouter
 from ._quant import QuantizedArray
 from ._router import Router
@@ -156,22 +156,24 @@ def _named(value, names: dict):
 
 
 def _settings_of(router, d_model: int) -> tuple:
-    """The routing settings of `router` that a config holds, as a tuple (hashable)."""
+    """The `MoEConfig` routing keywords that `router` holds, as `(name, value)`
+    pairs (hashable); those a router of the user's own does not hold are left to
+    the config's defaults."""
     if isinstance(router, HashRouter):  # its scorer's settings
         router = router.scorer
     if isinstance(router, Router):
         return (
-            router.top_k,
-            router.num_experts,
-            router.num_identity,
-            router.num_shared,
-            _named(router.score, SCORES),
-            router.norm_topk,
-            router.num_groups,
-            router.top_groups,
-            router.bias is not None,
-            router.selection,
-            router.weighting,
+            ("top_k", router.top_k),
+            ("num_experts", router.num_experts),
+            ("num_identity_experts", router.num_identity),
+            ("num_shared", router.num_shared),
+            ("score_func", _named(router.score, SCORES)),
+            ("norm_topk", router.norm_topk),
+            ("num_groups", router.num_groups),
+            ("top_groups", router.top_groups),
+            ("use_router_bias", router.bias is not None),
+            ("selection", router.selection),
+            ("weighting", router.weighting),
         )
     names = ("top_k", "num_experts", "num_identity", "num_shared")
     if all(isinstance(getattr(router, n, None), int) for n in names):
@@ -182,32 +184,28 @@ def _settings_of(router, d_model: int) -> tuple:
         leaves, structure = jax.tree.flatten(router)
         kind = tuple((a.shape, a.dtype) if eqx.is_array(a) else a for a in leaves)
         try:
-            declared = _routing_shape_cache(structure, kind, _Unhashed(router), d_model)
+            declared = _ROUTING_SHAPES.get((structure, kind, d_model))
         except TypeError:  # a part of the router that cannot be hashed
+            kind = None
+            declared = None
+        if declared is None:
             declared = _routing_shape(router, d_model)
+            if kind is not None:
+                _ROUTING_SHAPES[(structure, kind, d_model)] = declared
     top_k, num_experts, num_identity, num_shared = declared
-    # Per-expert scores where the router scores shared experts (a config with
-    # softmax scores cannot have them); the router computes its own.
-    score = "sigmoid" if num_shared else "softmax"
-    return (top_k, num_experts, num_identity, num_shared, score, True, 1, 1, False)
+    return (
+        ("top_k", top_k),
+        ("num_experts", num_experts),
+        ("num_identity_experts", num_identity),
+        ("num_shared", num_shared),
+        # Per-expert scores where the router scores shared experts (a config with
+        # softmax scores cannot have them); the router computes its own.
+        ("score_func", "sigmoid" if num_shared else "softmax"),
+    )
 
 
-class _Unhashed:
-    """A value carried past `lru_cache`'s key (equal to any other)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __hash__(self):
-        return 0
-
-    def __eq__(self, other):
-        return isinstance(other, _Unhashed)
-
-
-@ft.lru_cache(maxsize=64)
-def _routing_shape_cache(structure, kind, router, d_model):
-    return _routing_shape(router.value, d_model)
+# `_routing_shape` of each kind of user's router seen (see `_settings_of`).
+_ROUTING_SHAPES: dict = {}
 
 
 def _routing_shape(router, d_model: int) -> tuple[int, int, int, int]:
@@ -247,11 +245,8 @@ def _config_of(
     norm_eps,
     execution,
 ) -> MoEConfig:
-    top_k, router_experts, num_identity, num_shared, score, norm_topk = routing[:6]
-    num_groups, top_groups, use_bias = routing[6:9]
-    selection, weighting = (
-        (routing[9], routing[10]) if len(routing) > 9 else (None,) * 2
-    )
+    routing = dict(routing)
+    router_experts, num_shared = routing.pop("num_experts"), routing.pop("num_shared")
     if router_experts != num_experts:
         raise ValueError(
             f"The layer's router routes to {router_experts} experts, but it holds "
@@ -275,19 +270,11 @@ def _config_of(
         d_model=d_model,
         d_ff=d_ff,
         num_experts=num_experts,
-        top_k=top_k,
-        score_func=score,
-        norm_topk=norm_topk,
-        num_groups=num_groups,
-        top_groups=top_groups,
-        use_router_bias=use_bias,
+        **routing,
         routed_scaling_factor=routed_scale,
         shared_d_ff=shared_d_ff,
         shared_gate=shared_gate,
-        num_identity_experts=num_identity,
         activation=activation_name,
-        selection=selection,
-        weighting=weighting,
         shared=combination,
         output=OutputTransform(bias=output_bias, norm_eps=norm_eps),
         expert_options=ExpertOptions(bias=expert_bias, weight_on_input=weight_on_input),
@@ -303,17 +290,10 @@ def check_sizes(layer) -> None:
         stage = getattr(layer, name)
         if stage is None or stage.sizes is None:
             continue
-        up = getattr(stage.w_gate_up, "shape", None)
-        down = getattr(stage.w_down, "shape", None)
-        if up is None or down is None:
-            continue
-        if name == "experts":
-            have = (up[-3], up[-2], down[-2])
-        else:
-            have = (up[-2], down[-2])
-        if tuple(have) != tuple(stage.sizes):
+        have = weight_sizes(stage.w_gate_up, stage.w_down, routed=name == "experts")
+        if have is not None and have != tuple(stage.sizes):
             raise ValueError(
-                f"`{name}`'s weights have sizes {tuple(have)}, but the stage records "
+                f"`{name}`'s weights have sizes {have}, but the stage records "
                 f"{tuple(stage.sizes)} (`{name}.sizes`): an array of other sizes was "
                 "swapped in. Build the stage from its arrays instead "
                 "(`dataclasses.replace` or its constructor)."
