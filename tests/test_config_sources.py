@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import cpu_devices, make_layer, mesh, tokens
+from helpers import assert_nothing_lost, cpu_devices, make_layer, mesh, tokens
 
 import moe_eqx as me
 
@@ -179,7 +179,8 @@ def test_every_setting_changes_at_its_home(getkey):
         else:
             assert changes, name
         for m in (None, mesh(4)):
-            got = changed(x, mesh=m)[0]
+            got, stats = changed(x, mesh=m)
+            assert_nothing_lost(stats, x.shape[0], changed.config.top_k)
             assert not np.allclose(got, y, atol=1e-4), name
             if changes is not None:
                 want = layer.with_config(**changes)(x, mesh=m)[0]
