@@ -23,6 +23,11 @@ would), one device. Rows, for each expert format (`bf16`, `int8`,
   trace (the chip's time without the host's dispatch), `device_over_bound`, and
   `ops`, the costliest ops.
 
+With `--kernel`, the decode kernel alone instead (`decode_gmm` on the layer's two
+expert weights, passed as arguments), its tiles dequantized in chunks and whole:
+`ms` (and `device_ms` with `--profile`) per format, token count and product, and
+`over_bf16` against bfloat16 weights.
+
 Prints a table and writes JSON (`--out`).
 """
 
@@ -81,6 +86,68 @@ def _expert_bytes(layer) -> int:
     return sum(w.nbytes for w in (layer.experts.w_gate_up, layer.experts.w_down))
 
 
+def _kernel_rows(base, formats, tokens_list, repeats, profile) -> list:
+    """`--kernel`: the decode kernel alone (`decode_gmm`, weights as arguments, so
+    each compile is quick), both products of the layer's experts, its tiles
+    dequantized in chunks and whole; device time where `profile`."""
+    from moe_eqx._gmm.pallas_tpu import decode_gmm
+
+    interpret = jax.default_backend() != "tpu"  # (to try it off a TPU)
+    rows = []
+    weights = {
+        fmt: (base.experts.w_gate_up, base.experts.w_down)
+        if fmt == "bf16"
+        else (lambda q: (q.experts.w_gate_up, q.experts.w_down))(
+            me.quantize_experts(base, fmt)
+        )
+        for fmt in formats
+    }
+    for tokens in tokens_list:
+        x = jr.normal(jr.key(tokens), (tokens, base.config.d_model), jnp.bfloat16)
+        experts = base.router(x, jnp.ones((tokens,), bool)).experts.reshape(-1)
+        sizes = jnp.bincount(experts, length=base.config.num_experts).astype(jnp.int32)
+        m = int(experts.size)
+        fns = {}
+        for fmt, (up, down) in weights.items():
+            for chunked in (True, False):
+                for name, w in (("up", up), ("down", down)):
+                    k = w.shape[1]
+                    lhs = jr.normal(jr.key(1), (m, k), jnp.bfloat16)
+                    fn = jax.jit(
+                        lambda a, w, s, c=chunked: decode_gmm(
+                            a, w, s, chunked=c, interpret=interpret
+                        )
+                    )
+                    fns[(fmt, chunked, name)] = (
+                        lambda args, fn=fn: fn(*args),
+                        (lhs, w, sizes),
+                    )
+        best = _timed(fns, repeats)
+        for (fmt, chunked, name), seconds in best.items():
+            row = dict(
+                tokens=tokens,
+                format=fmt,
+                chunked=chunked,
+                product=name,
+                ms=seconds * 1e3,
+                touched=int(jnp.sum(sizes > 0)),
+            )
+            if profile:
+                row["device_ms"], _ = _device_ops(*fns[(fmt, chunked, name)])
+            rows.append(row)
+        for row in rows[-len(best) :]:
+            ref = [
+                r
+                for r in rows[-len(best) :]
+                if r["format"] == "bf16" and r["product"] == row["product"]
+            ]
+            key = "device_ms" if profile else "ms"
+            if ref and key in row and key in ref[0]:
+                row["over_bf16"] = row[key] / min(r[key] for r in ref)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,8,64,8192")
@@ -91,6 +158,9 @@ def main():
     p.add_argument(
         "--profile", action="store_true", help="device time and costliest ops per row"
     )
+    p.add_argument(
+        "--kernel", action="store_true", help="the decode kernel alone (see above)"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     d_model, d_ff, num_experts, top_k = map(int, args.shape.split(","))
@@ -99,11 +169,28 @@ def main():
     base = jax.tree.map(
         lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, base
     )
+    repeats = 5 if args.quick else 20
+    if args.kernel:
+        tokens = [int(t) for t in args.tokens.split(",")]
+        rows = _kernel_rows(
+            base, args.formats.split(","), tokens, repeats, args.profile
+        )
+        print()
+        for r in rows:
+            print(
+                "  ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in r.items()
+                )
+            )
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(device=str(jax.devices()[0]), kernel=rows), f, indent=2)
+        return
     layers = {}
     for fmt in args.formats.split(","):
         layers[fmt] = base if fmt == "bf16" else me.quantize_experts(base, fmt)
     backends = ["auto"] + (["ragged_dot"] if args.compare else [])
-    repeats = 5 if args.quick else 20
     rows = []
     for tokens in map(int, args.tokens.split(",")):
         x = jr.normal(jr.key(tokens), (tokens, d_model), jnp.bfloat16)

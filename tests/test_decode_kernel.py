@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import mesh as cpu_mesh
+from helpers import every_code_weight, mesh as cpu_mesh
 
 import moe_eqx as me
 from moe_eqx._gmm.pallas_tpu import decode_gmm
@@ -160,3 +160,25 @@ def test_lowers_for_tpu_at_a_model_shape(fmt):
             .as_text()
         )
         assert text.count("tpu_custom_call") == 1, (fmt, k, n)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_code_dequantizes_exactly(fmt, dtype, chunked):
+    """Rows of the identity times the kernel's dequantized tile give the tile back:
+    it equals `QuantizedArray.dequantize` exactly for every stored byte (NaN where
+    it is NaN), both with the tile dequantized in chunks and whole."""
+    dt = jnp.dtype(dtype)
+    k, n = 512, 256
+    w = every_code_weight(fmt, k, n, jr.key(11))
+    want = np.asarray(w.dequantize(dt)[0], np.float32)
+    eye = jnp.eye(k, dtype=dt)
+    sizes = jnp.array([k], jnp.int32)
+    got = decode_gmm(eye, w, sizes, block_n=n, chunked=chunked, interpret=True)
+    got = np.asarray(got, np.float32)
+    assert np.isnan(want).any() == (fmt == "float8_e4m3fn")
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    mask = ~np.isnan(want)
+    # Exactly equal (a sum of one product and zeros is +0.0 for a -0.0 weight).
+    np.testing.assert_array_equal(got[mask], want[mask])

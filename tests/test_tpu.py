@@ -9,12 +9,15 @@ format against its dequantized layer (the decode kernel at few tokens, the
 layer closed over (the call that once aborted the TPU compiler).
 """
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import every_code_weight
 
 import moe_eqx as me
 
@@ -123,10 +126,12 @@ def test_quantized_matches_dequantized(fmt, tokens, where):
     _close(g, g_ref, 3e-2)
 
 
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
 @pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4"])
-def test_decode_kernel_matches_ragged_dot(fmt):
+def test_decode_kernel_matches_ragged_dot(fmt, chunked):
     """The Pallas decode kernel at a DeepSeek-V2-Lite-like expert shape on the chip,
-    float32 activations at highest precision: equal to dequantizing first."""
+    float32 activations at highest precision: equal to dequantizing first, with
+    each tile dequantized in chunks and whole."""
     from moe_eqx._gmm.pallas_tpu import decode_gmm
     from moe_eqx.internal import quantize
 
@@ -142,8 +147,29 @@ def test_decode_kernel_matches_ragged_dot(fmt):
     )
     dense = rhs if fmt is None else rhs.dequantize(jnp.float32)
     ref = jax.jit(me.RaggedDotGMM())(lhs, dense, sizes)
-    out = jax.jit(decode_gmm)(lhs, rhs, sizes)
+    out = jax.jit(ft.partial(decode_gmm, chunked=chunked))(lhs, rhs, sizes)
     _close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_kernel_dequantizes_every_code_exactly(fmt, dtype, chunked):
+    """Every stored byte through the compiled kernel (rows of the identity times
+    its tile) equals `QuantizedArray.dequantize` on the chip: FP8's subnormal codes
+    are built without a float32 subnormal (which the chip would flush to zero)."""
+    from moe_eqx._gmm.pallas_tpu import decode_gmm
+
+    dt = jnp.dtype(dtype)
+    k, n = 512, 256
+    w = every_code_weight(fmt, k, n, jr.key(11))
+    want = np.asarray(jax.jit(lambda w: w.dequantize(dt))(w)[0], np.float32)
+    sizes = jnp.array([k], jnp.int32)
+    fn = jax.jit(ft.partial(decode_gmm, block_n=n, chunked=chunked))
+    got = np.asarray(fn(jnp.eye(k, dtype=dt), w, sizes), np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    mask = ~np.isnan(want)
+    np.testing.assert_array_equal(got[mask], want[mask])
 
 
 def test_hash_router_and_replay():
