@@ -24,8 +24,7 @@ would), one device. Rows, for each expert format (`bf16`, `int8`,
   `ops`, the costliest ops.
 
 With `--kernel`, the decode kernel alone instead (`decode_gmm` on the layer's two
-expert weights, passed as arguments), its tiles dequantized in chunks and whole:
-`ms` (and `device_ms` with `--profile`) per format, token count and product, and
+expert weights, passed as arguments): `ms` (and `device_ms` with `--profile`) per format, token count and product, and
 `over_bf16` against bfloat16 weights.
 
 Prints a table and writes JSON (`--out`).
@@ -88,8 +87,8 @@ def _expert_bytes(layer) -> int:
 
 def _kernel_rows(base, formats, tokens_list, repeats, profile) -> list:
     """`--kernel`: the decode kernel alone (`decode_gmm`, weights as arguments, so
-    each compile is quick), both products of the layer's experts, its tiles
-    dequantized in chunks and whole; device time where `profile`."""
+    each compile is quick), both products of the layer's experts; device time where
+    `profile`."""
     from moe_eqx._gmm.pallas_tpu import decode_gmm
 
     interpret = jax.default_backend() != "tpu"  # (to try it off a TPU)
@@ -109,31 +108,21 @@ def _kernel_rows(base, formats, tokens_list, repeats, profile) -> list:
         m = int(experts.size)
         fns = {}
         for fmt, (up, down) in weights.items():
-            for chunked in (True, False):
-                for name, w in (("up", up), ("down", down)):
-                    k = w.shape[1]
-                    lhs = jr.normal(jr.key(1), (m, k), jnp.bfloat16)
-                    fn = jax.jit(
-                        lambda a, w, s, c=chunked: decode_gmm(
-                            a, w, s, chunked=c, interpret=interpret
-                        )
-                    )
-                    fns[(fmt, chunked, name)] = (
-                        lambda args, fn=fn: fn(*args),
-                        (lhs, w, sizes),
-                    )
+            for name, w in (("up", up), ("down", down)):
+                lhs = jr.normal(jr.key(1), (m, w.shape[1]), jnp.bfloat16)
+                fn = jax.jit(lambda a, w, s: decode_gmm(a, w, s, interpret=interpret))
+                fns[(fmt, name)] = (lambda args, fn=fn: fn(*args), (lhs, w, sizes))
         best = _timed(fns, repeats)
-        for (fmt, chunked, name), seconds in best.items():
+        for (fmt, name), seconds in best.items():
             row = dict(
                 tokens=tokens,
                 format=fmt,
-                chunked=chunked,
                 product=name,
                 ms=seconds * 1e3,
                 touched=int(jnp.sum(sizes > 0)),
             )
             if profile:
-                row["device_ms"], _ = _device_ops(*fns[(fmt, chunked, name)])
+                row["device_ms"], _ = _device_ops(*fns[(fmt, name)])
             rows.append(row)
         for row in rows[-len(best) :]:
             ref = [

@@ -162,20 +162,19 @@ def test_lowers_for_tpu_at_a_model_shape(fmt):
         assert text.count("tpu_custom_call") == 1, (fmt, k, n)
 
 
-@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
 @pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_code_dequantizes_exactly(fmt, dtype, chunked):
+def test_every_code_dequantizes_exactly(fmt, dtype):
     """Rows of the identity times the kernel's dequantized tile give the tile back:
     it equals `QuantizedArray.dequantize` exactly for every stored byte (NaN where
-    it is NaN), both with the tile dequantized in chunks and whole."""
+    it is NaN)."""
     dt = jnp.dtype(dtype)
     k, n = 512, 256
     w = every_code_weight(fmt, k, n, jr.key(11))
     want = np.asarray(w.dequantize(dt)[0], np.float32)
     eye = jnp.eye(k, dtype=dt)
     sizes = jnp.array([k], jnp.int32)
-    got = decode_gmm(eye, w, sizes, block_n=n, chunked=chunked, interpret=True)
+    got = decode_gmm(eye, w, sizes, block_n=n, interpret=True)
     got = np.asarray(got, np.float32)
     assert np.isnan(want).any() == (fmt == "float8_e4m3fn")
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))

@@ -126,12 +126,10 @@ def test_quantized_matches_dequantized(fmt, tokens, where):
     _close(g, g_ref, 3e-2)
 
 
-@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
 @pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4"])
-def test_decode_kernel_matches_ragged_dot(fmt, chunked):
+def test_decode_kernel_matches_ragged_dot(fmt):
     """The Pallas decode kernel at a DeepSeek-V2-Lite-like expert shape on the chip,
-    float32 activations at highest precision: equal to dequantizing first, with
-    each tile dequantized in chunks and whole."""
+    float32 activations at highest precision: equal to dequantizing first."""
     from moe_eqx._gmm.pallas_tpu import decode_gmm
     from moe_eqx.internal import quantize
 
@@ -147,14 +145,13 @@ def test_decode_kernel_matches_ragged_dot(fmt, chunked):
     )
     dense = rhs if fmt is None else rhs.dequantize(jnp.float32)
     ref = jax.jit(me.RaggedDotGMM())(lhs, dense, sizes)
-    out = jax.jit(ft.partial(decode_gmm, chunked=chunked))(lhs, rhs, sizes)
+    out = jax.jit(decode_gmm)(lhs, rhs, sizes)
     _close(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
 @pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_kernel_dequantizes_every_code_exactly(fmt, dtype, chunked):
+def test_decode_kernel_dequantizes_every_code_exactly(fmt, dtype):
     """Every stored byte through the compiled kernel (rows of the identity times
     its tile) equals `QuantizedArray.dequantize` on the chip: FP8's subnormal codes
     are built without a float32 subnormal (which the chip would flush to zero)."""
@@ -165,7 +162,7 @@ def test_decode_kernel_dequantizes_every_code_exactly(fmt, dtype, chunked):
     w = every_code_weight(fmt, k, n, jr.key(11))
     want = np.asarray(jax.jit(lambda w: w.dequantize(dt))(w)[0], np.float32)
     sizes = jnp.array([k], jnp.int32)
-    fn = jax.jit(ft.partial(decode_gmm, block_n=n, chunked=chunked))
+    fn = jax.jit(ft.partial(decode_gmm, block_n=n))
     got = np.asarray(fn(jnp.eye(k, dtype=dt), w, sizes), np.float32)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     mask = ~np.isnan(want)

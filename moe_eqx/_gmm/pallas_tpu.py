@@ -59,16 +59,11 @@ from .ragged_dot import _RaggedDotProducts
 _TILE_BUDGET = 8 * 2**20
 
 
-def _tile_n(n: int, k: int, fmt: str | None, itemsize: int, chunked: bool) -> int:
+def _tile_n(n: int, k: int, fmt: str | None, itemsize: int) -> int:
     """The output columns of one grid step: the largest of 512, 256, 128 (the output
     block's lanes) that divides `n` and keeps the `[K, tn]` tile's work within
     `_TILE_BUDGET`; else the smallest that divides; else all `n`."""
-    # Bytes of VMEM per weight value: the double-buffered input and the dequantized
-    # tile (MXFP4: and the spread scales); whole-tile temporaries unless `chunked`.
-    if fmt is None:
-        per_value = 3 * itemsize
-    else:
-        per_value = 2 + itemsize + 2 if chunked else 10
+    per_value = 3 * itemsize if fmt is None else 10  # bytes of VMEM per weight value
     fits = [t for t in (512, 256, 128) if t < n and n % t == 0]
     for t in fits:
         if k * t * per_value <= _TILE_BUDGET:
@@ -83,9 +78,6 @@ def _row_tile(dtype) -> int:
 _INT_MIN = -(2**31)  # the float32 sign bit, as an int32
 # FP4 E2M1 magnitudes (codes 0..7) times two, one per nibble: 0 1 2 3 4 6 8 12.
 _FP4_TWICE = int(np.array(0xC8643210, np.uint32).view(np.int32))
-# The rows and lanes decoded at a time: one packed `int8` vreg, so that the decoding
-# temporaries stay in registers instead of whole-tile arrays in VMEM.
-_CHUNK = (32, 128)
 
 
 def _fp8_value(b: Array) -> Array:
@@ -130,106 +122,53 @@ def _dot(a, b, transpose_b=False):
     )
 
 
-def _row_loop(start: int, rows: int, body, chunked: bool) -> None:
-    """`body(offset, rows)` over rows `[start, start + rows)`: in `_CHUNK[0]`-row
-    pieces by a loop when `chunked` and they divide, else once."""
-    step = _CHUNK[0]
-    if not chunked or rows % step or rows == step:
-        body(start, rows)
-        return
-
-    def piece(i, carry):
-        body(pl.multiple_of(start + i * step, step), step)
-        return carry
-
-    jax.lax.fori_loop(0, rows // step, piece, 0)
-
-
-def _lanes(width: int, chunked: bool) -> list[tuple[int, int]]:
-    """`(offset, width)` pieces of the lanes: `_CHUNK[1]` wide (the last what is
-    left) when `chunked`, else all of them."""
-    step = _CHUNK[1] if chunked else width
-    return [(o, min(step, width - o)) for o in range(0, width, step)]
-
-
-def _decode(fmt, dtype, w_refs, bufs, chunked):
-    """Each format's tile, dequantized into the VMEM buffers `bufs` exactly as
-    [`moe_eqx.QuantizedArray.dequantize`][] does: float32 values times float32
-    scales, one rounding to `dtype`."""
-    if fmt in ("int8", "float8_e4m3fn"):
-        (v, s), (buf,) = w_refs, bufs
-        k, width = buf.shape
-        value = (
-            _fp8_value if fmt == "float8_e4m3fn" else (lambda b: b.astype(jnp.float32))
-        )
-        block = FP8_BLOCK[0] if fmt == "float8_e4m3fn" else k  # rows per scale row
-        for b in range(-(-k // block)):
-            lo = b * block
-
-            def rows(r0, r, b=b):
-                for c0, c in _lanes(width, chunked):
-                    codes = v[pl.ds(r0, r), pl.ds(c0, c)].astype(jnp.int32)
-                    w = value(codes) * s[b : b + 1, c0 : c0 + c]
-                    buf[pl.ds(r0, r), pl.ds(c0, c)] = w.astype(dtype)
-
-            _row_loop(lo, min(k, lo + block) - lo, rows, chunked)
-        return
+def _tile_product(fmt, dtype, k, x_refs, w_refs):
+    """All rows times one expert's `[K, tn]` tile (MXFP4: its `[tn, K]` transpose),
+    dequantized in VMEM exactly as [`moe_eqx.QuantizedArray.dequantize`][] does
+    (float32 values times float32 scales, one rounding to `dtype`): `[rows, tn]`
+    float32. (Measured on a v5e: the dequantized values straight into the product
+    are faster than a VMEM buffer of them, whole or filled in vreg-sized chunks.)"""
+    if fmt is None:
+        (x,), (w,) = x_refs, w_refs
+        return _dot(x[...], w[...].astype(dtype))
+    if fmt == "int8":
+        (x,), (v, s) = x_refs, w_refs
+        w = v[...].astype(jnp.int32).astype(jnp.float32) * s[...]
+        return _dot(x[...], w.astype(dtype))
+    if fmt == "float8_e4m3fn":
+        (x,), (v, s) = x_refs, w_refs
+        part = None
+        for b in range(-(-k // FP8_BLOCK[0])):
+            lo, hi = b * FP8_BLOCK[0], min(k, (b + 1) * FP8_BLOCK[0])
+            value = _fp8_value(v[lo:hi, :].astype(jnp.int32))
+            term = _dot(x[:, lo:hi], (value * s[b : b + 1, :]).astype(dtype))
+            part = term if part is None else part + term
+        return part
     # MXFP4: `v` is `W^T` as bytes `[tn, K / 2]` (byte `j` holds rows `2 j` and
-    # `2 j + 1`), `s` its scale bytes `[tn, K / 32]`.
-    (v, s), (low, high, spread_scale) = w_refs, bufs
-    tn, width = low.shape
+    # `2 j + 1`), `s` its scale bytes `[tn, K / 32]`; the rows' even and odd columns
+    # come apart (`x_refs`), so each half of a byte meets its own.
+    (x_even, x_odd), (v, s) = x_refs, w_refs
     # Half of each block's scale, `2 ** (byte - 128)` (a normal float32 for the
     # bytes this kernel takes), over its 16 bytes by a product with a 0/1 matrix:
     # exact (a power of two times one, summed with zeros).
     exponent = ((s[...].astype(jnp.int32) & 0xFF) - 1) << 23
     scale = jax.lax.bitcast_convert_type(exponent, jnp.float32)  # [tn, K / 32]
     half = MXFP4_BLOCK // 2
-    blocks = scale.shape[1]
-    rows_ = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 0)
+    blocks, width = scale.shape[1], v.shape[1]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 1)
     # (`>>`, not `//`: Mosaic lowers no integer floor division.)
-    spread = jnp.where((cols >> (half.bit_length() - 1)) == rows_, 1.0, 0.0)
-    spread_scale[...] = _dot(scale.astype(jnp.bfloat16), spread.astype(jnp.bfloat16))
-
-    def rows(r0, r):
-        for c0, c in _lanes(width, chunked):
-            codes = v[pl.ds(r0, r), pl.ds(c0, c)].astype(jnp.int32)
-            pair = _fp4_pair(codes, spread_scale[pl.ds(r0, r), pl.ds(c0, c)])
-            for buf, w in zip((low, high), pair, strict=True):
-                buf[pl.ds(r0, r), pl.ds(c0, c)] = w.astype(dtype)
-
-    _row_loop(0, tn, rows, chunked)
+    spread = jnp.where((cols >> (half.bit_length() - 1)) == rows, 1.0, 0.0)
+    scale = _dot(scale.astype(jnp.bfloat16), spread.astype(jnp.bfloat16))
+    low, high = _fp4_pair(v[...].astype(jnp.int32), scale)  # [tn, K / 2] each
+    return _dot(x_even[...], low.astype(dtype), True) + _dot(
+        x_odd[...], high.astype(dtype), True
+    )
 
 
-def _buffers(fmt, dtype, k: int, tn: int) -> list:
-    """The VMEM a format's dequantized tile takes (see `_decode`)."""
-    if fmt is None:
-        return []
-    if fmt == "mxfp4":
-        shape = (tn, k // 2)
-        return [pltpu.VMEM(shape, dtype)] * 2 + [pltpu.VMEM(shape, jnp.float32)]
-    return [pltpu.VMEM((k, tn), dtype)]
-
-
-def _tile_product(fmt, dtype, x_refs, w_refs, bufs, chunked):
-    """All rows times one expert's `[K, tn]` tile (MXFP4: its `[tn, K]` transpose),
-    dequantized in VMEM: `[rows, tn]` float32."""
-    if fmt is None:
-        (x,), (w,) = x_refs, w_refs
-        return _dot(x[...], w[...].astype(dtype))
-    _decode(fmt, dtype, w_refs, bufs, chunked)
-    if fmt == "mxfp4":  # the rows' even and odd columns meet the low and high codes
-        (x_even, x_odd), (low, high, _) = x_refs, bufs
-        return _dot(x_even[...], low[...], True) + _dot(x_odd[...], high[...], True)
-    (x,), (buf,) = x_refs, bufs
-    return _dot(x[...], buf[...])
-
-
-def _kernel(fmt, dtype, num_x, num_bufs, chunked, ids, count, *refs):
+def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
     x_refs, gid = refs[:num_x], refs[num_x]
-    rest = refs[num_x + 1 :]
-    w_refs, out, acc = rest[: -2 - num_bufs], rest[-2 - num_bufs], rest[-1 - num_bufs]
-    bufs = rest[len(rest) - num_bufs :]
+    w_refs, (out, acc) = refs[num_x + 1 : -2], refs[-2:]
     u = pl.program_id(1)
 
     @pl.when(u == 0)
@@ -238,7 +177,7 @@ def _kernel(fmt, dtype, num_x, num_bufs, chunked, ids, count, *refs):
 
     @pl.when(u < count[0])
     def _():
-        part = _tile_product(fmt, dtype, x_refs, w_refs, bufs, chunked)
+        part = _tile_product(fmt, dtype, k, x_refs, w_refs)
         acc[...] += jnp.where(gid[...] == ids[u], part, 0.0)
 
     @pl.when(u == pl.num_programs(1) - 1)
@@ -277,7 +216,6 @@ def decode_gmm(
     group_sizes: Int[Array, " groups"],
     *,
     block_n: int | None = None,
-    chunked: bool = True,
     interpret: bool = False,
 ) -> Float[Array, "rows n_dim"]:
     """`lhs[i] @ rhs[g(i)]` reading each group that has rows once (see the module).
@@ -289,7 +227,6 @@ def decode_gmm(
         dequantized tile by tile to `lhs.dtype`.
     - `group_sizes`: `[G]` int32, `sum <= M`.
     - `block_n`: output columns per grid step (default: `_tile_n`).
-    - `chunked`: dequantize a tile `_CHUNK` at a time (by a loop), else whole.
     - `interpret`: run the kernel in Pallas' interpreter (any platform).
 
     **Returns:**
@@ -303,8 +240,7 @@ def decode_gmm(
     if m == 0:  # no grid step to run
         return jnp.zeros((0, n), dtype)
     fmt, arrays, blocks = _weight_operands(rhs, k, n)
-    itemsize = jnp.dtype(dtype).itemsize
-    tn = _tile_n(n, k, fmt, itemsize, chunked) if block_n is None else block_n
+    tn = _tile_n(n, k, fmt, jnp.dtype(dtype).itemsize) if block_n is None else block_n
     if n % tn:
         raise ValueError(f"`block_n` ({tn}) must divide the {n} output columns.")
     rt = _row_tile(dtype)
@@ -329,16 +265,15 @@ def decode_gmm(
 
     in_specs = [whole(x.shape) for x in xs] + [whole((mp, 1))]
     in_specs += [weight_spec(block) for block in blocks]
-    bufs = _buffers(fmt, dtype, k, tn)
     call = pl.pallas_call(
-        ft.partial(_kernel, fmt, dtype, len(xs), len(bufs), chunked),
+        ft.partial(_kernel, fmt, dtype, k, len(xs)),
         out_shape=jax.ShapeDtypeStruct((mp, n), dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(n // tn, slots),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((mp, tn), lambda j, u, ids, count: (0, j)),
-            scratch_shapes=[pltpu.VMEM((mp, tn), jnp.float32), *bufs],
+            scratch_shapes=[pltpu.VMEM((mp, tn), jnp.float32)],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary")
