@@ -122,7 +122,7 @@ def _dot(a, b, transpose_b=False):
     )
 
 
-def _tile_product(fmt, dtype, k, x_refs, w_refs):
+def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
     """All rows times one expert's `[K, tn]` tile (MXFP4: its `[tn, K]` transpose),
     dequantized in VMEM exactly as [`moe_eqx.QuantizedArray.dequantize`][] does
     (float32 values times float32 scales, one rounding to `dtype`): `[rows, tn]`
@@ -135,6 +135,26 @@ def _tile_product(fmt, dtype, k, x_refs, w_refs):
         (x,), (v, s) = x_refs, w_refs
         w = v[...].astype(jnp.int32).astype(jnp.float32) * s[...]
         return _dot(x[...], w.astype(dtype))
+    if fmt == "fp8_blocks":  # `s`: this expert's `[column blocks, row blocks]`
+        (x,), (v, s) = x_refs, w_refs
+        groups = v.shape[1] // FP8_BLOCK[1]  # the step's column blocks
+        first = j * groups
+        part = None
+        for b in range(-(-k // FP8_BLOCK[0])):
+            lo, hi = b * FP8_BLOCK[0], min(k, (b + 1) * FP8_BLOCK[0])
+            row = jnp.concatenate(
+                [
+                    jnp.broadcast_to(
+                        s[pl.ds(first + c, 1), b : b + 1], (1, FP8_BLOCK[1])
+                    )
+                    for c in range(groups)
+                ],
+                axis=1,
+            )
+            value = _fp8_value(v[lo:hi, :].astype(jnp.int32))
+            term = _dot(x[:, lo:hi], (value * row).astype(dtype))
+            part = term if part is None else part + term
+        return part
     if fmt == "float8_e4m3fn":
         (x,), (v, s) = x_refs, w_refs
         part = None
@@ -169,7 +189,8 @@ def _tile_product(fmt, dtype, k, x_refs, w_refs):
 def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
     x_refs, gid = refs[:num_x], refs[num_x]
     w_refs, (out, acc) = refs[num_x + 1 : -2], refs[-2:]
-    u = pl.program_id(1)
+    # (Read here: Pallas' interpreter has no grid position inside `pl.when`.)
+    j, u = pl.program_id(0), pl.program_id(1)
 
     @pl.when(u == 0)
     def _():
@@ -177,7 +198,7 @@ def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
 
     @pl.when(u < count[0])
     def _():
-        part = _tile_product(fmt, dtype, k, x_refs, w_refs)
+        part = _tile_product(fmt, dtype, k, j, x_refs, w_refs)
         acc[...] += jnp.where(gid[...] == ids[u], part, 0.0)
 
     @pl.when(u == pl.num_programs(1) - 1)
@@ -196,9 +217,10 @@ def _touched(group_sizes: Array, slots: int) -> tuple[Array, Array]:
     return ids, count.reshape(1)
 
 
-def _weight_operands(w, k: int, n: int):
-    """`(fmt, arrays, block shapes)` of the kernel's weight inputs: each array's
-    leading axis is the group, the block's `None`."""
+def _weight_operands(w, k: int, n: int, tn: int):
+    """`(fmt, arrays, blocks)` of the kernel's weight inputs: each array's leading
+    axis is the group; in each block shape the first `None` is the group's, a
+    second the `tn` output columns of a grid step, and a size the whole axis."""
     if not is_quantized(w):
         return None, (w,), ((None, k, None),)
     # The stored bytes as they are, `int8` (a bitcast, even of `uint8` to `int8`,
@@ -206,6 +228,16 @@ def _weight_operands(w, k: int, n: int):
     if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[G, N, K / 32]`
         values, scales = w.values, w.scales
         return "mxfp4", (values, scales), ((None, None, k // 2), (None, None, k // 32))
+    if w.fmt == "float8_e4m3fn" and tn % FP8_BLOCK[1] == 0 and (n // w.parts) % tn == 0:
+        # Each expert's block scales whole, `[G, column blocks, row blocks]` (the
+        # kernel spreads a step's own over its columns): no float32 scale per
+        # column of every expert is built each call.
+        scales = jnp.swapaxes(jax.lax.bitcast_convert_type(w.scales, jnp.float32), 1, 2)
+        return (
+            "fp8_blocks",
+            (w.values, scales),
+            ((None, k, None), (None, *scales.shape[1:])),
+        )
     _, scales = kernel_operands(w, k, n)  # scales: [G, rows of K, N] float32
     return w.fmt, (w.values, scales), ((None, k, None), (None, scales.shape[1], None))
 
@@ -239,7 +271,7 @@ def decode_gmm(
     dtype = lhs.dtype
     if m == 0:  # no grid step to run
         return jnp.zeros((0, n), dtype)
-    fmt, arrays, blocks = _weight_operands(rhs, k, n)
+    fmt = rhs.fmt if is_quantized(rhs) else None
     tn = _tile_n(n, k, fmt, jnp.dtype(dtype).itemsize) if block_n is None else block_n
     if n % tn:
         raise ValueError(f"`block_n` ({tn}) must divide the {n} output columns.")
@@ -257,11 +289,16 @@ def decode_gmm(
     def whole(shape):
         return pl.BlockSpec(shape, lambda j, u, ids, count: (0, 0))
 
+    fmt, arrays, blocks = _weight_operands(rhs, k, n, tn)
+
     def weight_spec(block):
-        lead, a, b = block
-        if fmt == "mxfp4":  # `[G, N, ...]`: tiles of `N` rows
-            return pl.BlockSpec((lead, tn, b), lambda j, u, ids, count: (ids[u], j, 0))
-        return pl.BlockSpec((lead, a, tn), lambda j, u, ids, count: (ids[u], 0, j))
+        lead, *rest = block
+        shape = (lead, *(tn if d is None else d for d in rest))
+        tiled = tuple(d is None for d in rest)
+        return pl.BlockSpec(
+            shape,
+            lambda j, u, ids, count: (ids[u], *(j if t else 0 for t in tiled)),
+        )
 
     in_specs = [whole(x.shape) for x in xs] + [whole((mp, 1))]
     in_specs += [weight_spec(block) for block in blocks]
