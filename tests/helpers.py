@@ -225,19 +225,21 @@ def recording_read(read: list):
     return recorded
 
 
-def every_code_weight(fmt, k, n, key):
+def every_code_weight(fmt, k, n, key, parts=1):
     """A weight `[1, k, n]` in `fmt` holding every stored byte many times (FP8: NaN
     and subnormal codes too), with random scales (MXFP4: the scale bytes of finite
     values)."""
     codes = (np.arange(k * n) * 7 % 256).astype(np.uint8).view(np.int8)
     shape = (1, n, k // 2) if fmt == "mxfp4" else (1, k, n)
     values = jnp.asarray(codes[: int(np.prod(shape))].reshape(shape))
-    template = me.internal.quantize(jnp.ones((1, k, n)), fmt)
+    scales_shape = me.internal.quantize(jnp.ones((1, k, n)), fmt).scales.shape
+    if parts != 1:  # FP8's scales per part, each blocked from its own first column
+        scales_shape = (1, -(-k // 128), -(-(n // parts) // 128) * parts)
     if fmt == "mxfp4":
         # (Above 252 a code times its scale overflows: infinity times the identity's
         # zeros would be NaN.)
-        scales = jr.randint(key, template.scales.shape, 2, 253).astype(jnp.uint8)
+        scales = jr.randint(key, scales_shape, 2, 253).astype(jnp.uint8)
     else:
-        floats = jnp.exp(jr.normal(key, template.scales.shape) * 8)
+        floats = jnp.exp(jr.normal(key, scales_shape) * 8)
         scales = jax.lax.bitcast_convert_type(floats, jnp.uint32)
-    return me.QuantizedArray(values, scales, fmt, jnp.float32)
+    return me.QuantizedArray(values, scales, fmt, jnp.float32, parts)

@@ -12,7 +12,7 @@ import pytest
 from helpers import every_code_weight, mesh as cpu_mesh
 
 import moe_eqx as me
-from moe_eqx._gmm.pallas_tpu import decode_gmm
+from moe_eqx._gmm.pallas_tpu import _weight_operands, decode_gmm
 from moe_eqx.internal import quantize
 
 G, K, N = 8, 64, 128
@@ -31,8 +31,6 @@ def test_kernel_reads_the_stored_bytes_themselves(fmt):
     """The kernel's weight operands are the stored `int8` bytes themselves: any
     conversion on the way (a bitcast, even `uint8` to `int8`) was a copy of every
     expert's weight in each decode step on a TPU (docs/measured.md, "TPU")."""
-    from moe_eqx._gmm.pallas_tpu import _weight_operands
-
     w = quantize(jr.normal(jr.key(1), (G, K, N)), fmt)
     _, arrays, _ = _weight_operands(w, K, N, N)
     assert arrays[0] is w.values and w.values.dtype == jnp.int8
@@ -162,19 +160,31 @@ def test_lowers_for_tpu_at_a_model_shape(fmt):
         assert text.count("tpu_custom_call") == 1, (fmt, k, n)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+# FP8 in parts whose width is whole blocks (the kernel spreads the block scales
+# itself) and is not (a float32 scale per column goes in).
+_LAYOUTS = [
+    ("int8", 256, 1, "int8"),
+    ("float8_e4m3fn", 256, 1, "fp8_blocks"),
+    ("float8_e4m3fn", 256, 2, "fp8_blocks"),
+    ("float8_e4m3fn", 384, 2, "float8_e4m3fn"),
+    ("mxfp4", 256, 1, "mxfp4"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "n", "parts", "path"), _LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_code_dequantizes_exactly(fmt, dtype):
+def test_every_code_dequantizes_exactly(fmt, n, parts, path, dtype):
     """Rows of the identity times the kernel's dequantized tile give the tile back:
     it equals `QuantizedArray.dequantize` exactly for every stored byte (NaN where
-    it is NaN)."""
+    it is NaN), over several grid steps of 128 columns."""
     dt = jnp.dtype(dtype)
-    k, n = 512, 256
-    w = every_code_weight(fmt, k, n, jr.key(11))
+    k = 512
+    w = every_code_weight(fmt, k, n, jr.key(11), parts)
+    assert _weight_operands(w, k, n, 128)[0] == path
     want = np.asarray(w.dequantize(dt)[0], np.float32)
     eye = jnp.eye(k, dtype=dt)
     sizes = jnp.array([k], jnp.int32)
-    got = decode_gmm(eye, w, sizes, block_n=n // 2, interpret=True)  # two steps
+    got = decode_gmm(eye, w, sizes, block_n=128, interpret=True)
     got = np.asarray(got, np.float32)
     assert np.isnan(want).any() == (fmt == "float8_e4m3fn")
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))

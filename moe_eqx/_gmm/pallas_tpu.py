@@ -228,10 +228,12 @@ def _weight_operands(w, k: int, n: int, tn: int):
     if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[G, N, K / 32]`
         values, scales = w.values, w.scales
         return "mxfp4", (values, scales), ((None, None, k // 2), (None, None, k // 32))
-    if w.fmt == "float8_e4m3fn" and tn % FP8_BLOCK[1] == 0 and (n // w.parts) % tn == 0:
+    block = FP8_BLOCK[1]
+    if w.fmt == "float8_e4m3fn" and tn % block == 0 and (n // w.parts) % block == 0:
         # Each expert's block scales whole, `[G, column blocks, row blocks]` (the
-        # kernel spreads a step's own over its columns): no float32 scale per
-        # column of every expert is built each call.
+        # kernel spreads a step's own over its columns; column `c`'s block is
+        # `c // 128`, parts or not, when each part is whole blocks): no float32
+        # scale per column of every expert is built each call.
         scales = jnp.swapaxes(jax.lax.bitcast_convert_type(w.scales, jnp.float32), 1, 2)
         return (
             "fp8_blocks",
