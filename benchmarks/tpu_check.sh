@@ -19,7 +19,8 @@
 # Results go to ${OUT:-benchmarks/results} (a .log and a .json per section).
 # TESTS_K (a pytest -k expression), GRID_ARGS (e.g. "--cases mixtral,int8 --ways
 # jit-closed,filter_jit --timeout 120", or "--in-process"), DECODE_ARGS (e.g.
-# "--profile --tokens 1,8"), GMM_ARGS, SWEEP_ARGS and LAYER_ARGS pass options to the
+# "--profile --tokens 1,8", "--as-argument --hlo-dir DIR" or "--kernel"), GMM_ARGS,
+# SWEEP_ARGS and LAYER_ARGS pass options to the
 # tests and the five benchmarks.
 #
 #     bash benchmarks/tpu_check.sh [--quick] [section ...]   # default: all but sweep

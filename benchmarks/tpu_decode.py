@@ -157,6 +157,7 @@ def main():
         action="store_true",
         help="the layer's arrays as arguments of the jitted call (quicker compiles)",
     )
+    p.add_argument("--hlo-dir", default=None, help="each row's optimized HLO")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     d_model, d_ff, num_experts, top_k = map(int, args.shape.split(","))
@@ -221,6 +222,10 @@ def main():
                     )
                     continue
                 mem = compiled.memory_analysis()
+                if args.hlo_dir:  # where a copy or a `cond` comes from
+                    name = f"decode-{tokens}-{fmt}-{backend}.hlo.txt"
+                    with open(os.path.join(args.hlo_dir, name), "w") as f:
+                        f.write(compiled.as_text())
                 stored = _expert_bytes(layer)
                 per_expert = stored / num_experts
                 fns[fmt] = (fn, x)
