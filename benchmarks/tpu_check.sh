@@ -4,13 +4,13 @@
 #   tests   tests/test_tpu.py: the layer against `reference_moe` on the chip (float32
 #           at highest precision, and bfloat16), one device and a one-chip mesh,
 #           capped and with the fallback taken, gradients, every quantized format
-#           against its dequantized layer, the decode and megablox kernels, the hash
-#           router, replay;
+#           against its dequantized layer, the decode, megablox and own
+#           grouped-matmul kernels, the hash router, replay;
 #   grid    benchmarks/tpu_jit_grid.py: `jax.jit` with the layer closed over,
 #           `jax.grad` of a closed-over layer and `eqx.filter_jit`, over a grid of
 #           shapes and settings, each case in a process of its own;
 #   decode  benchmarks/tpu_decode.py: quantized experts and decode against bfloat16;
-#   gmm     benchmarks/tpu_gmm.py: the grouped matmul against lax.ragged_dot,
+#   gmm     benchmarks/tpu_gmm.py: the grouped matmul (ours too) against lax.ragged_dot,
 #           megablox, tokamax (where its wheels are carried) and the dense rate;
 #   sweep   benchmarks/tpu_gmm.py --sweep: tiles for `me.MegabloxGMM`;
 #   layer   benchmarks/tpu_layer.py: the training step against a dense FFN of the

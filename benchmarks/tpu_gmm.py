@@ -14,6 +14,9 @@ d_rhs) and candidate, the min time of 10 after warm-up and its TFLOP/s:
 - `me.megablox`: `me.MegabloxGMM`'s (its tile table, or the heuristic);
 - `megablox-maxtext`: JAX's megablox kernels at MaxText's default tiles (512, 1024,
   1024);
+- `own-{rows}x{out}-c{chunk}`: the library's own kernel
+  (`moe_eqx._gmm.grouped_tpu.grouped_matmul`, forward and `gmm_t`) at those tiles,
+  multiplying `chunk` rows at a time (0: the whole tile, as megablox);
 - `tokamax`: tokamax's `ragged_dot` (its Mosaic TPU kernel and its v5e tile table),
   where it imports.
 
@@ -34,6 +37,7 @@ import numpy as np
 from _common import interleaved_min
 
 from moe_eqx._gmm import megablox as mbx
+from moe_eqx._gmm.grouped_tpu import grouped_matmul
 from moe_eqx._gmm.ragged_dot import _GMM_T, _TGMM, _RaggedDotProducts
 
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -46,6 +50,9 @@ SHAPES = {
     "tiny": (256, 256, 128, 4, 2),  # a smoke test off the TPU (`--interpret`)
 }
 INTERPRET = False
+# The library's own kernel's settings measured: (row tile, output tile, chunk rows;
+# 0: the whole tile).
+OWN = [(512, 768, 128), (256, 768, 128), (512, 768, 0)]
 
 
 def sizes_of(rows: int, groups: int, skew: str) -> np.ndarray:
@@ -106,6 +113,18 @@ def products(tokamax):
         "me.megablox": {"gmm": me_mb.gmm, "gmm_t": me_mb.gmm_t, "tgmm": me_mb.tgmm},
         "megablox-maxtext": raw_mb((512, 1024, 1024)),
     }
+    for spec in OWN:
+        tm, tn, chunk = spec
+        tiles = (tm, 4096, tn)  # the whole contraction up to 4096
+        c = chunk or None
+        out[f"own-{tm}x{tn}-c{chunk}"] = {
+            "gmm": lambda a, b, s, t=tiles, c=c: grouped_matmul(
+                a, b, s, tiles=t, chunk=c, interpret=INTERPRET
+            ),
+            "gmm_t": lambda a, b, s, t=tiles, c=c: grouped_matmul(
+                a, b, s, tiles=t, chunk=c, transpose_rhs=True, interpret=INTERPRET
+            ),
+        }
     if tokamax is not None:
         # The same dimension numbers as `me.RaggedDotGMM`'s two derivative products.
         gmm_t_dims, tgmm_dims = _GMM_T, _TGMM
@@ -218,9 +237,16 @@ def main():
     p.add_argument("--dims", default="2,1,0", help="tile dims to vary (0 = rows)")
     p.add_argument("--out", default=None)
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter")
+    p.add_argument(
+        "--own",
+        default=None,
+        help="the own kernel's settings, e.g. 512x768x128,256x512x0 (rows x out x chunk)",
+    )
     args = p.parse_args()
-    global INTERPRET
+    global INTERPRET, OWN
     INTERPRET = args.interpret
+    if args.own:
+        OWN = [tuple(int(v) for v in spec.split("x")) for spec in args.own.split(",")]
     try:
         import tokamax
         from absl import flags

@@ -1,0 +1,172 @@
+"""A grouped matmul for many rows on TPUs (Pallas), of the library's own: megablox's
+grid with the work it wastes on partial tiles skipped.
+
+`out[i] = lhs[i] @ rhs[g(i)]` for rows sorted by group. Like megablox's `gmm`, the
+grid is `(N tiles, visits, K tiles)`: a visit is one `tm`-row tile of `lhs` with one
+group that has rows in it, so a tile where a group ends and the next begins is
+visited once per group, each visit storing its own group's rows. megablox multiplies
+the whole tile at each visit and masks the store; on fine-grained MoEs (many groups
+of a few hundred rows) that is up to twice the products. Here a visit multiplies only
+the `chunk`-row pieces of the tile that hold its group's rows.
+
+Also unlike megablox, tiles past the last group's rows are visited (once, with no
+group): they are zeroed in the kernel, so rows past `sum(group_sizes)` come out zero
+without a pass over the whole output afterwards.
+
+Not yet a backend: `benchmarks/tpu_gmm.py` measures it against megablox and
+`lax.ragged_dot`; `tests/test_grouped_tpu.py` tests it in Pallas' interpreter.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, Int
+
+# megablox's visit schedule (`make_group_metadata`).
+_mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _schedule(group_sizes, m: int, tm: int):
+    """`(offsets, groups, tiles, visits)`: each visit's group and row tile, in
+    order, then one visit with no group (group `G`) for each tile past the groups'
+    rows; `offsets` `[G + 2]` the groups' first rows (the no-group's range empty)."""
+    num_groups = group_sizes.shape[0]
+    tiles_m = m // tm
+    (offsets, groups, tiles), visited = _mb.make_group_metadata(
+        group_sizes=group_sizes,
+        m=m,
+        tm=tm,
+        start_group=jnp.zeros((), jnp.int32),
+        num_nonzero_groups=num_groups,
+        visit_empty_groups=False,
+    )
+    length = 2 * tiles_m + num_groups
+    i = jnp.arange(length, dtype=jnp.int32)
+    groups = jnp.pad(groups, (0, length - groups.shape[0]))
+    tiles = jnp.pad(tiles, (0, length - tiles.shape[0]))
+    last = jnp.where(visited > 0, tiles[jnp.maximum(visited - 1, 0)], -1)
+    past = i >= visited
+    groups = jnp.where(past, num_groups, groups).astype(jnp.int32)
+    tiles = jnp.where(past, last + 1 + i - visited, tiles).astype(jnp.int32)
+    total = offsets[-1]
+    offsets = jnp.concatenate([offsets, total[None]]).astype(jnp.int32)
+    visits = visited + tiles_m - 1 - last
+    return offsets, groups, tiles, visits
+
+
+def grouped_matmul(
+    lhs: Float[Array, "rows k_dim"],
+    rhs: Float[Array, "groups _ _"],  # [G, K, N], or [G, N, K] transposed
+    group_sizes: Int[Array, " groups"],
+    *,
+    tiles: tuple[int, int, int] = (256, 2048, 512),
+    chunk: int | None = 128,
+    transpose_rhs: bool = False,
+    interpret: bool = False,
+) -> Float[Array, "rows n_dim"]:
+    """`lhs[i] @ rhs[g(i)]` (see the module).
+
+    **Arguments:**
+
+    - `lhs`: `[M, K]` rows sorted by group.
+    - `rhs`: `[G, K, N]`, or `[G, N, K]` with `transpose_rhs`.
+    - `group_sizes`: `[G]` int32, `sum <= M`.
+    - `tiles`: `(tm, tk, tn)`, each cut down to the size where it is larger; `tk`
+        must divide `K` and `tn` divide `N` (else the whole axis is one tile).
+    - `chunk`: the rows a visit multiplies at a time, skipping the pieces its
+        group has no row in (`None`: the whole tile, as megablox).
+    - `transpose_rhs`: multiply by `rhs[g]^T` (the input's gradient).
+    - `interpret`: run in Pallas' interpreter (any platform).
+
+    **Returns:**
+
+    `[M, N]` in `lhs.dtype`, accumulated in float32; rows past `sum(group_sizes)`
+    are zero.
+    """
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tm, tk, tn = tiles
+    rt = 16 if lhs.dtype.itemsize == 2 else 8
+    tm = min(tm, -(-m // rt) * rt)
+    tk = tk if tk < k and k % tk == 0 else k
+    tn = tn if tn < n and n % tn == 0 else n
+    ch = tm if chunk is None or chunk >= tm or tm % chunk else chunk
+    mp = -(-max(m, 1) // tm) * tm
+    lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
+    offsets, groups, row_tiles, visits = _schedule(
+        group_sizes.astype(jnp.int32), mp, tm
+    )
+
+    def kernel(offsets, groups, row_tiles, lhs, rhs, out, acc):
+        v, kk = pl.program_id(1), pl.program_id(2)
+        group, tile = groups[v], row_tiles[v]
+        lo = jnp.clip(offsets[group] - tile * tm, 0, tm)
+        hi = jnp.clip(offsets[group + 1] - tile * tm, 0, tm)
+        first = (v == 0) | (row_tiles[jnp.maximum(v - 1, 0)] != tile)
+
+        @pl.when((kk == 0) & first)
+        def _():
+            out[...] = jnp.zeros(out.shape, out.dtype)
+
+        for c0 in range(0, tm, ch):
+            rows = pl.ds(c0, ch)
+
+            @pl.when((lo < c0 + ch) & (hi > c0))
+            def _(c0=c0, rows=rows):
+                @pl.when(kk == 0)
+                def _():
+                    acc[rows, :] = jnp.zeros((ch, tn), jnp.float32)
+
+                dims = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
+                acc[rows, :] += jax.lax.dot_general(
+                    lhs[rows, :], rhs[...], dims, preferred_element_type=jnp.float32
+                )
+
+                @pl.when(kk == pl.num_programs(2) - 1)
+                def _():
+                    row = jax.lax.broadcasted_iota(jnp.int32, (ch, tn), 0) + c0
+                    mine = (row >= lo) & (row < hi)
+                    out[rows, :] = jnp.where(
+                        mine, acc[rows, :].astype(out.dtype), out[rows, :]
+                    )
+
+    def lhs_map(j, v, kk, offsets, groups, row_tiles):
+        return row_tiles[v], kk
+
+    def rhs_map(j, v, kk, offsets, groups, row_tiles):
+        group = jnp.minimum(groups[v], g - 1)  # the no-group visits load the last
+        return (group, j, kk) if transpose_rhs else (group, kk, j)
+
+    def out_map(j, v, kk, offsets, groups, row_tiles):
+        return row_tiles[v], j
+
+    rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, n), lhs.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(n // tn, visits, k // tk),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lhs_map),
+                pl.BlockSpec(rhs_block, rhs_map),
+            ],
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")
+        ),
+        interpret=interpret,
+    )
+    return call(offsets, groups, row_tiles, lhs, rhs)[:m]
+
+
+# A jitted entry with the static settings as static arguments.
+grouped_matmul_jit = jax.jit(
+    grouped_matmul, static_argnames=("tiles", "chunk", "transpose_rhs", "interpret")
+)

@@ -1,0 +1,97 @@
+"""The library's own grouped matmul for many rows on TPUs
+(`moe_eqx._gmm.grouped_tpu.grouped_matmul`) in Pallas' interpreter on the CPU:
+values against `lax.ragged_dot` over group layouts edges first, both orientations,
+the contraction whole and tiled, each visit's rows multiplied in chunks and whole;
+and Mosaic's lowering at a model shape. `tests/test_tpu.py` runs it compiled."""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+from moe_eqx._gmm.grouped_tpu import grouped_matmul
+
+G, K, N, M = 6, 64, 256, 200
+
+# Group sizes, edges first: every row in one group (first, last), no row at all,
+# empty groups first / between / last, groups that straddle tiles, one row a group,
+# rows past the groups' sum.
+LAYOUTS = {
+    "all in the first": [200, 0, 0, 0, 0, 0],
+    "all in the last": [0, 0, 0, 0, 0, 200],
+    "no rows": [0, 0, 0, 0, 0, 0],
+    "empty between": [0, 37, 0, 80, 1, 40],
+    "even": [33, 33, 33, 33, 33, 35],
+    "one row each, rest past": [1, 1, 1, 1, 1, 1],
+    "rows past the sum": [17, 0, 50, 3, 0, 29],
+}
+
+
+def _reference(lhs, rhs, sizes, transpose):
+    if transpose:
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    out = jax.lax.ragged_dot(lhs, rhs, sizes, precision=jax.lax.Precision.HIGHEST)
+    real = jnp.arange(lhs.shape[0]) < jnp.sum(sizes)
+    return jnp.where(real[:, None], out, 0.0)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("transpose", [False, True], ids=["gmm", "gmm_t"])
+@pytest.mark.parametrize(
+    ("tiles", "chunk"),
+    [((64, 32, 128), 16), ((64, 64, 256), None), ((256, 64, 128), 128)],
+    ids=["K tiled, chunks", "whole tiles", "one row tile"],
+)
+def test_matches_ragged_dot(layout, transpose, tiles, chunk):
+    sizes = jnp.array(LAYOUTS[layout], jnp.int32)
+    lhs = jr.normal(jr.key(0), (M, K))
+    rhs = jr.normal(jr.key(1), (G, N, K) if transpose else (G, K, N))
+    out = grouped_matmul(
+        lhs,
+        rhs,
+        sizes,
+        tiles=tiles,
+        chunk=chunk,
+        transpose_rhs=transpose,
+        interpret=True,
+    )
+    assert out.shape == (M, N) and out.dtype == lhs.dtype
+    want = _reference(lhs, rhs, sizes, transpose)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-4, rtol=0)
+    # Rows past the groups are zero (written by the kernel, not left over).
+    assert not np.any(np.asarray(out[int(jnp.sum(sizes)) :]))
+
+
+def test_bfloat16_and_rows_not_a_multiple_of_the_tile():
+    sizes = jnp.array([5, 0, 60, 2, 30, 0], jnp.int32)
+    lhs = jr.normal(jr.key(2), (99, K), jnp.bfloat16)
+    rhs = jr.normal(jr.key(3), (G, K, N), jnp.bfloat16)
+    out = grouped_matmul(lhs, rhs, sizes, tiles=(32, 64, 128), chunk=16, interpret=True)
+    assert out.shape == (99, N) and out.dtype == jnp.bfloat16
+    want = _reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes, False)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(want), atol=0.1, rtol=2e-2
+    )
+
+
+@pytest.mark.lowering_only
+@pytest.mark.parametrize("transpose", [False, True], ids=["gmm", "gmm_t"])
+@pytest.mark.parametrize("chunk", [128, None])
+def test_lowers_for_tpu_at_a_model_shape(transpose, chunk):
+    """Mosaic's lowering (run here, on the CPU) accepts the kernel at the
+    Qwen3-30B-A3B-like up projection (65536 rows, 128 groups, 2048 -> 1536)."""
+    m, k, n, g = 65536, 2048, 1536, 128
+    lhs = jax.ShapeDtypeStruct((m, n if transpose else k), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+    def run(a, b, s):
+        return grouped_matmul(
+            a, b, s, tiles=(512, 4096, 768), chunk=chunk, transpose_rhs=transpose
+        )
+
+    text = (
+        jax.jit(run).trace(lhs, rhs, sizes).lower(lowering_platforms=("tpu",)).as_text()
+    )
+    assert text.count("tpu_custom_call") == 1
