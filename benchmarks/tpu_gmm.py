@@ -6,7 +6,8 @@
 Shapes (rows = tokens x top-k, bfloat16): the up projections (gate+up) and down
 projections of the three layers of `benchmarks/tpu_layer.py`, groups balanced and
 Zipf(1.0)-skewed. For each product (`gmm`, its transposes `gmm_t` = d_lhs and `tgmm` =
-d_rhs) and candidate, the min time of 10 after warm-up and its TFLOP/s:
+d_rhs) and candidate, the min time of 10 after warm-up, its TFLOP/s, and its largest
+difference from `me.RaggedDotGMM`'s value over that value's largest (`max_rel_err`):
 
 - `dense`: one dense matmul of the same FLOPs (the practical roofline);
 - `lax.ragged_dot`: called directly, bfloat16 out;
@@ -14,9 +15,10 @@ d_rhs) and candidate, the min time of 10 after warm-up and its TFLOP/s:
 - `me.megablox`: `me.MegabloxGMM`'s (its tile table, or the heuristic);
 - `megablox-maxtext`: JAX's megablox kernels at MaxText's default tiles (512, 1024,
   1024);
-- `own-{rows}x{out}-c{chunk}`: the library's own kernel
-  (`moe_eqx._gmm.grouped_tpu.grouped_matmul`, forward and `gmm_t`) at those tiles,
-  multiplying `chunk` rows at a time (0: the whole tile, as megablox);
+- `own-{rows}x{out}-c{chunk}`: the library's own kernels
+  (`moe_eqx._gmm.grouped_tpu`: `grouped_matmul` for `gmm` and `gmm_t` at those
+  tiles, `grouped_weight_gradient` for `tgmm` at (256, 2048, 512)), multiplying
+  `chunk` rows at a time (0: the whole tile, as megablox);
 - `tokamax`: tokamax's `ragged_dot` (its Mosaic TPU kernel and its v5e tile table),
   where it imports.
 
@@ -37,7 +39,7 @@ import numpy as np
 from _common import interleaved_min
 
 from moe_eqx._gmm import megablox as mbx
-from moe_eqx._gmm.grouped_tpu import grouped_matmul
+from moe_eqx._gmm.grouped_tpu import grouped_matmul, grouped_weight_gradient
 from moe_eqx._gmm.ragged_dot import _GMM_T, _TGMM, _RaggedDotProducts
 
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -123,6 +125,10 @@ def products(tokamax):
             ),
             "gmm_t": lambda a, b, s, t=tiles, c=c: grouped_matmul(
                 a, b, s, tiles=t, chunk=c, transpose_rhs=True, interpret=INTERPRET
+            ),
+            # (The weights' gradient at megablox's tuned Qwen3-like `tgmm` tiles.)
+            "tgmm": lambda a, d, s, c=c: grouped_weight_gradient(
+                a, d, s, tiles=(256, 2048, 512), chunk=c, interpret=INTERPRET
             ),
         }
     if tokamax is not None:
@@ -288,10 +294,21 @@ def main():
                     tflops=flops / dense / 1e12,
                 )
             )
+            refs = {}  # each product's value by `me.RaggedDotGMM`'s, to check against
             for name, prods in products(tokamax).items():
                 for kind, fn in prods.items():
                     x, y = operands(kind, rows, k, n, groups, jr.key(2))
                     try:
+                        if kind not in refs:
+                            ref = products(None)["me.ragged_dot"][kind]
+                            refs[kind] = np.asarray(
+                                jax.jit(ref)(x, y, sizes), np.float32
+                            )
+                        got = np.asarray(jax.jit(fn)(x, y, sizes), np.float32)
+                        err = float(
+                            np.max(np.abs(got - refs[kind]))
+                            / max(float(np.max(np.abs(refs[kind]))), 1e-30)
+                        )
                         sec = timed(jax.jit(fn), x, y, sizes)
                     except Exception as e:
                         print(
@@ -307,11 +324,13 @@ def main():
                             candidate=name,
                             ms=sec * 1e3,
                             tflops=flops / sec / 1e12,
+                            max_rel_err=err,
                         )
                     )
                     print(
                         f"{label:16s} {skew:8s} {kind:6s} {name:18s} "
-                        f"{sec * 1e3:8.3f} ms {flops / sec / 1e12:6.1f} TFLOP/s",
+                        f"{sec * 1e3:8.3f} ms {flops / sec / 1e12:6.1f} TFLOP/s "
+                        f"err {err:.1e}",
                         flush=True,
                     )
     if tuned:

@@ -1,8 +1,9 @@
-"""The library's own grouped matmul for many rows on TPUs
-(`moe_eqx._gmm.grouped_tpu.grouped_matmul`) in Pallas' interpreter on the CPU:
-values against `lax.ragged_dot` over group layouts edges first, both orientations,
-the contraction whole and tiled, each visit's rows multiplied in chunks and whole;
-and Mosaic's lowering at a model shape. `tests/test_tpu.py` runs it compiled."""
+"""The library's own grouped matmuls for many rows on TPUs
+(`moe_eqx._gmm.grouped_tpu`: `grouped_matmul`, `grouped_weight_gradient`) in Pallas'
+interpreter on the CPU: values against `lax.ragged_dot` and a one-hot contraction
+over group layouts edges first, both orientations, the contraction whole and tiled,
+each visit's rows multiplied in chunks and whole; and Mosaic's lowering at a model
+shape. `tests/test_tpu.py` runs them compiled."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 
-from moe_eqx._gmm.grouped_tpu import grouped_matmul
+from moe_eqx._gmm.grouped_tpu import grouped_matmul, grouped_weight_gradient
 
 G, K, N, M = 6, 64, 256, 200
 
@@ -36,13 +37,16 @@ def _reference(lhs, rhs, sizes, transpose):
     return jnp.where(real[:, None], out, 0.0)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("transpose", [False, True], ids=["gmm", "gmm_t"])
-@pytest.mark.parametrize(
+TILINGS = pytest.mark.parametrize(
     ("tiles", "chunk"),
     [((64, 32, 128), 16), ((64, 64, 256), None), ((256, 64, 128), 128)],
     ids=["K tiled, chunks", "whole tiles", "one row tile"],
 )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("transpose", [False, True], ids=["gmm", "gmm_t"])
+@TILINGS
 def test_matches_ragged_dot(layout, transpose, tiles, chunk):
     sizes = jnp.array(LAYOUTS[layout], jnp.int32)
     lhs = jr.normal(jr.key(0), (M, K))
@@ -63,6 +67,31 @@ def test_matches_ragged_dot(layout, transpose, tiles, chunk):
     assert not np.any(np.asarray(out[int(jnp.sum(sizes)) :]))
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@TILINGS
+def test_weight_gradient_matches_a_one_hot_contraction(layout, tiles, chunk):
+    """Each group's `lhs^T @ d` over its own rows only (rows past the groups and
+    other groups' rows masked out of shared tiles); an empty group's is zero."""
+    sizes = jnp.array(LAYOUTS[layout], jnp.int32)
+    lhs = jr.normal(jr.key(4), (M, K))
+    d = jr.normal(jr.key(5), (M, N))
+    out = grouped_weight_gradient(
+        lhs, d, sizes, tiles=tiles, chunk=chunk, interpret=True
+    )
+    assert out.shape == (G, K, N) and out.dtype == lhs.dtype
+    group = jnp.repeat(jnp.arange(G), sizes, total_repeat_length=M)
+    real = jnp.arange(M) < jnp.sum(sizes)
+    one_hot = ((group[:, None] == jnp.arange(G)[None, :]) & real[:, None]).astype(
+        lhs.dtype
+    )
+    want = jnp.einsum(
+        "mg,mk,mn->gkn", one_hot, lhs, d, precision=jax.lax.Precision.HIGHEST
+    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-3, rtol=0)
+    for e in np.flatnonzero(np.asarray(sizes) == 0):
+        assert not np.any(np.asarray(out[e])), e
+
+
 def test_bfloat16_and_rows_not_a_multiple_of_the_tile():
     sizes = jnp.array([5, 0, 60, 2, 30, 0], jnp.int32)
     lhs = jr.normal(jr.key(2), (99, K), jnp.bfloat16)
@@ -73,6 +102,28 @@ def test_bfloat16_and_rows_not_a_multiple_of_the_tile():
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(want), atol=0.1, rtol=2e-2
     )
+    grad = grouped_weight_gradient(
+        lhs,
+        out,
+        sizes,
+        tiles=(32, 64, 128),
+        chunk=16,
+        out_dtype=jnp.float32,
+        interpret=True,
+    )
+    assert grad.dtype == jnp.float32
+    f32 = (lhs.astype(jnp.float32), out.astype(jnp.float32))
+    want = jnp.stack(
+        [
+            f32[0][int(a) : int(b)].T @ f32[1][int(a) : int(b)]
+            for a, b in zip(
+                np.concatenate([[0], np.cumsum(sizes)[:-1]]),
+                np.cumsum(sizes),
+                strict=True,
+            )
+        ]
+    )
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want), atol=0.5, rtol=2e-2)
 
 
 @pytest.mark.lowering_only

@@ -263,3 +263,36 @@ def test_own_grouped_matmul_matches_ragged_dot(transpose, chunk):
     total = int(jnp.sum(sizes))
     _close(out[:total], ref[:total], 2e-2)
     assert not np.any(np.asarray(out[total:], np.float32))
+
+
+@pytest.mark.parametrize("chunk", [128, None], ids=["chunks", "whole tiles"])
+def test_own_weight_gradient_matches_ragged_dot(chunk):
+    """The library's own weights'-gradient kernel compiled on the chip, skewed and
+    empty groups, against `lax.ragged_dot`'s transpose in float32."""
+    from moe_eqx._gmm.grouped_tpu import grouped_weight_gradient
+
+    g, k, n, m = 128, 2048, 1536, 4000
+    sizes = (
+        jnp.zeros((g,), jnp.int32)
+        .at[jnp.array([0, 7, 127])]
+        .set(jnp.array([2900, 1, 839]))
+    )
+    lhs = jr.normal(jr.key(3), (m, k), jnp.bfloat16)
+    d = jr.normal(jr.key(4), (m, n), jnp.bfloat16)
+    run = ft.partial(
+        grouped_weight_gradient,
+        tiles=(256, 2048, 512),
+        chunk=chunk,
+        out_dtype=jnp.float32,
+    )
+    out = jax.jit(run)(lhs, d, sizes)
+
+    def product(w):
+        return jax.lax.ragged_dot(
+            lhs.astype(jnp.float32), w, sizes, precision=jax.lax.Precision.HIGHEST
+        )
+
+    w0 = jnp.zeros((g, k, n), jnp.float32)
+    _, vjp = jax.vjp(product, w0)
+    (ref,) = jax.jit(vjp)(d.astype(jnp.float32))
+    _close(out, ref, 2e-2)

@@ -1,5 +1,5 @@
-"""A grouped matmul for many rows on TPUs (Pallas), of the library's own: megablox's
-grid with the work it wastes on partial tiles skipped.
+"""Grouped matmuls for many rows on TPUs (Pallas), of the library's own: megablox's
+grids with the work they waste on partial tiles skipped.
 
 `out[i] = lhs[i] @ rhs[g(i)]` for rows sorted by group. Like megablox's `gmm`, the
 grid is `(N tiles, visits, K tiles)`: a visit is one `tm`-row tile of `lhs` with one
@@ -12,6 +12,12 @@ the `chunk`-row pieces of the tile that hold its group's rows.
 Also unlike megablox, tiles past the last group's rows are visited (once, with no
 group): they are zeroed in the kernel, so rows past `sum(group_sizes)` come out zero
 without a pass over the whole output afterwards.
+
+`grouped_weight_gradient` is the third product, `lhs[rows of g]^T @ d[rows of g]`
+for each group (the weights' gradient): the grid is `(K tiles, N tiles, visits)`,
+each group's visits accumulating into its output block, an empty group visited once
+to write its zeros; a visit masks and multiplies only the chunks its group has rows
+in.
 
 Not yet a backend: `benchmarks/tpu_gmm.py` measures it against megablox and
 `lax.ragged_dot`; `tests/test_grouped_tpu.py` tests it in Pallas' interpreter.
@@ -29,19 +35,28 @@ from jaxtyping import Array, Float, Int
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 
+def _metadata(group_sizes, m: int, tm: int, visit_empty_groups: bool):
+    """megablox's `make_group_metadata` for all the groups (its index arithmetic
+    mixes booleans and integers: standard promotion)."""
+    with jax.numpy_dtype_promotion("standard"):
+        return _mb.make_group_metadata(
+            group_sizes=group_sizes,
+            m=m,
+            tm=tm,
+            start_group=jnp.zeros((), jnp.int32),
+            num_nonzero_groups=group_sizes.shape[0],
+            visit_empty_groups=visit_empty_groups,
+        )
+
+
 def _schedule(group_sizes, m: int, tm: int):
     """`(offsets, groups, tiles, visits)`: each visit's group and row tile, in
     order, then one visit with no group (group `G`) for each tile past the groups'
     rows; `offsets` `[G + 2]` the groups' first rows (the no-group's range empty)."""
     num_groups = group_sizes.shape[0]
     tiles_m = m // tm
-    (offsets, groups, tiles), visited = _mb.make_group_metadata(
-        group_sizes=group_sizes,
-        m=m,
-        tm=tm,
-        start_group=jnp.zeros((), jnp.int32),
-        num_nonzero_groups=num_groups,
-        visit_empty_groups=False,
+    (offsets, groups, tiles), visited = _metadata(
+        group_sizes, m, tm, visit_empty_groups=False
     )
     length = 2 * tiles_m + num_groups
     i = jnp.arange(length, dtype=jnp.int32)
@@ -170,3 +185,101 @@ def grouped_matmul(
 grouped_matmul_jit = jax.jit(
     grouped_matmul, static_argnames=("tiles", "chunk", "transpose_rhs", "interpret")
 )
+
+
+def grouped_weight_gradient(
+    lhs: Float[Array, "rows k_dim"],
+    d: Float[Array, "rows n_dim"],
+    group_sizes: Int[Array, " groups"],
+    *,
+    tiles: tuple[int, int, int] = (256, 2048, 512),
+    chunk: int | None = 128,
+    out_dtype=None,
+    interpret: bool = False,
+) -> Float[Array, "groups k_dim n_dim"]:
+    """`lhs[rows of g]^T @ d[rows of g]` for each group `g` (see the module).
+
+    **Arguments:**
+
+    - `lhs`: `[M, K]`, `d`: `[M, N]`, rows sorted by group.
+    - `group_sizes`: `[G]` int32, `sum <= M` (rows past it belong to no group).
+    - `tiles`: `(tm, tk, tn)`, as `grouped_matmul`'s.
+    - `chunk`: the rows a visit multiplies at a time (`None`: the whole tile).
+    - `out_dtype`: the result's dtype (default `lhs.dtype`), accumulated in float32.
+    - `interpret`: run in Pallas' interpreter.
+
+    **Returns:**
+
+    `[G, K, N]`; an empty group's is zero.
+    """
+    m, k = lhs.shape
+    n = d.shape[1]
+    g = group_sizes.shape[0]
+    out_dtype = lhs.dtype if out_dtype is None else out_dtype
+    tm, tk, tn = tiles
+    rt = 16 if lhs.dtype.itemsize == 2 else 8
+    tm = min(tm, -(-m // rt) * rt)
+    tk = tk if tk < k and k % tk == 0 else k
+    tn = tn if tn < n and n % tn == 0 else n
+    ch = tm if chunk is None or chunk >= tm or tm % chunk else chunk
+    mp = -(-max(m, 1) // tm) * tm
+    lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
+    d = jnp.pad(d, ((0, mp - m), (0, 0)))
+    (offsets, groups, row_tiles), visits = _metadata(
+        group_sizes.astype(jnp.int32), mp, tm, visit_empty_groups=True
+    )
+
+    def kernel(offsets, groups, row_tiles, lhs, d, out, acc):
+        v, last = pl.program_id(2), pl.num_programs(2) - 1
+        group, tile = groups[v], row_tiles[v]
+        lo = jnp.clip(offsets[group] - tile * tm, 0, tm)
+        hi = jnp.clip(offsets[group + 1] - tile * tm, 0, tm)
+        new = (v == 0) | (groups[jnp.maximum(v - 1, 0)] != group)
+        done = (v == last) | (groups[jnp.minimum(v + 1, last)] != group)
+
+        @pl.when(new)
+        def _():
+            acc[...] = jnp.zeros(acc.shape, acc.dtype)
+
+        for c0 in range(0, tm, ch):
+            rows = pl.ds(c0, ch)
+
+            @pl.when((lo < c0 + ch) & (hi > c0))
+            def _(c0=c0, rows=rows):
+                row = jax.lax.broadcasted_iota(jnp.int32, (ch, 1), 0) + c0
+                mine = (row >= lo) & (row < hi)
+                a = jnp.where(mine, lhs[rows, :], jnp.zeros((), lhs.dtype))
+                dims = (((0,), (0,)), ((), ()))
+                acc[...] += jax.lax.dot_general(
+                    a, d[rows, :], dims, preferred_element_type=jnp.float32
+                )
+
+        @pl.when(done)
+        def _():
+            out[...] = acc[...].astype(out.dtype)
+
+    def lhs_map(i, j, v, offsets, groups, row_tiles):
+        return row_tiles[v], i
+
+    def d_map(i, j, v, offsets, groups, row_tiles):
+        return row_tiles[v], j
+
+    def out_map(i, j, v, offsets, groups, row_tiles):
+        return groups[v], i, j
+
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(k // tk, n // tn, visits),
+            in_specs=[pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((tm, tn), d_map)],
+            out_specs=pl.BlockSpec((None, tk, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
+        interpret=interpret,
+    )
+    return call(offsets, groups, row_tiles, lhs, d)
