@@ -9,7 +9,8 @@ count the expert FFNs' work only (`6 * tokens * k * 3 * d_model * d_ff`). Rows p
 shape (tokens, d_model, d_ff, experts, top-k):
 
 - `layer (<backend>)`: `me.MoELayer` on one device with `gmm_backend=` `auto`,
-  `megablox` (`me.MegabloxGMM`) and `ragged_dot`;
+  `megablox` (`me.MegabloxGMM`) and `ragged_dot`; `--backends ...,own` adds the
+  library's own many-row kernels (`moe_eqx._gmm.grouped_tpu`, not yet a backend);
 - `layer (free gmm)`: the layer with a GMM backend whose products cost nothing:
   the time outside the grouped matmuls;
 - `minimal (megablox)` / `minimal (ragged_dot)`: softmax top-k, an argsort of the flat
@@ -39,7 +40,10 @@ import jax.random as jr
 from jax.experimental.pallas.ops.tpu.megablox import gmm as _mb_op
 
 import moe_eqx as me
+from moe_eqx._gmm._products import gmm
+from moe_eqx._gmm.grouped_tpu import _GroupedProducts
 from moe_eqx._gmm.megablox import MegabloxGMM
+from moe_eqx._rules import match_varying
 
 SHAPES = {
     "dsv2lite": (8192, 2048, 1408, 64, 6),
@@ -57,6 +61,16 @@ class FreeGMM(me.AbstractGMMBackend):
         n = rhs.shape[2]
         col = lhs[:, :1] * rhs[0, 0, :1].astype(lhs.dtype)
         return jnp.broadcast_to(col, (lhs.shape[0], n))
+
+
+class OwnGMM(me.AbstractGMMBackend):
+    """The library's own many-row TPU kernels (`moe_eqx._gmm.grouped_tpu`, not yet
+    a backend of the library) for all three products."""
+
+    def __call__(self, lhs, rhs, group_sizes):
+        lhs, rhs, sizes = match_varying(lhs, rhs, group_sizes.astype(jnp.int32))
+        interpret = jax.default_backend() != "tpu"  # (to try it off a TPU)
+        return gmm(_GroupedProducts(interpret=interpret), lhs, rhs, sizes)
 
 
 def bf16(tree):
@@ -210,6 +224,7 @@ def main():
         "ragged_dot": "ragged_dot",
         "tiled": "tiled",
         "free gmm": FreeGMM(),
+        "own": OwnGMM(),
     }
     minimal_gmm = {
         # The differentiable op (`megablox.gmm`, a custom_vjp), MaxText's tiles.

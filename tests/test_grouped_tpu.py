@@ -146,3 +146,50 @@ def test_lowers_for_tpu_at_a_model_shape(transpose, chunk):
         jax.jit(run).trace(lhs, rhs, sizes).lower(lowering_platforms=("tpu",)).as_text()
     )
     assert text.count("tpu_custom_call") == 1
+
+
+def test_products_have_the_derivatives_of_ragged_dot():
+    """The three products on these kernels (`_GroupedProducts`) through
+    `moe_eqx._gmm._products.gmm`: the value, both reverse-mode derivatives, forward
+    mode and a second derivative equal `me.RaggedDotGMM`'s."""
+    import moe_eqx as me
+    from moe_eqx._gmm._products import gmm
+    from moe_eqx._gmm.grouped_tpu import _GroupedProducts
+
+    products = _GroupedProducts(
+        tiles=(64, 32, 128), tgmm_tiles=(64, 32, 128), chunk=16, interpret=True
+    )
+    sizes = jnp.array(LAYOUTS["rows past the sum"], jnp.int32)
+    lhs = jr.normal(jr.key(6), (M, K))
+    rhs = jr.normal(jr.key(7), (G, K, N))
+    cot = jr.normal(jr.key(8), (M, N))
+
+    def ours(a, b):
+        return gmm(products, a, b, sizes)
+
+    def ref(a, b):
+        return me.RaggedDotGMM()(a, b, sizes)
+
+    def close(x, y):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-3, rtol=1e-4)
+
+    close(ours(lhs, rhs), ref(lhs, rhs))
+    for argnums in ((0,), (1,), (0, 1)):
+        got = jax.grad(lambda a, b: jnp.sum(ours(a, b) * cot), argnums)(lhs, rhs)
+        want = jax.grad(lambda a, b: jnp.sum(ref(a, b) * cot), argnums)(lhs, rhs)
+        for x, y in zip(got, want, strict=True):
+            close(x, y)
+    tangents = (jr.normal(jr.key(9), lhs.shape), jr.normal(jr.key(10), rhs.shape))
+    close(jax.jvp(ours, (lhs, rhs), tangents)[1], jax.jvp(ref, (lhs, rhs), tangents)[1])
+
+    # A second derivative: the weights' gradient of a loss of the input's gradient
+    # (relative to its largest entry: float32 sums of another order).
+    def inner(fn):
+        return lambda a, b: jnp.sum(
+            jax.grad(lambda a: jnp.sum(jnp.tanh(fn(a, b) / 8)))(a) ** 2
+        )
+
+    got = jax.grad(inner(ours), 1)(lhs, rhs)
+    want = jax.grad(inner(ref), 1)(lhs, rhs)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * scale)

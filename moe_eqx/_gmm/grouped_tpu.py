@@ -19,20 +19,40 @@ each group's visits accumulating into its output block, an empty group visited o
 to write its zeros; a visit masks and multiplies only the chunks its group has rows
 in.
 
-Not yet a backend: `benchmarks/tpu_gmm.py` measures it against megablox and
-`lax.ragged_dot`; `tests/test_grouped_tpu.py` tests it in Pallas' interpreter.
+Not yet a backend: `benchmarks/tpu_gmm.py` measures the kernels against megablox and
+`lax.ragged_dot`, and `benchmarks/tpu_layer.py` the layer on them (`_GroupedProducts`,
+the three products of `moe_eqx._gmm._products`); `tests/test_grouped_tpu.py` tests
+them in Pallas' interpreter, values and derivatives of every order.
 """
 
 import importlib
+from typing import ClassVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from ._products import AbstractProducts
+
 # megablox's visit schedule (`make_group_metadata`).
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _product(a, b, contract: tuple[int, int]):
+    """`a` and `b` contracted over the given axes, float32 accumulation, at an
+    explicit precision: `jax_default_matmul_precision` must not reach the kernel
+    (Mosaic rejects a float32 contract precision on 16-bit operands)."""
+    wide = a.dtype == jnp.float32
+    return jax.lax.dot_general(
+        a,
+        b,
+        (((contract[0],), (contract[1],)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT,
+        preferred_element_type=jnp.float32,
+    )
 
 
 def _metadata(group_sizes, m: int, tm: int, visit_empty_groups: bool):
@@ -136,10 +156,8 @@ def grouped_matmul(
                 def _():
                     acc[rows, :] = jnp.zeros((ch, tn), jnp.float32)
 
-                dims = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
-                acc[rows, :] += jax.lax.dot_general(
-                    lhs[rows, :], rhs[...], dims, preferred_element_type=jnp.float32
-                )
+                contract = (1, 1 if transpose_rhs else 0)
+                acc[rows, :] += _product(lhs[rows, :], rhs[...], contract)
 
                 @pl.when(kk == pl.num_programs(2) - 1)
                 def _():
@@ -249,10 +267,7 @@ def grouped_weight_gradient(
                 row = jax.lax.broadcasted_iota(jnp.int32, (ch, 1), 0) + c0
                 mine = (row >= lo) & (row < hi)
                 a = jnp.where(mine, lhs[rows, :], jnp.zeros((), lhs.dtype))
-                dims = (((0,), (0,)), ((), ()))
-                acc[...] += jax.lax.dot_general(
-                    a, d[rows, :], dims, preferred_element_type=jnp.float32
-                )
+                acc[...] += _product(a, d[rows, :], (0, 0))
 
         @pl.when(done)
         def _():
@@ -283,3 +298,52 @@ def grouped_weight_gradient(
         interpret=interpret,
     )
     return call(offsets, groups, row_tiles, lhs, d)
+
+
+class _GroupedProducts(AbstractProducts):
+    """The three products of `moe_eqx._gmm._products` on these kernels, at `tiles`
+    (`(tm, tk, tn)` for `gmm` and `gmm_t`, and for `tgmm`), `chunk` rows a visit."""
+
+    tiles: tuple[int, int, int] = eqx.field(static=True, default=(512, 4096, 768))
+    tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=(256, 2048, 512))
+    chunk: int | None = eqx.field(static=True, default=128)
+    interpret: bool = eqx.field(static=True, default=False)
+    has_effects: ClassVar[bool] = False
+
+    def gmm(self, a, b, group_sizes):
+        return grouped_matmul(
+            a,
+            b.astype(a.dtype),
+            group_sizes,
+            tiles=self.tiles,
+            chunk=self.chunk,
+            interpret=self.interpret,
+        )
+
+    def gmm_t(self, a, b, group_sizes):
+        return grouped_matmul(
+            a,
+            b.astype(a.dtype),
+            group_sizes,
+            tiles=self.tiles,
+            chunk=self.chunk,
+            transpose_rhs=True,
+            interpret=self.interpret,
+        )
+
+    def tgmm(self, a, d, group_sizes, out=jnp.float32):
+        return grouped_weight_gradient(
+            a,
+            d.astype(a.dtype),
+            group_sizes,
+            tiles=self.tgmm_tiles,
+            chunk=self.chunk,
+            out_dtype=out,
+            interpret=self.interpret,
+        )
+
+    def backward(self, a, b, group_sizes, d_out, want):
+        d_a = self.gmm_t(d_out, b, group_sizes) if want[0] else None
+        # The weights' gradient written in their dtype from the float32 accumulator.
+        d_b = self.tgmm(a, d_out, group_sizes, b.dtype) if want[1] else None
+        return d_a, d_b
