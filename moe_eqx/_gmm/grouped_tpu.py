@@ -159,7 +159,14 @@ def grouped_matmul(
                 contract = (1, 1 if transpose_rhs else 0)
                 acc[rows, :] += _product(lhs[rows, :], rhs[...], contract)
 
-                @pl.when(kk == pl.num_programs(2) - 1)
+                last = kk == pl.num_programs(2) - 1
+                whole = (lo <= c0) & (hi >= c0 + ch)  # every row the group's
+
+                @pl.when(last & whole)
+                def _():
+                    out[rows, :] = acc[rows, :].astype(out.dtype)
+
+                @pl.when(last & ~whole)
                 def _():
                     row = jax.lax.broadcasted_iota(jnp.int32, (ch, tn), 0) + c0
                     mine = (row >= lo) & (row < hi)
@@ -262,7 +269,14 @@ def grouped_weight_gradient(
         for c0 in range(0, tm, ch):
             rows = pl.ds(c0, ch)
 
-            @pl.when((lo < c0 + ch) & (hi > c0))
+            some = (lo < c0 + ch) & (hi > c0)
+            whole = (lo <= c0) & (hi >= c0 + ch)  # every row the group's
+
+            @pl.when(whole)
+            def _(rows=rows):
+                acc[...] += _product(lhs[rows, :], d[rows, :], (0, 0))
+
+            @pl.when(some & ~whole)
             def _(c0=c0, rows=rows):
                 row = jax.lax.broadcasted_iota(jnp.int32, (ch, 1), 0) + c0
                 mine = (row >= lo) & (row < hi)
