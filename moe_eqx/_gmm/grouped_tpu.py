@@ -55,6 +55,26 @@ def _product(a, b, contract: tuple[int, int]):
     )
 
 
+def _fit(tiles, chunk, m: int, k: int, n: int, dtype):
+    """`(tm, tk, tn, chunk, padded rows)`: each tile cut down to its axis (the rows
+    to a multiple of the dtype's row tile; `tk`, `tn` the whole axis unless they
+    divide it), the chunk the whole row tile unless it divides it."""
+    tm, tk, tn = tiles
+    rt = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    tm = min(tm, -(-m // rt) * rt)
+    tk = tk if tk < k and k % tk == 0 else k
+    tn = tn if tn < n and n % tn == 0 else n
+    ch = tm if chunk is None or chunk >= tm or tm % chunk else chunk
+    return tm, tk, tn, ch, -(-max(m, 1) // tm) * tm
+
+
+def _rows(offsets, group, tile, tm: int):
+    """The first and past-the-last rows of `group` within row tile `tile`, clipped
+    to the tile (equal where it has none)."""
+    lo = jnp.clip(offsets[group] - tile * tm, 0, tm)
+    return lo, jnp.clip(offsets[group + 1] - tile * tm, 0, tm)
+
+
 def _metadata(group_sizes, m: int, tm: int, visit_empty_groups: bool):
     """megablox's `make_group_metadata` for all the groups (its index arithmetic
     mixes booleans and integers: standard promotion)."""
@@ -124,13 +144,7 @@ def grouped_matmul(
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    tm, tk, tn = tiles
-    rt = 16 if lhs.dtype.itemsize == 2 else 8
-    tm = min(tm, -(-m // rt) * rt)
-    tk = tk if tk < k and k % tk == 0 else k
-    tn = tn if tn < n and n % tn == 0 else n
-    ch = tm if chunk is None or chunk >= tm or tm % chunk else chunk
-    mp = -(-max(m, 1) // tm) * tm
+    tm, tk, tn, ch, mp = _fit(tiles, chunk, m, k, n, lhs.dtype)
     lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     offsets, groups, row_tiles, visits = _schedule(
         group_sizes.astype(jnp.int32), mp, tm
@@ -139,8 +153,7 @@ def grouped_matmul(
     def kernel(offsets, groups, row_tiles, lhs, rhs, out, acc):
         v, kk = pl.program_id(1), pl.program_id(2)
         group, tile = groups[v], row_tiles[v]
-        lo = jnp.clip(offsets[group] - tile * tm, 0, tm)
-        hi = jnp.clip(offsets[group + 1] - tile * tm, 0, tm)
+        lo, hi = _rows(offsets, group, tile, tm)
         first = (v == 0) | (row_tiles[jnp.maximum(v - 1, 0)] != tile)
 
         @pl.when((kk == 0) & first)
@@ -241,13 +254,7 @@ def grouped_weight_gradient(
     n = d.shape[1]
     g = group_sizes.shape[0]
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
-    tm, tk, tn = tiles
-    rt = 16 if lhs.dtype.itemsize == 2 else 8
-    tm = min(tm, -(-m // rt) * rt)
-    tk = tk if tk < k and k % tk == 0 else k
-    tn = tn if tn < n and n % tn == 0 else n
-    ch = tm if chunk is None or chunk >= tm or tm % chunk else chunk
-    mp = -(-max(m, 1) // tm) * tm
+    tm, tk, tn, ch, mp = _fit(tiles, chunk, m, k, n, lhs.dtype)
     lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     d = jnp.pad(d, ((0, mp - m), (0, 0)))
     (offsets, groups, row_tiles), visits = _metadata(
@@ -257,8 +264,7 @@ def grouped_weight_gradient(
     def kernel(offsets, groups, row_tiles, lhs, d, out, acc):
         v, last = pl.program_id(2), pl.num_programs(2) - 1
         group, tile = groups[v], row_tiles[v]
-        lo = jnp.clip(offsets[group] - tile * tm, 0, tm)
-        hi = jnp.clip(offsets[group + 1] - tile * tm, 0, tm)
+        lo, hi = _rows(offsets, group, tile, tm)
         new = (v == 0) | (groups[jnp.maximum(v - 1, 0)] != group)
         done = (v == last) | (groups[jnp.minimum(v + 1, last)] != group)
 
@@ -324,26 +330,22 @@ class _GroupedProducts(AbstractProducts):
     interpret: bool = eqx.field(static=True, default=False)
     has_effects: ClassVar[bool] = False
 
-    def gmm(self, a, b, group_sizes):
+    def _gmm(self, a, b, group_sizes, transpose):
         return grouped_matmul(
             a,
             b.astype(a.dtype),
             group_sizes,
             tiles=self.tiles,
             chunk=self.chunk,
+            transpose_rhs=transpose,
             interpret=self.interpret,
         )
 
+    def gmm(self, a, b, group_sizes):
+        return self._gmm(a, b, group_sizes, False)
+
     def gmm_t(self, a, b, group_sizes):
-        return grouped_matmul(
-            a,
-            b.astype(a.dtype),
-            group_sizes,
-            tiles=self.tiles,
-            chunk=self.chunk,
-            transpose_rhs=True,
-            interpret=self.interpret,
-        )
+        return self._gmm(a, b, group_sizes, True)
 
     def tgmm(self, a, d, group_sizes, out=jnp.float32):
         return grouped_weight_gradient(
