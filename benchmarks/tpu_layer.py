@@ -9,8 +9,8 @@ count the expert FFNs' work only (`6 * tokens * k * 3 * d_model * d_ff`). Rows p
 shape (tokens, d_model, d_ff, experts, top-k):
 
 - `layer (<backend>)`: `me.MoELayer` on one device with `gmm_backend=` `auto`,
-  `megablox` (`me.MegabloxGMM`) and `ragged_dot`; `--backends ...,own` adds the
-  library's own many-row kernels (`moe_eqx._gmm.grouped_tpu`, not yet a backend);
+  `megablox` (`me.MegabloxGMM`), `ragged_dot` and `own` (the library's own many-row
+  kernels, `moe_eqx._gmm.grouped_tpu`, not yet a backend);
 - `layer (free gmm)`: the layer with a GMM backend whose products cost nothing:
   the time outside the grouped matmuls;
 - `minimal (megablox)` / `minimal (ragged_dot)`: softmax top-k, an argsort of the flat
@@ -211,7 +211,7 @@ def add(run, label, fn, params, profile=False):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="dsv2lite,qwen3,mixtral")
-    p.add_argument("--backends", default="auto,megablox,ragged_dot")
+    p.add_argument("--backends", default="auto,megablox,ragged_dot,own")
     p.add_argument("--minimal", default="megablox,ragged_dot")
     p.add_argument("--mesh", action="store_true")
     p.add_argument("--profile", action="store_true")
