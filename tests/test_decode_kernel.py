@@ -128,16 +128,37 @@ def test_quantized_layer_matches_dequantized(fmt):
     _close(g, jax.grad(lambda x: jnp.sum(floats(x)[0] ** 2))(x), 1e-4)
 
 
-def test_mxfp4_edge_scales_take_the_exact_path():
+@pytest.mark.parametrize("byte", [0, 1, 255])
+def test_mxfp4_edge_scales_take_the_exact_path(byte):
     """A scale byte outside [2, 254] (a subnormal or infinite scale): the kernel's
-    float scaling would flush or overflow, so the layer dequantizes exactly."""
+    float scaling would flush or overflow, so the layer dequantizes exactly; the
+    kernel's unused result beside it stays finite, so the gradient is the exact
+    path's too (not NaN)."""
     layer = me.quantize_experts(_layer(), "mxfp4")
     w = layer.experts.w_gate_up
-    w = eqx.tree_at(lambda w: w.scales, w, w.scales.at[:, :, 0].set(1))
+    scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8).at[:, :, 0].set(byte)
+    w = eqx.tree_at(
+        lambda w: w.scales, w, jax.lax.bitcast_convert_type(scales, jnp.int8)
+    )
     layer = eqx.tree_at(lambda l: l.experts.w_gate_up, layer, w)
     floats = me.dequantize_experts(layer)
-    x = jr.normal(jr.key(8), (8, K)) * 1e30
+    x = jr.normal(jr.key(8), (8, K)) * (1e30 if byte < 2 else 1.0)
+    if byte == 255:  # infinite weights: compare where the dequantized layer is finite
+        y, want = layer(x)[0], floats(x)[0]
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+        return
     _close(layer(x)[0], floats(x)[0], 1e-5)
+
+    # The gradient at inputs of ordinary size (at 1e30 the router's is not finite
+    # for the float layer either).
+    x = x / 1e30
+
+    def loss(layer, x):
+        return jnp.sum(jnp.sin(layer(x)[0]))
+
+    g = jax.grad(loss, argnums=1)(layer, x)
+    assert np.all(np.isfinite(np.asarray(g)))
+    _close(g, jax.grad(loss, argnums=1)(floats, x), 1e-5)
 
 
 @pytest.mark.lowering_only

@@ -480,16 +480,25 @@ class PallasTPUGMM(AbstractGMMBackend):
             byte = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
             edge = edge | jnp.any((byte < lo) | (byte > hi))
 
-        def exact(x, w_gate_up, w_down, group_sizes):
+        def exact(fast, x, w_gate_up, w_down, group_sizes):
             # One expert's float matrices at a time: no float copy of them all.
             return GatheredGMM().ffn(
                 x, w_gate_up, w_down, group_sizes, activation=activation
             )
 
-        def kernel(x, w_gate_up, w_down, group_sizes):
-            return self._ffn(x, w_gate_up, w_down, group_sizes, activation)
+        def kernel(fast, x, w_gate_up, w_down, group_sizes):
+            return fast
 
-        return jax.lax.cond(edge, exact, kernel, x, w_gate_up, w_down, group_sizes)
+        # The kernel runs outside the `cond` (its result unused where the exact
+        # branch is taken): with the weights as the call's arguments, a kernel
+        # inside it went with a `cond` and a copy of the stored bytes in each call
+        # on a TPU (docs/measured.md, "TPU"). Where it is not used it multiplies
+        # zeros, and the zeros' `where` stops its pullback, which would be NaN
+        # (a zero cotangent through the other bytes' infinite or NaN products).
+        idle = jnp.where(edge, jnp.zeros((), x.dtype), x)
+        fast = self._ffn(idle, w_gate_up, w_down, group_sizes, activation)
+        args = (fast, x, w_gate_up, w_down, group_sizes)
+        return jax.lax.cond(edge, exact, kernel, *args)
 
     def _ffn(self, x, w_gate_up, w_down, group_sizes, activation):
         products = self._products()
