@@ -25,7 +25,6 @@ the three products of `moe_eqx._gmm._products`); `tests/test_grouped_tpu.py` tes
 them in Pallas' interpreter, values and derivatives of every order.
 """
 
-import importlib
 from typing import ClassVar
 
 import equinox as eqx
@@ -36,23 +35,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
 from ._products import AbstractProducts
-
-# megablox's visit schedule (`make_group_metadata`).
-_mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-
-
-def _product(a, b, contract: tuple[int, int]):
-    """`a` and `b` contracted over the given axes, float32 accumulation, at an
-    explicit precision: `jax_default_matmul_precision` must not reach the kernel
-    (Mosaic rejects a float32 contract precision on 16-bit operands)."""
-    wide = a.dtype == jnp.float32
-    return jax.lax.dot_general(
-        a,
-        b,
-        (((contract[0],), (contract[1],)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT,
-        preferred_element_type=jnp.float32,
-    )
+from .megablox import _mb  # megablox's visit schedule (`make_group_metadata`)
+from .pallas_tpu import _product, _row_tile
 
 
 def _fit(tiles, chunk, m: int, k: int, n: int, dtype):
@@ -60,7 +44,7 @@ def _fit(tiles, chunk, m: int, k: int, n: int, dtype):
     to a multiple of the dtype's row tile; `tk`, `tn` the whole axis unless they
     divide it), the chunk the whole row tile unless it divides it."""
     tm, tk, tn = tiles
-    rt = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    rt = _row_tile(dtype)
     tm = min(tm, -(-m // rt) * rt)
     tk = tk if tk < k and k % tk == 0 else k
     tn = tn if tn < n and n % tn == 0 else n

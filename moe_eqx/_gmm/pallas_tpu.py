@@ -111,23 +111,29 @@ def _fp4_pair(b: Array, scale: Array) -> tuple[Array, Array]:
     return low, high
 
 
-def _dot(a, b, transpose_b=False):
-    dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
-    # Explicit, so that `jax_default_matmul_precision` does not reach the kernel:
-    # Mosaic rejects a float32 contract precision on 16-bit operands.
+def _product(a, b, contract: tuple[int, int]):
+    """`a` and `b` contracted over the given axes in a kernel, float32 accumulation,
+    at an explicit precision: `jax_default_matmul_precision` must not reach the
+    kernel (Mosaic rejects a float32 contract precision on 16-bit operands)."""
     wide = a.dtype == jnp.float32
-    precision = jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT
     return jax.lax.dot_general(
-        a, b, dims, precision=precision, preferred_element_type=jnp.float32
+        a,
+        b,
+        (((contract[0],), (contract[1],)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT,
+        preferred_element_type=jnp.float32,
     )
+
+
+def _dot(a, b, transpose_b=False):
+    return _product(a, b, (1, 1 if transpose_b else 0))
 
 
 def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
     """All rows times one expert's `[K, tn]` tile (MXFP4: its `[tn, K]` transpose),
     dequantized in VMEM exactly as [`moe_eqx.QuantizedArray.dequantize`][] does
     (float32 values times float32 scales, one rounding to `dtype`): `[rows, tn]`
-    float32. (Measured on a v5e: the dequantized values straight into the product
-    are faster than a VMEM buffer of them, whole or filled in vreg-sized chunks.)"""
+    float32."""
     if fmt is None:
         (x,), (w,) = x_refs, w_refs
         return _dot(x[...], w[...].astype(dtype))
@@ -135,33 +141,30 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
         (x,), (v, s) = x_refs, w_refs
         w = v[...].astype(jnp.int32).astype(jnp.float32) * s[...]
         return _dot(x[...], w.astype(dtype))
-    if fmt == "fp8_blocks":  # `s`: this expert's `[column blocks, row blocks]`
+    if fmt in ("fp8_blocks", "float8_e4m3fn"):
         (x,), (v, s) = x_refs, w_refs
-        groups = v.shape[1] // FP8_BLOCK[1]  # the step's column blocks
-        first = j * groups
-        part = None
-        for b in range(-(-k // FP8_BLOCK[0])):
-            lo, hi = b * FP8_BLOCK[0], min(k, (b + 1) * FP8_BLOCK[0])
-            row = jnp.concatenate(
-                [
+        if fmt == "fp8_blocks":  # `s`: this expert's `[column blocks, row blocks]`
+            groups = v.shape[1] // FP8_BLOCK[1]  # the step's column blocks
+
+            def scale_row(b):  # the step's columns' scales in row block `b`
+                pieces = [
                     jnp.broadcast_to(
-                        s[pl.ds(first + c, 1), b : b + 1], (1, FP8_BLOCK[1])
+                        s[pl.ds(j * groups + c, 1), b : b + 1], (1, FP8_BLOCK[1])
                     )
                     for c in range(groups)
-                ],
-                axis=1,
-            )
-            value = _fp8_value(v[lo:hi, :].astype(jnp.int32))
-            term = _dot(x[:, lo:hi], (value * row).astype(dtype))
-            part = term if part is None else part + term
-        return part
-    if fmt == "float8_e4m3fn":
-        (x,), (v, s) = x_refs, w_refs
+                ]
+                return jnp.concatenate(pieces, axis=1)
+
+        else:  # `s`: a float32 scale per column, `[row blocks, tn]`
+
+            def scale_row(b):
+                return s[b : b + 1, :]
+
         part = None
         for b in range(-(-k // FP8_BLOCK[0])):
             lo, hi = b * FP8_BLOCK[0], min(k, (b + 1) * FP8_BLOCK[0])
             value = _fp8_value(v[lo:hi, :].astype(jnp.int32))
-            term = _dot(x[:, lo:hi], (value * s[b : b + 1, :]).astype(dtype))
+            term = _dot(x[:, lo:hi], (value * scale_row(b)).astype(dtype))
             part = term if part is None else part + term
         return part
     # MXFP4: `v` is `W^T` as bytes `[tn, K / 2]` (byte `j` holds rows `2 j` and
@@ -489,12 +492,10 @@ class PallasTPUGMM(AbstractGMMBackend):
         def kernel(fast, x, w_gate_up, w_down, group_sizes):
             return fast
 
-        # The kernel runs outside the `cond` (its result unused where the exact
-        # branch is taken): with the weights as the call's arguments, a kernel
-        # inside it went with a `cond` and a copy of the stored bytes in each call
-        # on a TPU (docs/measured.md, "TPU"). Where it is not used it multiplies
-        # zeros, and the zeros' `where` stops its pullback, which would be NaN
-        # (a zero cotangent through the other bytes' infinite or NaN products).
+        # The kernel runs outside the `cond` (docs/measured.md, "TPU"), its result
+        # unused where the exact branch is taken. There it multiplies zeros, and
+        # the zeros' `where` stops its pullback, which would be NaN (a zero
+        # cotangent through the other bytes' infinite or NaN products).
         idle = jnp.where(edge, jnp.zeros((), x.dtype), x)
         fast = self._ffn(idle, w_gate_up, w_down, group_sizes, activation)
         args = (fast, x, w_gate_up, w_down, group_sizes)
