@@ -52,9 +52,12 @@ SHAPES = {
     "tiny": (256, 256, 128, 4, 2),  # a smoke test off the TPU (`--interpret`)
 }
 INTERPRET = False
-# The library's own kernel's settings measured: (row tile, output tile, chunk rows;
-# 0: the whole tile).
-OWN = [(512, 768, 128), (256, 768, 128), (512, 768, 0)]
+# The library's own kernels' settings measured: (row tile, output tile, chunk rows;
+# 0: the whole tile), the contraction whole up to 4096 rows; for the two `gmm`
+# products (OWN) and for the weights' gradient (OWN_T).
+OWN = [(512, 768, 128), (512, 1536, 128), (1024, 768, 256)]
+OWN_T = [(256, 512, 128), (512, 768, 128), (512, 1536, 128)]
+ONLY = None  # candidate names to run (prefixes), or all
 
 
 def sizes_of(rows: int, groups: int, skew: str) -> np.ndarray:
@@ -115,10 +118,8 @@ def products(tokamax):
         "me.megablox": {"gmm": me_mb.gmm, "gmm_t": me_mb.gmm_t, "tgmm": me_mb.tgmm},
         "megablox-maxtext": raw_mb((512, 1024, 1024)),
     }
-    for spec in OWN:
-        tm, tn, chunk = spec
-        tiles = (tm, 4096, tn)  # the whole contraction up to 4096
-        c = chunk or None
+    for tm, tn, chunk in OWN:
+        tiles, c = (tm, 4096, tn), chunk or None
         out[f"own-{tm}x{tn}-c{chunk}"] = {
             "gmm": lambda a, b, s, t=tiles, c=c: grouped_matmul(
                 a, b, s, tiles=t, chunk=c, interpret=INTERPRET
@@ -126,9 +127,12 @@ def products(tokamax):
             "gmm_t": lambda a, b, s, t=tiles, c=c: grouped_matmul(
                 a, b, s, tiles=t, chunk=c, transpose_rhs=True, interpret=INTERPRET
             ),
-            # (The weights' gradient at megablox's tuned Qwen3-like `tgmm` tiles.)
-            "tgmm": lambda a, d, s, c=c: grouped_weight_gradient(
-                a, d, s, tiles=(256, 2048, 512), chunk=c, interpret=INTERPRET
+        }
+    for tm, tn, chunk in OWN_T:
+        tiles, c = (tm, 4096, tn), chunk or None
+        out[f"own-t-{tm}x{tn}-c{chunk}"] = {
+            "tgmm": lambda a, d, s, t=tiles, c=c: grouped_weight_gradient(
+                a, d, s, tiles=t, chunk=c, out_dtype=jnp.float32, interpret=INTERPRET
             ),
         }
     if tokamax is not None:
@@ -149,6 +153,8 @@ def products(tokamax):
                 implementation=impl,
             ),
         }
+    if ONLY:
+        out = {k: v for k, v in out.items() if k.startswith(tuple(ONLY))}
     return out
 
 
@@ -246,13 +252,18 @@ def main():
     p.add_argument(
         "--own",
         default=None,
-        help="the own kernel's settings, e.g. 512x768x128,256x512x0 (rows x out x chunk)",
+        help="the own gmm kernel's settings, e.g. 512x768x128,256x512x0 "
+        "(rows x out x chunk)",
     )
+    p.add_argument("--own-tgmm", default=None, help="the same for the weights' kernel")
+    p.add_argument("--only", default=None, help="candidate name prefixes, e.g. own,me.")
     args = p.parse_args()
-    global INTERPRET, OWN
+    global INTERPRET, OWN, OWN_T, ONLY
     INTERPRET = args.interpret
-    if args.own:
-        OWN = [tuple(int(v) for v in spec.split("x")) for spec in args.own.split(",")]
+    specs = lambda arg: [tuple(int(v) for v in s.split("x")) for s in arg.split(",")]
+    OWN = specs(args.own) if args.own else OWN
+    OWN_T = specs(args.own_tgmm) if args.own_tgmm else OWN_T
+    ONLY = args.only.split(",") if args.only else None
     try:
         import tokamax
         from absl import flags
@@ -300,7 +311,7 @@ def main():
                     x, y = operands(kind, rows, k, n, groups, jr.key(2))
                     try:
                         if kind not in refs:
-                            ref = products(None)["me.ragged_dot"][kind]
+                            ref = getattr(_RaggedDotProducts(), kind)
                             refs[kind] = np.asarray(
                                 jax.jit(ref)(x, y, sizes), np.float32
                             )

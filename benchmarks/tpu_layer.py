@@ -65,12 +65,25 @@ class FreeGMM(me.AbstractGMMBackend):
 
 class OwnGMM(me.AbstractGMMBackend):
     """The library's own many-row TPU kernels (`moe_eqx._gmm.grouped_tpu`, not yet
-    a backend of the library) for all three products."""
+    a backend of the library) for all three products; `spec` (a backend named
+    `own:512x1536x128/512x768x128`) the row tile, output tile and chunk of the two
+    `gmm` products and of the weights' gradient (the contraction whole)."""
+
+    spec: str = eqx.field(static=True, default="")
 
     def __call__(self, lhs, rhs, group_sizes):
         lhs, rhs, sizes = match_varying(lhs, rhs, group_sizes.astype(jnp.int32))
         interpret = jax.default_backend() != "tpu"  # (to try it off a TPU)
-        return gmm(_GroupedProducts(interpret=interpret), lhs, rhs, sizes)
+        kw = {}
+        if self.spec:
+            (tm, tn, c), (ttm, ttn, tc) = (
+                [int(v) for v in part.split("x")] for part in self.spec.split("/")
+            )
+            kw = dict(
+                tiles=(tm, 4096, tn), tgmm_tiles=(ttm, 4096, ttn), chunk=c or None
+            )
+            assert c == tc, "one chunk for both kernels"
+        return gmm(_GroupedProducts(interpret=interpret, **kw), lhs, rhs, sizes)
 
 
 def bf16(tree):
@@ -250,8 +263,9 @@ def main():
         fn, params = dense_step(d, k * f, jr.key(2))
         add(run, "dense FFN", fn, params)
         for b in args.backends.split(",") + ["free gmm"]:
+            backend = OwnGMM(b[4:]) if b.startswith("own:") else backends[b]
             cfg = me.MoEConfig(
-                d_model=d, d_ff=f, num_experts=e, top_k=k, gmm_backend=backends[b]
+                d_model=d, d_ff=f, num_experts=e, top_k=k, gmm_backend=backend
             )
             layer = bf16(me.MoELayer(cfg, key=jr.key(0)))
             fn, params = step_of(layer)

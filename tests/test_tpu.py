@@ -5,7 +5,7 @@ Float32 at `jax.default_matmul_precision("highest")` (the suite's setting) is co
 tightly, bfloat16 loosely; one device and a one-chip mesh, capped and with the
 fallback taken, outputs and gradients (input, router, experts), every quantized
 format against its dequantized layer (the decode kernel at few tokens, the
-`ragged_dot` path at many), the hash router, routing replay, and `jax.jit` with the
+library's own grouped kernels at many), the hash router, routing replay, and `jax.jit` with the
 layer closed over (the call that once aborted the TPU compiler).
 """
 
@@ -296,23 +296,3 @@ def test_own_weight_gradient_matches_ragged_dot(chunk):
     _, vjp = jax.vjp(product, w0)
     (ref,) = jax.jit(vjp)(d.astype(jnp.float32))
     _close(out, ref, 2e-2)
-
-
-class _OwnGMM(me.AbstractGMMBackend):
-    """The library's own many-row kernels (not yet a backend) for all products."""
-
-    def __call__(self, lhs, rhs, group_sizes):
-        from moe_eqx._gmm._products import gmm
-        from moe_eqx._gmm.grouped_tpu import _GroupedProducts
-
-        return gmm(_GroupedProducts(), lhs, rhs, group_sizes.astype(jnp.int32))
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_layer_on_the_own_kernels_matches_oracle(dtype):
-    """The layer with all three products on the library's own many-row kernels,
-    compiled on the chip: outputs and gradients against `reference_moe`."""
-    dt = jnp.dtype(dtype)
-    layer = _layer(dt, gmm_backend=_OwnGMM())
-    x = jr.normal(jr.key(9), (1024, 256), dt)
-    _check_against_oracle(layer, x, None, 1e-5 if dt == jnp.float32 else 5e-2)

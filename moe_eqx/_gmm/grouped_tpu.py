@@ -19,12 +19,17 @@ each group's visits accumulating into its output block, an empty group visited o
 to write its zeros; a visit masks and multiplies only the chunks its group has rows
 in.
 
-Not yet a backend: `benchmarks/tpu_gmm.py` measures the kernels against megablox and
-`lax.ragged_dot`, and `benchmarks/tpu_layer.py` the layer on them (`_GroupedProducts`,
-the three products of `moe_eqx._gmm._products`); `tests/test_grouped_tpu.py` tests
-them in Pallas' interpreter, values and derivatives of every order.
+`_GroupedProducts` makes them the three products of `moe_eqx._gmm._products`, which
+`PallasTPUGMM` (`gmm_backend="auto"` on a TPU) takes for many rows.
+`benchmarks/tpu_gmm.py` measures them against megablox and `lax.ragged_dot`;
+`tests/test_grouped_tpu.py` tests them in Pallas' interpreter, values and
+derivatives of every order.
+
+Scoped VMEM: each call asks Mosaic for the room its double-buffered tiles take
+(Mosaic's default of 16 MiB stops tiles past about `(512, 2048, 768)`).
 """
 
+import math
 from typing import ClassVar
 
 import equinox as eqx
@@ -36,20 +41,61 @@ from jaxtyping import Array, Float, Int
 
 from ._products import AbstractProducts
 from .megablox import _mb  # megablox's visit schedule (`make_group_metadata`)
-from .pallas_tpu import _product, _row_tile
+
+
+def _row_tile(dtype) -> int:
+    return 16 if jnp.dtype(dtype).itemsize == 2 else 8
+
+
+def _product(a, b, contract: tuple[int, int]):
+    """`a` and `b` contracted over the given axes in a kernel, float32 accumulation,
+    at an explicit precision: `jax_default_matmul_precision` must not reach the
+    kernel (Mosaic rejects a float32 contract precision on 16-bit operands)."""
+    wide = a.dtype == jnp.float32
+    return jax.lax.dot_general(
+        a,
+        b,
+        (((contract[0],), (contract[1],)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _divisor(t: int, axis: int) -> int:
+    """The largest multiple of 128 at most `t` that divides `axis` (the whole axis
+    where `t` covers it or none does)."""
+    for c in range(t - t % 128, 0, -128) if t < axis else ():
+        if axis % c == 0:
+            return c
+    return axis
 
 
 def _fit(tiles, chunk, m: int, k: int, n: int, dtype):
-    """`(tm, tk, tn, chunk, padded rows)`: each tile cut down to its axis (the rows
-    to a multiple of the dtype's row tile; `tk`, `tn` the whole axis unless they
-    divide it), the chunk the whole row tile unless it divides it."""
+    """`(tm, tk, tn, chunk, padded rows)`: the rows cut down to a multiple of the
+    dtype's row tile, `tk` and `tn` to the largest multiple of 128 that divides
+    their axis (or the whole axis), the chunk the whole row tile unless it divides
+    it."""
     tm, tk, tn = tiles
     rt = _row_tile(dtype)
     tm = min(tm, -(-m // rt) * rt)
-    tk = tk if tk < k and k % tk == 0 else k
-    tn = tn if tn < n and n % tn == 0 else n
+    tk, tn = _divisor(tk, k), _divisor(tn, n)
     ch = tm if chunk is None or chunk >= tm or tm % chunk else chunk
     return tm, tk, tn, ch, -(-max(m, 1) // tm) * tm
+
+
+def _params(semantics, *blocks):
+    """Compiler parameters with a scoped-VMEM limit that holds the double-buffered
+    `blocks` (`(shape, dtype)`, the scratch last, single) with room for the
+    product's temporaries; Mosaic's default, 16 MiB, stops tiles past about
+    `(512, 2048, 768)`."""
+    *buffered, scratch = (
+        jnp.dtype(dt).itemsize * math.prod(shape) for shape, dt in blocks
+    )
+    need = 2 * sum(buffered) + 2 * scratch + (8 << 20)
+    return pltpu.CompilerParams(
+        dimension_semantics=semantics,
+        vmem_limit_bytes=min(max(need, 32 << 20), 100 << 20),
+    )
 
 
 def _rows(offsets, group, tile, tm: int):
@@ -144,32 +190,38 @@ def grouped_matmul(
         def _():
             out[...] = jnp.zeros(out.shape, out.dtype)
 
-        for c0 in range(0, tm, ch):
-            rows = pl.ds(c0, ch)
+        contract = (1, 1 if transpose_rhs else 0)
+        last = kk == pl.num_programs(2) - 1
 
-            @pl.when((lo < c0 + ch) & (hi > c0))
-            def _(c0=c0, rows=rows):
-                @pl.when(kk == 0)
-                def _():
-                    acc[rows, :] = jnp.zeros((ch, tn), jnp.float32)
+        def piece(c0, size):  # rows c0 : c0 + size of the tile
+            rows = pl.ds(c0, size)
 
-                contract = (1, 1 if transpose_rhs else 0)
-                acc[rows, :] += _product(lhs[rows, :], rhs[...], contract)
+            @pl.when(kk == 0)
+            def _():
+                acc[rows, :] = jnp.zeros((size, tn), jnp.float32)
 
-                last = kk == pl.num_programs(2) - 1
-                whole = (lo <= c0) & (hi >= c0 + ch)  # every row the group's
+            acc[rows, :] += _product(lhs[rows, :], rhs[...], contract)
+            whole = (lo <= c0) & (hi >= c0 + size)  # every row the group's
 
-                @pl.when(last & whole)
-                def _():
-                    out[rows, :] = acc[rows, :].astype(out.dtype)
+            @pl.when(last & whole)
+            def _():
+                out[rows, :] = acc[rows, :].astype(out.dtype)
 
-                @pl.when(last & ~whole)
-                def _():
-                    row = jax.lax.broadcasted_iota(jnp.int32, (ch, tn), 0) + c0
-                    mine = (row >= lo) & (row < hi)
-                    out[rows, :] = jnp.where(
-                        mine, acc[rows, :].astype(out.dtype), out[rows, :]
-                    )
+            @pl.when(last & ~whole)
+            def _():
+                row = jax.lax.broadcasted_iota(jnp.int32, (size, tn), 0) + c0
+                mine = (row >= lo) & (row < hi)
+                out[rows, :] = jnp.where(
+                    mine, acc[rows, :].astype(out.dtype), out[rows, :]
+                )
+
+        # A tile all of whose rows are the group's is one product; a shared one is
+        # multiplied a chunk at a time, the chunks with none of its rows skipped.
+        full = (lo == 0) & (hi == tm)
+        pl.when(full | ((ch == tm) & (hi > lo)))(lambda: piece(0, tm))
+        for c0 in range(0, tm, ch) if ch < tm else ():
+            some = (lo < c0 + ch) & (hi > c0)
+            pl.when(~full & some)(lambda c0=c0: piece(c0, ch))
 
     def lhs_map(j, v, kk, offsets, groups, row_tiles):
         return row_tiles[v], kk
@@ -195,8 +247,12 @@ def grouped_matmul(
             out_specs=pl.BlockSpec((tm, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary")
+        compiler_params=_params(
+            ("parallel", "arbitrary", "arbitrary"),
+            ((tm, tk), lhs.dtype),
+            (rhs_block[1:], rhs.dtype),
+            ((tm, tn), lhs.dtype),
+            ((tm, tn), jnp.float32),
         ),
         interpret=interpret,
     )
@@ -256,22 +312,25 @@ def grouped_weight_gradient(
         def _():
             acc[...] = jnp.zeros(acc.shape, acc.dtype)
 
-        for c0 in range(0, tm, ch):
-            rows = pl.ds(c0, ch)
-
-            some = (lo < c0 + ch) & (hi > c0)
-            whole = (lo <= c0) & (hi >= c0 + ch)  # every row the group's
-
-            @pl.when(whole)
-            def _(rows=rows):
-                acc[...] += _product(lhs[rows, :], d[rows, :], (0, 0))
-
-            @pl.when(some & ~whole)
-            def _(c0=c0, rows=rows):
-                row = jax.lax.broadcasted_iota(jnp.int32, (ch, 1), 0) + c0
+        def piece(c0, size, masked):  # rows c0 : c0 + size of the tile
+            rows = pl.ds(c0, size)
+            a, b = lhs[rows, :], d[rows, :]
+            if masked:  # both: another group's rows (or none's) may hold NaN
+                row = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0) + c0
                 mine = (row >= lo) & (row < hi)
-                a = jnp.where(mine, lhs[rows, :], jnp.zeros((), lhs.dtype))
-                acc[...] += _product(a, d[rows, :], (0, 0))
+                a = jnp.where(mine, a, jnp.zeros((), a.dtype))
+                b = jnp.where(mine, b, jnp.zeros((), b.dtype))
+            acc[...] += _product(a, b, (0, 0))
+
+        # As in `grouped_matmul`: a tile of the group's rows only is one product,
+        # unmasked; a shared one a chunk at a time, masked where the chunk is shared.
+        full = (lo == 0) & (hi == tm)
+        pl.when(full)(lambda: piece(0, tm, False))
+        for c0 in range(0, tm, ch):
+            some = (lo < c0 + ch) & (hi > c0)
+            whole = (lo <= c0) & (hi >= c0 + ch)
+            pl.when(~full & whole)(lambda c0=c0: piece(c0, ch, False))
+            pl.when(~full & some & ~whole)(lambda c0=c0: piece(c0, ch, True))
 
         @pl.when(done)
         def _():
@@ -296,8 +355,12 @@ def grouped_weight_gradient(
             out_specs=pl.BlockSpec((None, tk, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")
+        compiler_params=_params(
+            ("parallel", "parallel", "arbitrary"),
+            ((tm, tk), lhs.dtype),
+            ((tm, tn), d.dtype),
+            ((tk, tn), out_dtype),
+            ((tk, tn), jnp.float32),
         ),
         interpret=interpret,
     )
@@ -308,8 +371,9 @@ class _GroupedProducts(AbstractProducts):
     """The three products of `moe_eqx._gmm._products` on these kernels, at `tiles`
     (`(tm, tk, tn)` for `gmm` and `gmm_t`, and for `tgmm`), `chunk` rows a visit."""
 
-    tiles: tuple[int, int, int] = eqx.field(static=True, default=(512, 4096, 768))
-    tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=(256, 2048, 512))
+    # The fastest measured on a v5e (`benchmarks/tpu_gmm.py`, Qwen3-like experts).
+    tiles: tuple[int, int, int] = eqx.field(static=True, default=(512, 4096, 1536))
+    tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=(512, 4096, 768))
     chunk: int | None = eqx.field(static=True, default=128)
     interpret: bool = eqx.field(static=True, default=False)
     has_effects: ClassVar[bool] = False

@@ -1,6 +1,6 @@
 """`PallasTPUGMM`: the TPU's grouped matmul. For many rows (training, prefill)
-`lax.ragged_dot` forward and megablox's kernels for the derivative products
-(`_TrainingProducts`); for few rows (decode steps) a Pallas TPU kernel of its own,
+the library's own grouped kernels (`moe_eqx._gmm.grouped_tpu`, `_TrainingProducts`);
+for few rows (decode steps) a Pallas TPU kernel of its own,
 which reads each touched expert's weight once, quantized weights as they are stored
 (the rest of this module).
 
@@ -50,7 +50,7 @@ from .._rules import match_varying
 from ._base import AbstractGMMBackend, GradAcc, gmm_ffn, group_ids, two_products
 from ._products import AbstractProducts, gmm
 from .gathered import GatheredGMM
-from .megablox import _MegabloxProducts
+from .grouped_tpu import _GroupedProducts, _product, _row_tile
 from .mosaic_gpu.quantized import kernel_operands
 from .ragged_dot import _RaggedDotProducts
 
@@ -69,10 +69,6 @@ def _tile_n(n: int, k: int, fmt: str | None, itemsize: int) -> int:
         if k * t * per_value <= _TILE_BUDGET:
             return t
     return fits[-1] if fits else n
-
-
-def _row_tile(dtype) -> int:
-    return 16 if jnp.dtype(dtype).itemsize == 2 else 8
 
 
 _INT_MIN = -(2**31)  # the float32 sign bit, as an int32
@@ -109,20 +105,6 @@ def _fp4_pair(b: Array, scale: Array) -> tuple[Array, Array]:
     low = value((b << 2) & 0x1C, (b << 28) & _INT_MIN)
     high = value((b >> 2) & 0x1C, b & _INT_MIN)
     return low, high
-
-
-def _product(a, b, contract: tuple[int, int]):
-    """`a` and `b` contracted over the given axes in a kernel, float32 accumulation,
-    at an explicit precision: `jax_default_matmul_precision` must not reach the
-    kernel (Mosaic rejects a float32 contract precision on 16-bit operands)."""
-    wide = a.dtype == jnp.float32
-    return jax.lax.dot_general(
-        a,
-        b,
-        (((contract[0],), (contract[1],)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST if wide else jax.lax.Precision.DEFAULT,
-        preferred_element_type=jnp.float32,
-    )
 
 
 def _dot(a, b, transpose_b=False):
@@ -369,25 +351,21 @@ def _float(w, dtype):
 
 
 class _TrainingProducts(AbstractProducts):
-    """Many rows (training, prefill): each product by the faster of the two kernels
-    measured on a v5e (`benchmarks/tpu_gmm.py`): `gmm` by `lax.ragged_dot` (written
-    in `a.dtype` from its float32 accumulator), `gmm_t` and `tgmm` by megablox
-    (`lax.ragged_dot_general`'s were slower: docs/measured.md, "TPU"), its `tgmm` written in the
-    weights' dtype."""
+    """Many rows (training, prefill): the library's own grouped kernels
+    (`moe_eqx._gmm.grouped_tpu`) for all three products, faster on a v5e than
+    megablox and `lax.ragged_dot` at every product measured (`benchmarks/tpu_gmm.py`,
+    docs/measured.md, "TPU"); float64 (off the TPU) by `lax.ragged_dot`."""
 
     interpret: bool = eqx.field(static=True)
     has_effects: ClassVar[bool] = False
 
     def _kernel(self, a):
-        # megablox takes float32 and 16-bit operands (float64 exists off the TPU).
         if a.dtype.itemsize > 4:
             return _RaggedDotProducts()
-        return _MegabloxProducts(None, self.interpret)
+        return _GroupedProducts(interpret=self.interpret)
 
     def gmm(self, a, b, group_sizes):
-        if self.interpret:  # `ragged_dot` off the TPU is a dense masked product
-            return self._kernel(a).gmm(a, b, group_sizes)
-        return _RaggedDotProducts().gmm(a, b, group_sizes)
+        return self._kernel(a).gmm(a, b, group_sizes)
 
     def gmm_t(self, a, b, group_sizes):
         return self._kernel(a).gmm_t(a, b, group_sizes)
@@ -401,8 +379,8 @@ class _TrainingProducts(AbstractProducts):
 
 class PallasTPUGMM(AbstractGMMBackend):
     """Grouped matmul on TPUs: the decode kernel (see the module) for at most
-    `max_rows` rows; for more, `lax.ragged_dot` forward and JAX's megablox kernels
-    (`me.MegabloxGMM`'s) for the two derivative products, or `fallback` if given.
+    `max_rows` rows; for more, the library's own grouped kernels for all three
+    products (`moe_eqx._gmm.grouped_tpu`), or `fallback` if given.
 
     The kernel reads only the experts that have rows, and quantized experts
     ([`moe_eqx.QuantizedArray`][]: FP8, MXFP4, int8) as stored, dequantizing each
