@@ -12,7 +12,8 @@
 #   decode  benchmarks/tpu_decode.py: quantized experts and decode against bfloat16;
 #   gmm     benchmarks/tpu_gmm.py: the grouped matmul (ours too) against lax.ragged_dot,
 #           megablox, tokamax (where its wheels are carried) and the dense rate;
-#   sweep   benchmarks/tpu_gmm.py --sweep: tiles for `me.MegabloxGMM`;
+#   sweep   benchmarks/tpu_gmm.py --sweep: tiles for the own kernels (SWEEP_ARGS=
+#           "--sweep-kernel megablox": for `me.MegabloxGMM`);
 #   layer   benchmarks/tpu_layer.py: the training step against a dense FFN of the
 #           same FLOPs and a minimal MoE, the one-chip mesh and the fallback, and
 #           the costliest ops.

@@ -16,14 +16,18 @@ difference from `me.RaggedDotGMM`'s value over that value's largest (`max_rel_er
 - `megablox-maxtext`: JAX's megablox kernels at MaxText's default tiles (512, 1024,
   1024);
 - `own-{rows}x{out}-c{chunk}`: the library's own kernels
-  (`moe_eqx._gmm.grouped_tpu`: `grouped_matmul` for `gmm` and `gmm_t` at those
-  tiles, `grouped_weight_gradient` for `tgmm` at (256, 2048, 512)), multiplying
-  `chunk` rows at a time (0: the whole tile, as megablox);
+  (`moe_eqx._gmm.grouped_tpu.grouped_matmul`, which `auto` takes on a TPU) for `gmm`
+  and `gmm_t` at those tiles (`--own`), multiplying `chunk` rows at a time (0: the
+  whole tile, as megablox); `own-t-...`: its `grouped_weight_gradient` for `tgmm`
+  (`--own-tgmm`), float32 out as the others;
 - `tokamax`: tokamax's `ragged_dot` (its Mosaic TPU kernel and its v5e tile table),
   where it imports.
 
-`--sweep` searches tiles for `me.MegabloxGMM` (one dimension at a time from the
-heuristic, twice) and prints `TUNED` entries for `moe_eqx/_gmm/megablox.py`.
+`--only own,me.megablox` keeps the candidates whose names start so.
+`--sweep` searches tiles (one dimension at a time from the default, twice): of the
+own kernels (`--sweep-kernel own`, the default: rows, columns, chunk) or of
+`me.MegabloxGMM` (`--sweep-kernel megablox`, whose `TUNED` entries in
+`moe_eqx/_gmm/megablox.py` it prints).
 """
 
 import argparse
@@ -55,8 +59,9 @@ INTERPRET = False
 # The library's own kernels' settings measured: (row tile, output tile, chunk rows;
 # 0: the whole tile), the contraction whole up to 4096 rows; for the two `gmm`
 # products (OWN) and for the weights' gradient (OWN_T).
-OWN = [(512, 768, 128), (512, 1536, 128), (1024, 768, 256)]
-OWN_T = [(256, 512, 128), (512, 768, 128), (512, 1536, 128)]
+# The first of each is `PallasTPUGMM`'s (`_GroupedProducts`' defaults).
+OWN = [(512, 1536, 128), (256, 1536, 128), (512, 1536, 256)]
+OWN_T = [(512, 768, 128), (256, 512, 128), (512, 512, 128)]
 ONLY = None  # candidate names to run (prefixes), or all
 
 
@@ -184,44 +189,93 @@ def matrices(names):
 
 
 def sweep(label, rows, k, n, groups, kind, sizes, budget_s, dims="2,1,0"):
-    """Coordinate search over `(tm, tk, tn)` for one product; returns (best, ms)."""
+    """Coordinate search over `(tm, tk, tn)` of megablox's kernel for one product;
+    returns (best, ms)."""
     contraction, cols = (k, n) if kind != "gmm_t" else (n, k)
-    a, b = operands(kind, rows, k, n, groups, jr.key(1))
     cand = {
         0: [128, 256, 512, 1024],
-        1: sorted(
-            {
-                c
-                for c in (256, 512, 768, 1024, 1536, 2048, contraction)
-                if c <= contraction and c % 128 == 0
-            }
-        ),
-        2: sorted(
-            {
-                c
-                for c in (256, 512, 768, 1024, 1536, 2048, cols)
-                if c <= cols and c % 128 == 0
-            }
-        ),
+        1: _tile_sizes(contraction),
+        2: _tile_sizes(cols),
     }
+
+    def run(tiles):
+        tm, tk, tn = tiles
+        vmem = 2 * 2 * (tm * tk + tk * tn) + tm * tn * 8
+        if vmem > 14 * 2**20 or rows % tm:
+            return None
+        return getattr(mbx._MegabloxProducts(tiles, INTERPRET), kind)
+
     best = mbx.tiles_for(kind, contraction, cols, rows, jnp.bfloat16)
+    return _search(
+        label, rows, k, n, groups, kind, sizes, budget_s, dims, cand, run, best
+    )
+
+
+def sweep_own(label, rows, k, n, groups, kind, sizes, budget_s, dims="2,0,3"):
+    """The same search over the library's own kernels' `(tm, tk, tn, chunk)` (the
+    contraction whole up to 4096; chunk 0: the whole tile)."""
+    contraction, cols = (k, n) if kind != "gmm_t" else (n, k)
+    cand = {
+        0: [128, 256, 512, 1024],
+        1: [c for c in _tile_sizes(contraction) if c >= 512],
+        2: _tile_sizes(cols),
+        3: [0, 128, 256],
+    }
+
+    def run(tiles):
+        tm, tk, tn, chunk = tiles
+        c = chunk or None
+        if chunk and tm % chunk:
+            return None
+        if kind == "tgmm":
+            return lambda a, d, s: grouped_weight_gradient(
+                a, d, s, tiles=(tm, tk, tn), chunk=c, interpret=INTERPRET
+            )
+        return lambda a, b, s: grouped_matmul(
+            a,
+            b,
+            s,
+            tiles=(tm, tk, tn),
+            chunk=c,
+            transpose_rhs=kind == "gmm_t",
+            interpret=INTERPRET,
+        )
+
+    tm, tn, chunk = OWN_T[0] if kind == "tgmm" else OWN[0]
+    best = (tm, min(contraction, 4096), tn, chunk)
+    return _search(
+        label, rows, k, n, groups, kind, sizes, budget_s, dims, cand, run, best
+    )
+
+
+def _tile_sizes(axis):
+    return sorted(
+        {
+            c
+            for c in (256, 512, 768, 1024, 1536, 2048, axis)
+            if c <= axis and c % 128 == 0
+        }
+    )
+
+
+def _search(label, rows, k, n, groups, kind, sizes, budget_s, dims, cand, run, best):
+    """Two rounds of a coordinate search from `best` over `cand[dim]` for each dim
+    in `dims`, `run(tiles)` the product (None: a setting not to try)."""
+    contraction, cols = (k, n) if kind != "gmm_t" else (n, k)
+    a, b = operands(kind, rows, k, n, groups, jr.key(1))
     seen = {}
     start = time.perf_counter()
 
     def cost(tiles):
         if tiles in seen:
             return seen[tiles]
-        tm, tk, tn = tiles
-        vmem = 2 * 2 * (tm * tk + tk * tn) + tm * tn * 8
-        if vmem > 14 * 2**20 or rows % tm:
-            seen[tiles] = float("inf")
-            return seen[tiles]
-        prod = getattr(mbx._MegabloxProducts(tiles, INTERPRET), kind)
-        try:
-            seen[tiles] = timed(jax.jit(prod), a, b, sizes, repeats=5)
-        except Exception as e:  # a tile the kernel rejects
-            print(f"  {tiles}: {type(e).__name__}: {str(e)[:120]}")
-            seen[tiles] = float("inf")
+        fn = run(tiles)
+        seen[tiles] = float("inf")
+        if fn is not None:
+            try:
+                seen[tiles] = timed(jax.jit(fn), a, b, sizes, repeats=5)
+            except Exception as e:  # a tile the kernel rejects
+                print(f"  {tiles}: {type(e).__name__}: {str(e)[:120]}")
         return seen[tiles]
 
     cost(best)
@@ -244,9 +298,20 @@ def main():
     p.add_argument("--shapes", default="qwen3,dsv2lite,mixtral")
     p.add_argument("--skews", default="balanced,zipf")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument(
+        "--sweep-kernel",
+        default="own",
+        choices=["own", "megablox"],
+        help="the kernel whose tiles --sweep searches",
+    )
     p.add_argument("--budget", type=float, default=40.0, help="seconds per sweep")
     p.add_argument("--kinds", default="gmm,gmm_t,tgmm", help="products to sweep")
-    p.add_argument("--dims", default="2,1,0", help="tile dims to vary (0 = rows)")
+    p.add_argument(
+        "--dims",
+        default=None,
+        help="tile dims to vary (0 rows, 1 contraction, 2 columns, 3 the own "
+        "kernels' chunk; default 2,1,0 for megablox, 2,0,3 for own)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter")
     p.add_argument(
@@ -278,7 +343,9 @@ def main():
             sizes = jnp.asarray(sizes_of(rows, groups, skew))
             if args.sweep:
                 for kind in args.kinds.split(","):
-                    best, sec, c, o = sweep(
+                    search = sweep_own if args.sweep_kernel == "own" else sweep
+                    dims = args.dims or ("2,0,3" if search is sweep_own else "2,1,0")
+                    best, sec, c, o = search(
                         f"{label} {skew}",
                         rows,
                         k,
@@ -287,7 +354,7 @@ def main():
                         kind,
                         sizes,
                         args.budget,
-                        args.dims,
+                        dims,
                     )
                     tuned[f"{kind},{c},{o},{skew}"] = [list(best), sec * 1e3]
                 continue

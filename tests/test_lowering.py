@@ -17,7 +17,8 @@ resolves for), and the exchange is `"ragged"`, named explicitly (at these small 
     call) with the `mosaic_gpu` GMM (Hopper, bfloat16 activations; `@mosaic_gpu*`
     custom calls; named explicitly, since "auto" needs a Hopper device to pick it) and
     with the `tiled` GMM (what "auto" picks on other GPUs, float32).
-- `tpu`: the ragged exchange with the `ragged_dot` GMM (`chlo.ragged_dot`).
+- `tpu`: the ragged exchange with the `pallas_tpu` GMM (its decode kernel for few
+    rows, the library's own grouped kernels for more: `tpu_custom_call`s only).
 
 The all-gather exchange (`exchange="allgather"`) is lowered for each of these too.
 
@@ -216,7 +217,7 @@ def _mosaic_calls(ops: Counter) -> int:
 _PATHS = [
     pytest.param("cuda", "mosaic_gpu", jnp.bfloat16, id="cuda-mosaic_gpu"),
     pytest.param("cuda", "auto", jnp.float32, id="cuda-auto(tiled)"),
-    pytest.param("tpu", "auto", jnp.float32, id="tpu-auto(ragged_dot)"),
+    pytest.param("tpu", "auto", jnp.float32, id="tpu-auto(pallas_tpu)"),
 ]
 
 # The expert-parallel configurations. Each is checked against "drop" (tokens out and
@@ -247,7 +248,10 @@ def _layer(gmm_backend: str, dtype, **overrides):
     return layer, x
 
 
-def _check_gmm(ops: Counter, gmm_backend: str, backward: bool, platform: str) -> None:
+def _check_gmm(
+    ops: Counter, gmm_backend: str, backward: bool, platform: str, many: bool = False
+) -> None:
+    """`many`: the products have more rows than the TPU decode kernel takes."""
     if gmm_backend == "auto":
         gmm_backend = "pallas_tpu" if platform == "tpu" else "tiled"
     # No custom call but the exchange's and the Mosaic kernels' (e.g. no new kernel
@@ -261,9 +265,10 @@ def _check_gmm(ops: Counter, gmm_backend: str, backward: bool, platform: str) ->
     # Two grouped matmuls per expert FFN; the backward adds d_lhs and d_rhs of each.
     least = 6 if backward else 2
     if gmm_backend == "pallas_tpu":
-        # The decode kernel's forward products (few rows: the expert-parallel
-        # shards' receive buffers) or `ragged_dot` (more rows: one device here).
-        assert ops["ragged_dot"] + ops["tpu_custom_call"] >= least, ops
+        if many:  # the own grouped kernels: every product a Pallas kernel
+            assert ops["tpu_custom_call"] >= least and ops["ragged_dot"] == 0, ops
+        else:  # the decode kernel forward, `ragged_dot` for its derivatives
+            assert ops["ragged_dot"] + ops["tpu_custom_call"] >= least, ops
     elif gmm_backend == "mosaic_gpu":
         assert _mosaic_calls(ops) >= least, ops
         assert ops["ragged_dot"] == 0, ops
@@ -302,7 +307,8 @@ def test_one_device_lowers(platform, gmm_backend, dtype, backward, request):
     layer, x = _layer(gmm_backend, dtype)
     lowered = _lower(layer, x, None, platform, backward=backward)
     ops = _ops(lowered.as_text())
-    _check_gmm(ops, gmm_backend, backward, platform)
+    # One device: all 128 tokens' 256 pairs in one call of the products.
+    _check_gmm(ops, gmm_backend, backward, platform, many=True)
     collectives = ("all_to_all", "all_gather", "ragged_all_to_all", "all_reduce")
     assert not any(ops[c] for c in collectives), ops
 

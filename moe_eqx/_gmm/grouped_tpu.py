@@ -26,7 +26,7 @@ in.
 derivatives of every order.
 
 Scoped VMEM: each call asks Mosaic for the room its double-buffered tiles take
-(Mosaic's default of 16 MiB stops tiles past about `(512, 2048, 768)`).
+(Mosaic's default scoped limit stops tiles past about `(512, 2048, 768)`).
 """
 
 import math
@@ -86,7 +86,7 @@ def _fit(tiles, chunk, m: int, k: int, n: int, dtype):
 def _params(semantics, *blocks):
     """Compiler parameters with a scoped-VMEM limit that holds the double-buffered
     `blocks` (`(shape, dtype)`, the scratch last, single) with room for the
-    product's temporaries; Mosaic's default, 16 MiB, stops tiles past about
+    product's temporaries; Mosaic's default limit stops tiles past about
     `(512, 2048, 768)`."""
     *buffered, scratch = (
         jnp.dtype(dt).itemsize * math.prod(shape) for shape, dt in blocks
