@@ -203,3 +203,55 @@ def test_products_have_the_derivatives_of_ragged_dot():
     want = jax.grad(inner(ref), 1)(lhs, rhs)
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * scale)
+
+
+def test_tiles_shrink_to_the_vmem_a_call_may_ask_for(monkeypatch):
+    """Tiles whose double-buffered blocks need more scoped VMEM than a call may ask
+    for are made smaller (the largest first), each still dividing its axis; tiles
+    that fit are kept; the products stay exact at the smaller tiles."""
+    from moe_eqx._gmm import grouped_tpu as gt
+
+    def blocks_of(dtype):
+        def blocks(tm, tk, tn):
+            return [((tm, tk), dtype), ((tk, tn), dtype), ((tm, tn), dtype)] + [
+                ((tm, tn), jnp.float32)
+            ]
+
+        return blocks
+
+    # The Qwen3-like up projection at the default tiles fits as it is.
+    bf16 = blocks_of(jnp.bfloat16)
+    assert gt._fit((512, 4096, 1536), 128, 65536, 2048, 1536, jnp.bfloat16, bf16)[
+        :4
+    ] == (512, 2048, 1536, 128)
+    # float32 at tiles far past the cap: made to fit, each tile dividing its axis.
+    f32 = blocks_of(jnp.float32)
+    tm, tk, tn, ch, _ = gt._fit(
+        (2048, 8192, 8192), 256, 65536, 8192, 7168, jnp.float32, f32
+    )
+    assert gt._vmem_need(f32(tm, tk, tn)) <= gt._VMEM_CAP
+    assert 8192 % tk == 0 and 7168 % tn == 0 and tm % 8 == 0 and tm % ch == 0
+    assert min(tm, tk, tn) >= 512, (tm, tk, tn)  # the largest cut first
+
+    # Values at tiles shrunk by a small cap (here: both kernels, every axis cut).
+    monkeypatch.setattr(gt, "_VMEM_CAP", 10 << 20)
+    fitted = gt._fit((256, 512, 1024), None, M, 512, 1024, jnp.float32, f32)
+    assert fitted[1:3] == (256, 256), fitted  # (and the rows, 200, in one tile)
+    sizes = jnp.array([40, 0, 90, 7, 50, 13], jnp.int32)
+    lhs = jr.normal(jr.key(7), (M, 512))
+    rhs = jr.normal(jr.key(8), (G, 512, 1024))
+    out = grouped_matmul(lhs, rhs, sizes, tiles=(256, 512, 1024), interpret=True)
+    want = _reference(lhs, rhs, sizes, False)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-3, rtol=0)
+    d = jr.normal(jr.key(9), (M, 1024))
+    grad = grouped_weight_gradient(
+        lhs, d, sizes, tiles=(256, 512, 1024), interpret=True
+    )
+    ends = np.cumsum(np.asarray(sizes))
+    for e, (a, b) in enumerate(zip(ends - np.asarray(sizes), ends, strict=True)):
+        np.testing.assert_allclose(
+            np.asarray(grad[e]),
+            np.asarray(lhs[a:b].T @ d[a:b]),
+            atol=1e-3 * max(1, b - a),
+            rtol=0,
+        )

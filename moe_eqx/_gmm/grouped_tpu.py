@@ -70,31 +70,52 @@ def _divisor(t: int, axis: int) -> int:
     return axis
 
 
-def _fit(tiles, chunk, m: int, k: int, n: int, dtype):
+# The most scoped VMEM a call asks Mosaic for (a v5e core has 128 MiB).
+_VMEM_CAP = 100 << 20
+
+
+def _vmem_need(blocks) -> int:
+    """Bytes of VMEM for the double-buffered `blocks` (`(shape, dtype)`, the
+    scratch last, single) with room for the product's temporaries."""
+    *buffered, scratch = (
+        jnp.dtype(dt).itemsize * math.prod(shape) for shape, dt in blocks
+    )
+    return 2 * sum(buffered) + 2 * scratch + (8 << 20)
+
+
+def _fit(tiles, chunk, m: int, k: int, n: int, dtype, blocks):
     """`(tm, tk, tn, chunk, padded rows)`: the rows cut down to a multiple of the
     dtype's row tile, `tk` and `tn` to the largest multiple of 128 that divides
-    their axis (or the whole axis), the chunk the whole row tile unless it divides
-    it."""
+    their axis (or the whole axis); then, while the VMEM of `blocks(tm, tk, tn)`
+    is more than a call may ask for, the largest of the three made smaller (to the
+    next dividing multiple of 128; the rows halved). The chunk is the whole row
+    tile unless it divides it."""
     tm, tk, tn = tiles
     rt = _row_tile(dtype)
     tm = min(tm, -(-m // rt) * rt)
     tk, tn = _divisor(tk, k), _divisor(tn, n)
+    while _vmem_need(blocks(tm, tk, tn)) > _VMEM_CAP:
+        smaller = {  # each tile's next smaller size, where it has one
+            "tn": _divisor(tn - 128, n),
+            "tk": _divisor(tk - 128, k),
+            "tm": max(rt, tm // 2 // rt * rt),
+        }
+        now = {"tn": tn, "tk": tk, "tm": tm}
+        can = [t for t in now if smaller[t] < now[t]]
+        if not can:
+            break  # the smallest tiles: Mosaic says what does not fit
+        cut = max(can, key=lambda t: now[t])  # the largest first
+        tn, tk, tm = (smaller[t] if t == cut else now[t] for t in ("tn", "tk", "tm"))
     ch = tm if chunk is None or chunk >= tm or tm % chunk else chunk
     return tm, tk, tn, ch, -(-max(m, 1) // tm) * tm
 
 
-def _params(semantics, *blocks):
-    """Compiler parameters with a scoped-VMEM limit that holds the double-buffered
-    `blocks` (`(shape, dtype)`, the scratch last, single) with room for the
-    product's temporaries; Mosaic's default limit stops tiles past about
-    `(512, 2048, 768)`."""
-    *buffered, scratch = (
-        jnp.dtype(dt).itemsize * math.prod(shape) for shape, dt in blocks
-    )
-    need = 2 * sum(buffered) + 2 * scratch + (8 << 20)
+def _params(semantics, need: int):
+    """Compiler parameters asking for `need` bytes of scoped VMEM (at least 32
+    MiB; Mosaic's default limit stops tiles past about `(512, 2048, 768)`)."""
     return pltpu.CompilerParams(
         dimension_semantics=semantics,
-        vmem_limit_bytes=min(max(need, 32 << 20), 100 << 20),
+        vmem_limit_bytes=min(max(need, 32 << 20), _VMEM_CAP),
     )
 
 
@@ -174,7 +195,16 @@ def grouped_matmul(
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    tm, tk, tn, ch, mp = _fit(tiles, chunk, m, k, n, lhs.dtype)
+
+    def blocks(tm, tk, tn):  # lhs, rhs, out, the accumulator
+        return [
+            ((tm, tk), lhs.dtype),
+            ((tk, tn), rhs.dtype),
+            ((tm, tn), lhs.dtype),
+            ((tm, tn), jnp.float32),
+        ]
+
+    tm, tk, tn, ch, mp = _fit(tiles, chunk, m, k, n, lhs.dtype, blocks)
     lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     offsets, groups, row_tiles, visits = _schedule(
         group_sizes.astype(jnp.int32), mp, tm
@@ -248,11 +278,7 @@ def grouped_matmul(
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         compiler_params=_params(
-            ("parallel", "arbitrary", "arbitrary"),
-            ((tm, tk), lhs.dtype),
-            (rhs_block[1:], rhs.dtype),
-            ((tm, tn), lhs.dtype),
-            ((tm, tn), jnp.float32),
+            ("parallel", "arbitrary", "arbitrary"), _vmem_need(blocks(tm, tk, tn))
         ),
         interpret=interpret,
     )
@@ -294,7 +320,16 @@ def grouped_weight_gradient(
     n = d.shape[1]
     g = group_sizes.shape[0]
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
-    tm, tk, tn, ch, mp = _fit(tiles, chunk, m, k, n, lhs.dtype)
+
+    def blocks(tm, tk, tn):  # lhs, d, out, the accumulator
+        return [
+            ((tm, tk), lhs.dtype),
+            ((tm, tn), d.dtype),
+            ((tk, tn), out_dtype),
+            ((tk, tn), jnp.float32),
+        ]
+
+    tm, tk, tn, ch, mp = _fit(tiles, chunk, m, k, n, lhs.dtype, blocks)
     lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     d = jnp.pad(d, ((0, mp - m), (0, 0)))
     (offsets, groups, row_tiles), visits = _metadata(
@@ -356,11 +391,7 @@ def grouped_weight_gradient(
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
         compiler_params=_params(
-            ("parallel", "parallel", "arbitrary"),
-            ((tm, tk), lhs.dtype),
-            ((tm, tn), d.dtype),
-            ((tk, tn), out_dtype),
-            ((tk, tn), jnp.float32),
+            ("parallel", "parallel", "arbitrary"), _vmem_need(blocks(tm, tk, tn))
         ),
         interpret=interpret,
     )
