@@ -56,6 +56,14 @@ _CASES = {
     "EP4 capped": dict(mesh=4),
     "EP4 fallback, slot": dict(mesh=4, buffer_factor=0.5, num_slots=1),
     "EP4 chunks": dict(mesh=4, token_chunks=2),
+    # The TPU's products (in Pallas' interpreter here): the own grouped kernels'
+    # schedule at many rows, the decode kernel's at few.
+    "one device, TPU many rows": dict(
+        mesh=None, gmm_backend=me.PallasTPUGMM(max_rows=16, interpret=True)
+    ),
+    "EP4 fallback, TPU decode kernel": dict(
+        mesh=4, buffer_factor=0.5, gmm_backend=me.PallasTPUGMM(interpret=True)
+    ),
 }
 
 

@@ -26,7 +26,8 @@ in.
 derivatives of every order.
 
 Scoped VMEM: each call asks Mosaic for the room its double-buffered tiles take
-(Mosaic's default scoped limit stops tiles past about `(512, 2048, 768)`).
+(Mosaic's default scoped limit stops tiles past about `(512, 2048, 768)`), up to a
+cap; tiles that would need more (float32, very wide experts) are made smaller.
 """
 
 import math
