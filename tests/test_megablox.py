@@ -1,9 +1,13 @@
 """`me.MegabloxGMM` (JAX's Pallas TPU grouped-matmul kernels, tiled per shape) and
-`me.PallasTPUGMM`'s many-row products in Pallas' interpreter on the CPU: values and
-both derivatives against `lax.ragged_dot`, forward mode, rows past the groups, row
-counts that need padding, the weights' gradient in their dtype, the layer on both;
-and their lowering for the TPU (Mosaic) at a model shape. `tests/test_tpu.py` runs
-them compiled on a chip."""
+`me.PallasTPUGMM`'s many-row products (the library's own grouped kernels,
+`moe_eqx._gmm.grouped_tpu`) in Pallas' interpreter on the CPU: values and both
+derivatives against `lax.ragged_dot`, forward mode, rows past the groups, row counts
+that need padding, the weights' gradient in their dtype, the layer on both (and on
+the own kernels: a two-shard mesh capped and with the fallback taken, quantized
+experts); and megablox's lowering for the TPU (Mosaic) at a model shape.
+`tests/test_tpu.py` runs them compiled on a chip."""
+
+import functools as ft
 
 import equinox as eqx
 import jax
@@ -181,6 +185,33 @@ def test_many_row_products_on_a_mesh_capped_and_fallback(buffer_factor):
     _close(got[0].experts.w_gate_up, want[0].experts.w_gate_up, 1e-4)
     _close(got[0].experts.w_down, want[0].experts.w_down, 1e-4)
     _close(got[0].router.weight, want[0].router.weight, 1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+def test_many_row_products_take_quantized_experts(fmt):
+    """Quantized experts at more rows than the decode kernel takes: `PallasTPUGMM`'s
+    many-row products (the own grouped kernels, in the interpreter) equal the
+    dequantized layer's, value and the input's gradient."""
+    cfg = me.MoEConfig(
+        d_model=128,
+        d_ff=128,
+        num_experts=4,
+        top_k=2,
+        gmm_backend=me.PallasTPUGMM(max_rows=16, interpret=True),
+    )
+    layer = me.quantize_experts(me.MoELayer(cfg, key=jr.key(7)), fmt)
+    floats = me.dequantize_experts(layer)
+    x = jr.normal(jr.key(8), (48, 128))
+
+    def loss(layer, x):
+        return jnp.sum(jnp.sin(layer(x)[0]))
+
+    _close(layer(x)[0], floats(x)[0], 1e-5)
+    _close(
+        jax.grad(ft.partial(loss, layer))(x),
+        jax.grad(ft.partial(loss, floats))(x),
+        1e-5,
+    )
 
 
 @pytest.mark.parametrize("kind", ["gmm", "gmm_t", "tgmm"])
