@@ -61,8 +61,8 @@ _CASES = {
     "one device, TPU many rows": dict(
         mesh=None, gmm_backend=me.PallasTPUGMM(max_rows=16, interpret=True)
     ),
-    "EP4 fallback, TPU decode kernel": dict(
-        mesh=4, buffer_factor=0.5, gmm_backend=me.PallasTPUGMM(interpret=True)
+    "one device, TPU decode kernel": dict(
+        mesh=None, gmm_backend=me.PallasTPUGMM(interpret=True)
     ),
 }
 

@@ -71,7 +71,7 @@ def _divisor(t: int, axis: int) -> int:
     return axis
 
 
-# The most scoped VMEM a call asks Mosaic for (a v5e core has 128 MiB).
+# The most scoped VMEM a call asks Mosaic for (below a v5e core's whole VMEM).
 _VMEM_CAP = 100 << 20
 
 
