@@ -43,7 +43,13 @@ import numpy as np
 from _common import interleaved_min
 
 from moe_eqx._gmm import megablox as mbx
-from moe_eqx._gmm.grouped_tpu import grouped_matmul, grouped_weight_gradient
+from moe_eqx._gmm.grouped_tpu import (
+    CHUNK,
+    GMM_TILES,
+    TGMM_TILES,
+    grouped_matmul,
+    grouped_weight_gradient,
+)
 from moe_eqx._gmm.ragged_dot import _GMM_T, _TGMM, _RaggedDotProducts
 
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -59,9 +65,9 @@ INTERPRET = False
 # The library's own kernels' settings measured: (row tile, output tile, chunk rows;
 # 0: the whole tile), the contraction whole up to 4096 rows; for the two `gmm`
 # products (OWN) and for the weights' gradient (OWN_T).
-# The first of each is `PallasTPUGMM`'s (`_GroupedProducts`' defaults).
-OWN = [(512, 1536, 128), (256, 1536, 128), (512, 1536, 256)]
-OWN_T = [(512, 768, 128), (256, 512, 128), (512, 512, 128)]
+# The first of each is `PallasTPUGMM`'s (the kernels' defaults).
+OWN = [(GMM_TILES[0], GMM_TILES[2], CHUNK), (256, 1536, 128), (512, 1536, 256)]
+OWN_T = [(TGMM_TILES[0], TGMM_TILES[2], CHUNK), (256, 512, 128), (512, 512, 128)]
 ONLY = None  # candidate names to run (prefixes), or all
 
 

@@ -71,6 +71,13 @@ def _divisor(t: int, axis: int) -> int:
     return axis
 
 
+# The default tiles `(tm, tk, tn)` of the two `gmm` products and of the weights'
+# gradient, and the rows a visit multiplies at a time: the fastest measured on a v5e
+# (`benchmarks/tpu_gmm.py`, Qwen3-like experts).
+GMM_TILES = (512, 4096, 1536)
+TGMM_TILES = (512, 4096, 768)
+CHUNK = 128
+
 # The most scoped VMEM a call asks Mosaic for (below a v5e core's whole VMEM).
 _VMEM_CAP = 100 << 20
 
@@ -169,8 +176,8 @@ def grouped_matmul(
     rhs: Float[Array, "groups _ _"],  # [G, K, N], or [G, N, K] transposed
     group_sizes: Int[Array, " groups"],
     *,
-    tiles: tuple[int, int, int] = (256, 2048, 512),
-    chunk: int | None = 128,
+    tiles: tuple[int, int, int] = GMM_TILES,
+    chunk: int | None = CHUNK,
     transpose_rhs: bool = False,
     interpret: bool = False,
 ) -> Float[Array, "rows n_dim"]:
@@ -181,8 +188,9 @@ def grouped_matmul(
     - `lhs`: `[M, K]` rows sorted by group.
     - `rhs`: `[G, K, N]`, or `[G, N, K]` with `transpose_rhs`.
     - `group_sizes`: `[G]` int32, `sum <= M`.
-    - `tiles`: `(tm, tk, tn)`, each cut down to the size where it is larger; `tk`
-        must divide `K` and `tn` divide `N` (else the whole axis is one tile).
+    - `tiles`: `(tm, tk, tn)`, each cut down to its axis; `tk` and `tn` to the
+        largest multiple of 128 that divides `K` and `N` (else the whole axis),
+        and all three made smaller where their VMEM would pass the cap.
     - `chunk`: the rows a visit multiplies at a time, skipping the pieces its
         group has no row in (`None`: the whole tile, as megablox).
     - `transpose_rhs`: multiply by `rhs[g]^T` (the input's gradient).
@@ -286,19 +294,13 @@ def grouped_matmul(
     return call(offsets, groups, row_tiles, lhs, rhs)[:m]
 
 
-# A jitted entry with the static settings as static arguments.
-grouped_matmul_jit = jax.jit(
-    grouped_matmul, static_argnames=("tiles", "chunk", "transpose_rhs", "interpret")
-)
-
-
 def grouped_weight_gradient(
     lhs: Float[Array, "rows k_dim"],
     d: Float[Array, "rows n_dim"],
     group_sizes: Int[Array, " groups"],
     *,
-    tiles: tuple[int, int, int] = (256, 2048, 512),
-    chunk: int | None = 128,
+    tiles: tuple[int, int, int] = TGMM_TILES,
+    chunk: int | None = CHUNK,
     out_dtype=None,
     interpret: bool = False,
 ) -> Float[Array, "groups k_dim n_dim"]:
@@ -403,10 +405,9 @@ class _GroupedProducts(AbstractProducts):
     """The three products of `moe_eqx._gmm._products` on these kernels, at `tiles`
     (`(tm, tk, tn)` for `gmm` and `gmm_t`, and for `tgmm`), `chunk` rows a visit."""
 
-    # The fastest measured on a v5e (`benchmarks/tpu_gmm.py`, Qwen3-like experts).
-    tiles: tuple[int, int, int] = eqx.field(static=True, default=(512, 4096, 1536))
-    tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=(512, 4096, 768))
-    chunk: int | None = eqx.field(static=True, default=128)
+    tiles: tuple[int, int, int] = eqx.field(static=True, default=GMM_TILES)
+    tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=TGMM_TILES)
+    chunk: int | None = eqx.field(static=True, default=CHUNK)
     interpret: bool = eqx.field(static=True, default=False)
     has_effects: ClassVar[bool] = False
 

@@ -43,8 +43,7 @@ Tiles = tuple[int, int, int]
 TUNED: dict[tuple[str, int, int], Tiles] = {
     # Qwen3-30B-A3B-like experts (d_model 2048, d_ff 768), 65536 rows. The two
     # derivative products tuned on Zipf-skewed groups, as routing is; the forward
-    # on balanced groups. Their times
-    # are in docs/measured.md ("TPU").
+    # on balanced groups. Their times are in docs/measured.md ("TPU").
     ("gmm", 2048, 1536): (512, 2048, 768),
     ("gmm_t", 1536, 2048): (256, 1536, 1024),
     ("tgmm", 2048, 1536): (256, 2048, 512),
