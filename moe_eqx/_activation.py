@@ -13,6 +13,7 @@ JAX's own (`jvp` and `vjp` below).
 """
 
 import abc
+import functools as ft
 from typing import ClassVar
 
 import equinox as eqx
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ._autodiff import custom_linear
 from ._checks import check_positive
 from ._settings import boolean, real
 
@@ -256,6 +258,65 @@ def apply_activation(activation: AbstractActivation, h: Array) -> Array:
             f"{activation.gated})."
         )
     return out.astype(jnp.float32)
+
+
+def activate(activation: AbstractActivation, h: Array, dtype) -> Array:
+    """`apply_activation(activation, h)` rounded to `dtype`: the hidden units the
+    down projection takes, as the backends compute them between their products.
+
+    Its derivatives are JAX's own of `apply_activation`, but the backward keeps only
+    `h` (in its own dtype) and recomputes the float32 intermediates from it in the
+    pass that forms `h`'s cotangent. Plain autodiff keeps float32 `[rows, d_ff]`
+    intermediates (or a float32 copy of `h`) alive between the forward and the
+    backward, and every one of them is written and read once more in memory.
+    """
+    return _activate(activation, jnp.dtype(dtype).name, h)
+
+
+def _as_float(activation: AbstractActivation, h: Array) -> Array:
+    """`h` in float32; a gated activation's two halves converted apart, so that
+    each conversion has one user that it fuses into (XLA:TPU wrote a float32 copy
+    of the whole of `h` to memory before splitting it)."""
+    f32 = jnp.float32
+    if not activation.gated or h.shape[-1] % 2:
+        return h.astype(f32)
+    gate, up = _halves(h)
+    return jnp.concatenate([gate.astype(f32), up.astype(f32)], axis=-1)
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _activate(activation, dtype, h):
+    return apply_activation(activation, _as_float(activation, h)).astype(dtype)
+
+
+@_activate.defjvp
+def _activate_jvp(activation, dtype, primals, tangents):
+    (h,), (t_h,) = primals, tangents
+    out = _activate(activation, dtype, h)
+    res = (h, activation, dtype)
+    return out, custom_linear(_activate_tangent, _activate_transpose, res, t_h, out)
+
+
+def _activate_tangent(res, t_h):
+    h, activation, dtype = res
+    _, t_out = jax.jvp(
+        lambda a: apply_activation(activation, a),
+        (_as_float(activation, h),),
+        (_as_float(activation, t_h),),
+    )
+    return t_out.astype(dtype)
+
+
+def _activate_transpose(res, ct):
+    h, activation, _ = res
+    # `h` is read only once the cotangent exists: XLA can neither move its float32
+    # copy into the forward (where it would stay alive until here) nor share the
+    # forward's.
+    h, ct = jax.lax.optimization_barrier((h, ct))
+    _, pullback = jax.vjp(
+        lambda a: apply_activation(activation, a), _as_float(activation, h)
+    )
+    return pullback(ct.astype(jnp.float32))[0].astype(h.dtype)
 
 
 # The names `MoEConfig(activation=...)` takes as shorthands.

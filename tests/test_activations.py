@@ -5,6 +5,9 @@ fallback and slot copies; drop; bfloat16), each against the oracle, whose built-
 activations are written out from their fields; and the FFN of every CPU backend
 against a plain-JAX reference."""
 
+import contextlib
+import io
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from helpers import (
     oracle_value_and_grad,
     tokens,
 )
+from jax.ad_checkpoint import print_saved_residuals
 
 import moe_eqx as me
 import moe_eqx.internal as mi
@@ -181,6 +185,32 @@ def test_backend_ffn_with_activation(act, backend):
     _, (r_x, r_w1, r_w2) = out, ref_vjp(dy)
     for got, want in ((d_x, r_x), (d_w1, r_w1), (d_w2, r_w2)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "backend", [me.RaggedDotGMM(), me.MegabloxGMM(interpret=True)], ids=str
+)
+def test_backward_keeps_only_the_first_product(backend):
+    """Between a backend's two products, the backward keeps the first product in its
+    own dtype (bfloat16 here) and no float32 `[rows, d_ff]` intermediate of the
+    activation: plain autodiff of the float32 SwiGLU kept five."""
+    m, d, f = 64, 16, 24
+    x = jnp.ones((m, d), jnp.bfloat16)
+    w1 = jnp.ones((4, d, 2 * f), jnp.bfloat16)
+    w2 = jnp.ones((4, f, d), jnp.bfloat16)
+    sizes = jnp.asarray([16, 0, 40, 8], jnp.int32)
+
+    def loss(x, w1, w2):
+        out = backend.ffn(x, w1, w2, sizes)
+        return jnp.sum(out.astype(jnp.float32))
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(loss, x, w1, w2)
+    saved = [line.split()[0] for line in out.getvalue().splitlines()]
+    assert f"bf16[{m},{2 * f}]" in saved, saved
+    wide = [a for a in saved if a in (f"f32[{m},{f}]", f"f32[{m},{2 * f}]")]
+    assert not wide, saved
 
 
 def _written_out(act, h):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._activation import SWIGLU, AbstractActivation, apply_activation
+from .._activation import SWIGLU, AbstractActivation, activate
 from .._autodiff import symbolic_zeros_to_none
 from .._quant import QuantizedWeight, as_float
 from .._rules import HIDDEN, remat_name
@@ -121,7 +121,7 @@ def two_products(product, x, w_gate_up, w_down, group_sizes, activation):
     matmul in `lhs.dtype` that takes the weights as given (float or quantized)."""
     gate_up = product(x, w_gate_up, group_sizes)
     gate_up = remat_name(gate_up, HIDDEN)
-    act = apply_activation(activation, gate_up).astype(x.dtype)
+    act = activate(activation, gate_up, x.dtype)
     return product(act, w_down, group_sizes)
 
 
@@ -148,7 +148,7 @@ def biased_two_products(product, x, w_gate_up, w_down, group_sizes, activation):
         return (rows + b).astype(x.dtype)
 
     gate_up = remat_name(biased(x, w_gate_up), HIDDEN)
-    act = apply_activation(activation, gate_up).astype(x.dtype)
+    act = activate(activation, gate_up, x.dtype)
     return biased(act, w_down)
 
 
