@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from ._router import Routing
+from ._rules import pick_columns
 
 
 def physical_routing(
@@ -40,7 +41,9 @@ def physical_routing(
         (
             jnp.where(
                 routing.experts < num_experts,
-                position[jnp.minimum(routing.experts, num_experts - 1)],
+                pick_columns(
+                    position[None], jnp.minimum(routing.experts, num_experts - 1)
+                ),
                 num_experts,
             ),
             routing.counts[expert_ids],

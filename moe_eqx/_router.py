@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._checks import check_array, check_int
-from ._rules import histogram
+from ._rules import histogram, pick_columns
 from ._scoring import (
     AbstractScore,
     Selection,
@@ -467,7 +467,7 @@ class Router(AbstractRouter):
                 valid = ok if valid is None else valid & ok
                 # In range for the gather; the token is routed nowhere below.
                 experts = jnp.where(bad, 0, experts)
-            chosen = jnp.take_along_axis(scores, experts, axis=-1)
+            chosen = pick_columns(scores, experts)
             weights, shared_weights = self.weighting(
                 chosen, shared, normalize=self.norm_topk
             )

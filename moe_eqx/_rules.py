@@ -103,6 +103,31 @@ def exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
     return cumsum(x, axis) - x
 
 
+def pick_columns(table: jax.Array, index: jax.Array) -> jax.Array:
+    """`table[r, index[r, j]]`: `table` `[R, C]` (or `[1, C]`, one row for all) and
+    `index` `[R, k]` int in `[0, C)` give `[R, k]`. On a TPU a masked sum over the
+    `C` columns (one fused pass, its backward another): there a gather of single
+    numbers costs per number, and its backward is a scatter-add (docs/measured.md).
+    Elsewhere the gather: XLA:CPU would materialise the `[R, k, C]` mask. The two
+    are equal, values and derivatives: each sum has one term."""
+    return jax.lax.platform_dependent(
+        table, index, tpu=_masked_pick, default=_gathered_pick
+    )
+
+
+def _masked_pick(table, index):
+    columns = jnp.arange(table.shape[-1], dtype=index.dtype).reshape(1, 1, -1)
+    mine = index[:, :, None] == columns
+    picked = jnp.where(mine, table[:, None, :], jnp.zeros((), table.dtype))
+    return jnp.sum(picked, axis=-1)
+
+
+def _gathered_pick(table, index):
+    if table.shape[0] == 1:  # one table for every row
+        return table[0][index]
+    return jnp.take_along_axis(table, index, axis=-1)
+
+
 def histogram(index: jax.Array, size: int) -> jax.Array:
     """`[size]` int32 counts of each value `0..size-1` in `index` (other values are
     not counted)."""
