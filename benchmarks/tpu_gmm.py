@@ -219,11 +219,16 @@ def sweep(label, rows, k, n, groups, kind, sizes, budget_s, dims="2,1,0"):
 
 def sweep_own(label, rows, k, n, groups, kind, sizes, budget_s, dims="2,0,3"):
     """The same search over the library's own kernels' `(tm, tk, tn, chunk)` (the
-    contraction whole up to 4096; chunk 0: the whole tile)."""
+    contraction whole up to 4096; chunk 0: the whole tile); for the weights'
+    gradient its output tile's rows `tk` first."""
+    if kind == "tgmm" and dims == "2,0,3":
+        dims = "1,2,0,3"
     contraction, cols = (k, n) if kind != "gmm_t" else (n, k)
     cand = {
         0: [128, 256, 512, 1024],
-        1: [c for c in _tile_sizes(contraction) if c >= 512],
+        # The weights' gradient's `tk` is its output tile's rows (its accumulator's
+        # size with `tn`), not a contraction: smaller ones too.
+        1: [c for c in _tile_sizes(contraction) if c >= 512 or kind == "tgmm"],
         2: _tile_sizes(cols),
         3: [0, 128, 256],
     }

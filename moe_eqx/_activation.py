@@ -9,7 +9,8 @@ Every backend applies the activation between its two products as a plain JAX fun
 of `h` in float32 (no backend fuses a particular activation into a kernel), so a
 user's own subclass runs wherever a built-in does: one device, expert parallel, the
 fallback, slots, quantized experts, forward mode and second order. Its derivatives are
-JAX's own (`jvp` and `vjp` below).
+JAX's own (`jvp` and `vjp` below); between two whole products (`activate`) the backward
+keeps only `h` and recomputes the rest from it.
 """
 
 import abc
