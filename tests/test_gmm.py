@@ -443,10 +443,15 @@ def _check_transforms(op, backend, groups):
     return got
 
 
-# The FFN of the other backends is two `gmm` calls composed by JAX's own autodiff.
+# The FFN of the other backends is two `gmm` calls with `activate` between them (a
+# custom_jvp of its own): the dense backend's checks it.
 @pytest.mark.parametrize(
     ("op", "backend"),
-    [*(("gmm", b) for b in TRANSFORM_BACKENDS), ("ffn", "tiled_small")],
+    [
+        *(("gmm", b) for b in TRANSFORM_BACKENDS),
+        ("ffn", "tiled_small"),
+        ("ffn", "dense"),
+    ],
 )
 def test_forward_mode(op, backend):
     """`jax.jvp`, `jax.linearize`, `jax.grad` and a Hessian-vector product
@@ -464,6 +469,7 @@ def test_forward_mode(op, backend):
         ("gmm", "dense"),
         pytest.param("gmm", "ragged_dot", marks=_RAGGED_DOT_NO_VMAP),
         ("ffn", "tiled_small"),
+        ("ffn", "dense"),
     ],
 )
 def test_jacobians_and_hessian(op, backend):
