@@ -112,6 +112,16 @@ def test_regroup_gives_each_device_its_units_gate_and_up(size):
     np.testing.assert_array_equal(grad, np.broadcast_to(want, h.shape))
 
 
+@pytest.mark.parametrize("backend", [me.RaggedDotGMM(), "dense"], ids=str)
+def test_exact_on_two_product_backends(getkey, backend):
+    """Backends whose FFN is two products with the activation between them (its
+    backward a custom rule that recomputes it): the tensor axis's regrouping runs
+    inside that rule, and outputs and gradients stay the oracle's."""
+    layer = _layer(getkey(), gmm_backend=backend)
+    x = jr.normal(getkey(), (64, D))
+    _assert_exact(layer, x, _mesh(expert=2, tensor=4))
+
+
 @pytest.mark.parametrize("axes", ["expert2_tensor4", "data2_expert2_tensor2"])
 @pytest.mark.parametrize("placed", [True, False])
 def test_exact_on_both_meshes(getkey, axes, placed):
