@@ -23,7 +23,9 @@ shape (tokens, d_model, d_ff, experts, top-k):
 
 `vs_dense` is the dense FFN's time over the row's (goal: the layer >= 0.75);
 `compile_s` the time to lower and compile the step. `--profile` prints the costliest
-ops of the auto layer's step (from a profiler trace) and saves its optimized HLO.
+ops of the auto layer's step (from a profiler trace), the device time in the grouped
+matmuls and outside them (`products_ms`, `outside_ms` in the JSON; goal: outside at
+most 10%), and saves its optimized HLO.
 """
 
 import argparse
@@ -161,8 +163,9 @@ def measure(fn, p, x, repeats=10):
     return best, compile_s, compiled
 
 
-def top_ops(compiled, p, x, n=25):
-    """The `n` costliest ops (device time per step, ms) from a profiler trace."""
+def device_ops(compiled, p, x):
+    """Every op's device time per step (ms) from a profiler trace, costliest
+    first."""
     d = tempfile.mkdtemp()
     reps = 3
     with jax.profiler.trace(d):
@@ -179,7 +182,14 @@ def top_ops(compiled, p, x, n=25):
                 continue
             for ev in line.events:
                 total[ev.name] += ev.duration_ns
-    return [(name, ns / reps / 1e6) for name, ns in total.most_common(n)]
+    return [(name, ns / reps / 1e6) for name, ns in total.most_common()]
+
+
+def split_products(ops):
+    """`(products, outside)` ms: the grouped matmuls (the Pallas calls named by
+    `moe_eqx.gmm`) and every other op."""
+    products = sum(ms for name, ms in ops if "moe_eqx.gmm" in name.split("=")[0])
+    return products, sum(ms for _, ms in ops) - products
 
 
 def add(run, label, fn, params, profile=False):
@@ -208,12 +218,21 @@ def add(run, label, fn, params, profile=False):
     )
     if profile:
         try:
-            ops = top_ops(compiled, params, x)
+            ops = device_ops(compiled, params, x)
         except Exception as err:
             print(f"  profile: {type(err).__name__}: {str(err)[:200]}")
             return
-        run["profiles"][f"{name} {label}"] = ops
-        for op, ms in ops:
+        if not ops:
+            print("  profile: no device ops in the trace (not a TPU?)")
+            return
+        run["profiles"][f"{name} {label}"] = ops[:25]
+        products, outside = split_products(ops)
+        run["rows"][-1].update(products_ms=products, outside_ms=outside)
+        print(
+            f"    grouped matmuls {products:.2f} ms, everything else {outside:.2f} ms "
+            f"({100 * outside / max(products + outside, 1e-9):.0f}% of the device time)"
+        )
+        for op, ms in ops[:25]:
             print(f"    {ms:7.3f} ms  {op}")
         if run["hlo_dir"]:
             tag = f"{name}-{label}".replace(" ", "_").replace("(", "").replace(")", "")
