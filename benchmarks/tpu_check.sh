@@ -16,15 +16,17 @@
 #           "--sweep-kernel megablox": for `me.MegabloxGMM`);
 #   layer   benchmarks/tpu_layer.py: the training step against a dense FFN of the
 #           same FLOPs and a minimal MoE, the one-chip mesh and the fallback, and
-#           the costliest ops.
+#           the costliest ops;
+#   gather  benchmarks/tpu_gather.py: the combine's row gathers, as the layer runs
+#           them and other ways (3-D rows of whole tiles, a DMA kernel).
 # Results go to ${OUT:-benchmarks/results} (a .log and a .json per section).
 # TESTS_K (a pytest -k expression), GRID_ARGS (e.g. "--cases mixtral,int8 --ways
 # jit-closed,filter_jit --timeout 120", or "--in-process"), DECODE_ARGS (e.g.
 # "--profile --tokens 1,8", "--as-argument --hlo-dir DIR" or "--kernel"), GMM_ARGS,
-# SWEEP_ARGS and LAYER_ARGS pass options to the
-# tests and the five benchmarks.
+# SWEEP_ARGS, LAYER_ARGS and GATHER_ARGS pass options to the tests and the six
+# benchmarks.
 #
-#     bash benchmarks/tpu_check.sh [--quick] [section ...]   # default: all but sweep
+#     bash benchmarks/tpu_check.sh [--quick] [section ...]   # default: all but sweep, gather
 #
 # Wheels in .whl-tpu/ (equinox, jaxtyping, beartype, pytest, ...) are installed into
 # /tmp/site first when present, and .whl-tpu/peers/ (tokamax and its dependencies)
@@ -72,6 +74,9 @@ for s in $sections; do
     sweep)
       python3 benchmarks/tpu_gmm.py --sweep --shapes qwen3 ${SWEEP_ARGS:-} \
         --out "$out/gmm_sweep.json" 2>&1 | tee "$out/gmm_sweep.log" ;;
+    gather)
+      python3 benchmarks/tpu_gather.py ${GATHER_ARGS:-} --out "$out/gather_tpu.json" \
+        2>&1 | tee "$out/gather_tpu.log" ;;
     layer)
       python3 benchmarks/tpu_layer.py --mesh --profile --hlo-dir "$out" \
         ${LAYER_ARGS:-} --out "$out/layer_tpu.json" 2>&1 | tee "$out/layer_tpu.log" ;;
