@@ -23,9 +23,9 @@ shape (tokens, d_model, d_ff, experts, top-k):
 
 `vs_dense` is the dense FFN's time over the row's (goal: the layer >= 0.75);
 `compile_s` the time to lower and compile the step. `--profile` prints the costliest
-ops of the auto layer's step and of the mesh rows' (from a profiler trace), the device time in the grouped
-matmuls and outside them (`products_ms`, `outside_ms` in the JSON; goal: outside at
-most 10%), and saves its optimized HLO.
+ops of the auto layer's step and of the mesh rows' (from a profiler trace), the
+device time in the grouped matmuls and outside them (`products_ms`, `outside_ms` in
+the JSON; goal: outside at most 10%), and saves their optimized HLO.
 """
 
 import argparse
