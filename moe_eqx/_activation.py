@@ -300,11 +300,7 @@ def _activate_jvp(activation, dtype, primals, tangents):
 
 def _activate_tangent(res, t_h):
     h, activation, dtype = res
-    _, t_out = jax.jvp(
-        lambda a: apply_activation(activation, a),
-        (_as_float(activation, h),),
-        (_as_float(activation, t_h),),
-    )
+    _, t_out = activation.jvp(_as_float(activation, h), _as_float(activation, t_h))
     return t_out.astype(dtype)
 
 
@@ -314,10 +310,7 @@ def _activate_transpose(res, ct):
     # copy into the forward (where it would stay alive until here) nor share the
     # forward's.
     h, ct = jax.lax.optimization_barrier((h, ct))
-    _, pullback = jax.vjp(
-        lambda a: apply_activation(activation, a), _as_float(activation, h)
-    )
-    return pullback(ct.astype(jnp.float32))[0].astype(h.dtype)
+    return activation.vjp(_as_float(activation, h), ct).astype(h.dtype)
 
 
 # The names `MoEConfig(activation=...)` takes as shorthands.
