@@ -31,6 +31,7 @@ own kernels (`--sweep-kernel own`, the default: rows, columns, chunk) or of
 """
 
 import argparse
+import functools as ft
 import importlib
 import json
 import sys
@@ -67,7 +68,11 @@ INTERPRET = False
 # products (OWN) and for the weights' gradient (OWN_T).
 # The first of each is `PallasTPUGMM`'s (the kernels' defaults).
 OWN = [(GMM_TILES[0], GMM_TILES[2], CHUNK), (256, 1536, 128), (512, 1536, 256)]
-OWN_T = [(TGMM_TILES[0], TGMM_TILES[2], CHUNK), (256, 512, 128), (512, 512, 128)]
+OWN_T = [
+    (TGMM_TILES[0], TGMM_TILES[2], CHUNK, ""),
+    (256, 512, 128, ""),
+    (512, 512, 128, ""),
+]
 ONLY = None  # candidate names to run (prefixes), or all
 
 
@@ -139,12 +144,14 @@ def products(tokamax):
                 a, b, s, tiles=t, chunk=c, transpose_rhs=True, interpret=INTERPRET
             ),
         }
-    for tm, tn, chunk in OWN_T:
-        tiles, c = (tm, 4096, tn), chunk or None
-        out[f"own-t-{tm}x{tn}-c{chunk}"] = {
-            "tgmm": lambda a, d, s, t=tiles, c=c: grouped_weight_gradient(
-                a, d, s, tiles=t, chunk=c, out_dtype=jnp.float32, interpret=INTERPRET
-            ),
+    for spec in OWN_T:
+        *tiles, chunk, flags = spec
+        tm, tk, tn = tiles if len(tiles) == 3 else (tiles[0], 4096, tiles[1])
+        name = f"own-t-{tm}x{tk}x{tn}-c{chunk}{'-' + flags if flags else ''}"
+        out[name] = {
+            "tgmm": ft.partial(
+                _own_tgmm, tiles=(tm, tk, tn), chunk=chunk or None, flags=flags
+            )
         }
     if tokamax is not None:
         # The same dimension numbers as `me.RaggedDotGMM`'s two derivative products.
@@ -167,6 +174,26 @@ def products(tokamax):
     if ONLY:
         out = {k: v for k, v in out.items() if k.startswith(tuple(ONLY))}
     return out
+
+
+def _own_tgmm(a, d, s, *, tiles, chunk, flags):
+    """The own weights' kernel; `flags`: `t` the rows given transposed (the
+    transpose timed with it), `T` the same with the transpose made before the
+    timing (what a producer writing it that way would give), `p` partial column
+    tiles."""
+    wide = jnp.float32
+    transposed = "t" in flags or "T" in flags
+    return grouped_weight_gradient(
+        a.T if "t" in flags else a,
+        d,
+        s,
+        tiles=tiles,
+        chunk=chunk,
+        out_dtype=wide,
+        transposed_lhs=transposed,
+        partial_columns="p" in flags,
+        interpret=INTERPRET,
+    )
 
 
 def operands(kind, rows, k, n, groups, key):
@@ -338,7 +365,14 @@ def main():
     INTERPRET = args.interpret
     specs = lambda arg: [tuple(int(v) for v in s.split("x")) for s in arg.split(",")]
     OWN = specs(args.own) if args.own else OWN
-    OWN_T = specs(args.own_tgmm) if args.own_tgmm else OWN_T
+    OWN_T = (
+        [
+            (*(int(v) for v in s.rstrip("tTp").split("x")), s[len(s.rstrip("tTp")) :])
+            for s in args.own_tgmm.split(",")
+        ]
+        if args.own_tgmm
+        else OWN_T
+    )
     ONLY = args.only.split(",") if args.only else None
     try:
         import tokamax
@@ -393,6 +427,8 @@ def main():
                             refs[kind] = np.asarray(
                                 jax.jit(ref)(x, y, sizes), np.float32
                             )
+                        if "T" in getattr(fn, "keywords", {}).get("flags", ""):
+                            x = jax.block_until_ready(jnp.asarray(x.T))
                         got = np.asarray(jax.jit(fn)(x, y, sizes), np.float32)
                         err = float(
                             np.max(np.abs(got - refs[kind]))

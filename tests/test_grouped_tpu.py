@@ -71,24 +71,31 @@ def test_matches_ragged_dot(layout, transpose, tiles, chunk):
 
 
 @CASES
-def test_weight_gradient_matches_a_one_hot_contraction(layout, tiles, chunk):
+@pytest.mark.parametrize("variant", ["plain", "transposed lhs", "partial columns"])
+def test_weight_gradient_matches_a_one_hot_contraction(layout, tiles, chunk, variant):
     """Each group's `lhs^T @ d` over its own rows only (rows past the groups and
-    other groups' rows masked out of shared tiles); an empty group's is zero."""
+    other groups' rows masked out of shared tiles); an empty group's is zero. Also
+    with `lhs` given transposed, and with output columns (`N` = 320, not a multiple
+    of the column tile) in tiles whose last one overhangs the output."""
+    n = 320 if variant == "partial columns" else N
     sizes = jnp.array(LAYOUTS[layout], jnp.int32)
     lhs = jr.normal(jr.key(4), (M, K))
-    d = jr.normal(jr.key(5), (M, N))
+    d = jr.normal(jr.key(5), (M, n))
     total = int(jnp.sum(sizes))
     # Rows past the groups hold NaN in both operands (a cotangent there may): they
     # must not reach any group's block.
+    bad_lhs = lhs.at[total:].set(jnp.nan)
     out = grouped_weight_gradient(
-        lhs.at[total:].set(jnp.nan),
+        bad_lhs.T if variant == "transposed lhs" else bad_lhs,
         d.at[total:].set(jnp.nan),
         sizes,
         tiles=tiles,
         chunk=chunk,
+        transposed_lhs=variant == "transposed lhs",
+        partial_columns=variant == "partial columns",
         interpret=True,
     )
-    assert out.shape == (G, K, N) and out.dtype == lhs.dtype
+    assert out.shape == (G, K, n) and out.dtype == lhs.dtype
     group = jnp.repeat(jnp.arange(G), sizes, total_repeat_length=M)
     real = jnp.arange(M) < jnp.sum(sizes)
     one_hot = ((group[:, None] == jnp.arange(G)[None, :]) & real[:, None]).astype(

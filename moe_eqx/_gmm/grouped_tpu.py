@@ -91,7 +91,7 @@ def _vmem_need(blocks) -> int:
     return 2 * sum(buffered) + 2 * scratch + (8 << 20)
 
 
-def _fit(tiles, chunk, m: int, k: int, n: int, dtype, blocks):
+def _fit(tiles, chunk, m: int, k: int, n: int, dtype, blocks, partial_n=False):
     """`(tm, tk, tn, chunk, padded rows)`: the rows cut down to a multiple of the
     dtype's row tile, `tk` and `tn` to the largest multiple of 128 that divides
     their axis (or the whole axis); then, while the VMEM of `blocks(tm, tk, tn)`
@@ -101,10 +101,16 @@ def _fit(tiles, chunk, m: int, k: int, n: int, dtype, blocks):
     tm, tk, tn = tiles
     rt = _row_tile(dtype)
     tm = min(tm, -(-m // rt) * rt)
-    tk, tn = _divisor(tk, k), _divisor(tn, n)
+    if partial_n:  # any multiple of 128 (the last tile may overhang), or all
+        tn = n if tn >= n or tn < 128 else tn - tn % 128
+        tk = _divisor(tk, k)
+    else:
+        tk, tn = _divisor(tk, k), _divisor(tn, n)
     while _vmem_need(blocks(tm, tk, tn)) > _VMEM_CAP:
         smaller = {  # each tile's next smaller size, where it has one
-            "tn": _divisor(tn - 128, n),
+            "tn": (max(128, (tn - 1) // 128 * 128) if tn > 128 else tn)
+            if partial_n
+            else _divisor(tn - 128, n),
             "tk": _divisor(tk - 128, k),
             "tm": max(rt, tm // 2 // rt * rt),
         }
@@ -295,31 +301,40 @@ def grouped_matmul(
 
 
 def grouped_weight_gradient(
-    lhs: Float[Array, "rows k_dim"],
+    lhs: Float[Array, "_ _"],  # [M, K], or [K, M] with `transposed_lhs`
     d: Float[Array, "rows n_dim"],
     group_sizes: Int[Array, " groups"],
     *,
     tiles: tuple[int, int, int] = TGMM_TILES,
     chunk: int | None = CHUNK,
     out_dtype=None,
+    transposed_lhs: bool = False,
+    partial_columns: bool = False,
     interpret: bool = False,
 ) -> Float[Array, "groups k_dim n_dim"]:
     """`lhs[rows of g]^T @ d[rows of g]` for each group `g` (see the module).
 
     **Arguments:**
 
-    - `lhs`: `[M, K]`, `d`: `[M, N]`, rows sorted by group.
+    - `lhs`: `[M, K]` (`[K, M]` with `transposed_lhs`), `d`: `[M, N]`, rows sorted
+        by group.
     - `group_sizes`: `[G]` int32, `sum <= M` (rows past it belong to no group).
     - `tiles`: `(tm, tk, tn)`, as `grouped_matmul`'s.
     - `chunk`: the rows a visit multiplies at a time (`None`: the whole tile).
     - `out_dtype`: the result's dtype (default `lhs.dtype`), accumulated in float32.
+    - `transposed_lhs`: `lhs` is given as `[K, M]` (its transpose), so a visit's
+        product is a plain `[tk, rows] @ [rows, tn]`, with no transpose of the
+        `lhs` tile in the kernel.
+    - `partial_columns`: `tn` need not divide `N`: the last column tile overhangs
+        the output (its columns past `N` are neither read into a result nor
+        stored), instead of `tn` cut to a divisor of `N`.
     - `interpret`: run in Pallas' interpreter.
 
     **Returns:**
 
     `[G, K, N]`; an empty group's is zero.
     """
-    m, k = lhs.shape
+    k, m = lhs.shape if transposed_lhs else lhs.shape[::-1]
     n = d.shape[1]
     g = group_sizes.shape[0]
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
@@ -332,8 +347,13 @@ def grouped_weight_gradient(
             ((tk, tn), jnp.float32),
         ]
 
-    tm, tk, tn, ch, mp = _fit(tiles, chunk, m, k, n, lhs.dtype, blocks)
-    lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
+    tm, tk, tn, ch, mp = _fit(
+        tiles, chunk, m, k, n, lhs.dtype, blocks, partial_n=partial_columns
+    )
+    if transposed_lhs:
+        lhs = jnp.pad(lhs, ((0, 0), (0, mp - m)))
+    else:
+        lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     d = jnp.pad(d, ((0, mp - m), (0, 0)))
     (offsets, groups, row_tiles), visits = _metadata(
         group_sizes.astype(jnp.int32), mp, tm, visit_empty_groups=True
@@ -352,13 +372,17 @@ def grouped_weight_gradient(
 
         def piece(c0, size, masked):  # rows c0 : c0 + size of the tile
             rows = pl.ds(c0, size)
-            a, b = lhs[rows, :], d[rows, :]
+            a = lhs[:, rows] if transposed_lhs else lhs[rows, :]
+            b = d[rows, :]
             if masked:  # both: another group's rows (or none's) may hold NaN
                 row = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0) + c0
                 mine = (row >= lo) & (row < hi)
-                a = jnp.where(mine, a, jnp.zeros((), a.dtype))
                 b = jnp.where(mine, b, jnp.zeros((), b.dtype))
-            acc[...] += _product(a, b, (0, 0))
+                if transposed_lhs:
+                    col = jax.lax.broadcasted_iota(jnp.int32, (1, size), 1) + c0
+                    mine = (col >= lo) & (col < hi)
+                a = jnp.where(mine, a, jnp.zeros((), a.dtype))
+            acc[...] += _product(a, b, (1, 0) if transposed_lhs else (0, 0))
 
         # As in `grouped_matmul`: a tile of the group's rows only is one product,
         # unmasked; a shared one a chunk at a time, masked where the chunk is shared.
@@ -375,7 +399,7 @@ def grouped_weight_gradient(
             out[...] = acc[...].astype(out.dtype)
 
     def lhs_map(i, j, v, offsets, groups, row_tiles):
-        return row_tiles[v], i
+        return (i, row_tiles[v]) if transposed_lhs else (row_tiles[v], i)
 
     def d_map(i, j, v, offsets, groups, row_tiles):
         return row_tiles[v], j
@@ -388,8 +412,11 @@ def grouped_weight_gradient(
         out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(k // tk, n // tn, visits),
-            in_specs=[pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((tm, tn), d_map)],
+            grid=(k // tk, -(-n // tn), visits),
+            in_specs=[
+                pl.BlockSpec((tk, tm) if transposed_lhs else (tm, tk), lhs_map),
+                pl.BlockSpec((tm, tn), d_map),
+            ],
             out_specs=pl.BlockSpec((None, tk, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
