@@ -70,7 +70,10 @@ class OwnGMM(me.AbstractGMMBackend):
     """The library's own many-row TPU kernels (`moe_eqx._gmm.grouped_tpu`, which
     `auto` takes at its default tiles) for all three products; `spec` (a backend named
     `own:512x1536x128/512x768x128`) the row tile, output tile and chunk of the two
-    `gmm` products and of the weights' gradient (the contraction whole)."""
+    `gmm` products and of the weights' gradient (the contraction whole); a third
+    part, letters, sets the weights' kernel's options: `t` the rows transposed
+    first (`transposed_lhs`), `p` partial column tiles, and a number its output
+    rows (`tk`), e.g. `own:512x1536x128/512x768x128/tp1024`."""
 
     spec: str = eqx.field(static=True, default="")
 
@@ -79,11 +82,18 @@ class OwnGMM(me.AbstractGMMBackend):
         interpret = jax.default_backend() != "tpu"  # (to try it off a TPU)
         kw = {}
         if self.spec:
+            gmm_part, tgmm_part, *flags = self.spec.split("/")
             (tm, tn, c), (ttm, ttn, tc) = (
-                [int(v) for v in part.split("x")] for part in self.spec.split("/")
+                [int(v) for v in part.split("x")] for part in (gmm_part, tgmm_part)
             )
+            flags = flags[0] if flags else ""
+            ttk = int("".join(ch for ch in flags if ch.isdigit()) or 4096)
             kw = dict(
-                tiles=(tm, 4096, tn), tgmm_tiles=(ttm, 4096, ttn), chunk=c or None
+                tiles=(tm, 4096, tn),
+                tgmm_tiles=(ttm, ttk, ttn),
+                chunk=c or None,
+                tgmm_transposed="t" in flags,
+                tgmm_partial="p" in flags,
             )
             assert c == tc, "one chunk for both kernels"
         return gmm(_GroupedProducts(interpret=interpret, **kw), lhs, rhs, sizes)

@@ -54,13 +54,18 @@ def _sort_pairs(
     ends = jnp.minimum(cumsum(sizes), capacity)
     kept = ends - jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     in_range = jnp.arange(capacity) < ends[-1]
-    # No `order`/`inverse` in the result: the gather-both-ways combine and pair
-    # gather read every candidate slot (rows x per_row), and a receiver's rows are
-    # mostly empty slots, where the scatter-add touches only the pairs.
+    # The gathers both ways (the combine, the pairs' rows and their transposes) read
+    # every candidate slot (rows x per_row); the scatter-adds touch only the pairs.
+    # So `order`/`inverse` are kept where the slots are at most twice the pairs the
+    # buffer holds (one shard's rows, rows of one pair each) and dropped where a
+    # receiver's rows are mostly empty slots (many shards).
+    dense = key.shape[0] <= 2 * order.shape[0]
     pairs = SortedPairs(
         row=div(order, per_row),
         weight=jnp.where(in_range, permute_rows(weights, order, inverse), 0.0),
         group_sizes=kept,
+        order=order if dense else None,
+        inverse=inverse if dense else None,
     )
     return pairs, total - ends[-1]
 
@@ -271,7 +276,9 @@ def expand_rows(
 
     `(pairs, dropped)`: [`moe_eqx.internal.SortedPairs`][] with `capacity` pairs (`row` = wire row)
     and the number of valid pairs that did not fit (deterministic: the last in group
-    order).
+    order). The pairs keep `order` and `inverse` (so that the pairs' rows and the
+    combine are gathers both ways, not scatter-adds) where the `B * width` candidate
+    slots are at most twice `capacity`.
     """
     with jax.named_scope("moe_eqx.expand"):
         rows, width = groups.shape

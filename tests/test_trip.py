@@ -130,6 +130,61 @@ def test_received_rows_to_pairs(getkey, capacity):
     np.testing.assert_allclose(grad, want.reshape(6, 3), rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("capacity", "dense"), [(18, True), (9, True), (8, False)], ids=str
+)
+def test_receiver_pairs_are_gathers_both_ways_where_slots_are_dense(
+    getkey, capacity, dense
+):
+    """A receiver's pairs keep `order` / `inverse` where its 18 candidate slots are
+    at most twice the pair buffer: the pairs' rows and the combine are then gathers
+    in both directions (no scatter-add in the gradient's program), and equal in
+    value and in both gradients to the scatter-add formulation, with rows past the
+    valid count, unused entries and (capacity 9, 8) pairs dropped. Past that ratio
+    the scatter-adds stay."""
+    groups = jnp.array(
+        [[0, 2, -1], [1, -1, -1], [2, 0, 1], [0, 1, -1], [1, 2, 0], [2, 2, 2]],
+        jnp.int32,
+    )
+    weights = jr.uniform(getkey(), groups.shape)
+    x = jr.normal(getkey(), (6, 5))
+    ct = jr.normal(getkey(), (6, 5))
+    pairs, _ = mi.expand_rows(
+        groups, weights, jnp.int32(4), local_groups=3, capacity=capacity
+    )
+    assert (pairs.order is not None) == dense
+    assert (pairs.inverse is not None) == dense
+
+    def run(x, w, plain):
+        pairs, _ = mi.expand_rows(
+            groups, w, jnp.int32(4), local_groups=3, capacity=capacity
+        )
+        if plain:
+            pairs = mi.SortedPairs(pairs.row, pairs.weight, pairs.group_sizes)
+            rows = x[pairs.row]
+        elif pairs.order is None:
+            rows = x[pairs.row]
+        else:
+            rows = mi.permute_rows(x, pairs.order, pairs.inverse)
+        # An expert's output: zero on the buffer's rows past the groups (the
+        # products' contract), as the layer's backends give.
+        real = jnp.arange(capacity) < jnp.sum(pairs.group_sizes)
+        out = jnp.where(real[:, None], jnp.tanh(rows) * 1.5, 0.0)
+        return me.combine(out, pairs, 6)
+
+    def loss(x, w, plain):
+        return jnp.sum(run(x, w, plain) * ct)
+
+    np.testing.assert_allclose(run(x, weights, False), run(x, weights, True), atol=1e-6)
+    grad = jax.grad(loss, argnums=(0, 1))
+    grads = grad(x, weights, False)
+    want = grad(x, weights, True)
+    for a, b in zip(grads, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    jaxpr = str(jax.make_jaxpr(lambda x, w: grad(x, w, False))(x, weights))
+    assert ("scatter-add" not in jaxpr) == dense
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("jit", [False, True])
 def test_pack_keeps_every_bit(getkey, dtype, jit):

@@ -430,11 +430,15 @@ def grouped_weight_gradient(
 
 class _GroupedProducts(AbstractProducts):
     """The three products of `moe_eqx._gmm._products` on these kernels, at `tiles`
-    (`(tm, tk, tn)` for `gmm` and `gmm_t`, and for `tgmm`), `chunk` rows a visit."""
+    (`(tm, tk, tn)` for `gmm` and `gmm_t`, and for `tgmm`), `chunk` rows a visit;
+    `tgmm_transposed` and `tgmm_partial` are `grouped_weight_gradient`'s
+    `transposed_lhs` (the rows transposed by XLA first) and `partial_columns`."""
 
     tiles: tuple[int, int, int] = eqx.field(static=True, default=GMM_TILES)
     tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=TGMM_TILES)
     chunk: int | None = eqx.field(static=True, default=CHUNK)
+    tgmm_transposed: bool = eqx.field(static=True, default=False)
+    tgmm_partial: bool = eqx.field(static=True, default=False)
     interpret: bool = eqx.field(static=True, default=False)
     has_effects: ClassVar[bool] = False
 
@@ -457,12 +461,14 @@ class _GroupedProducts(AbstractProducts):
 
     def tgmm(self, a, d, group_sizes, out=jnp.float32):
         return grouped_weight_gradient(
-            a,
+            a.T if self.tgmm_transposed else a,
             d.astype(a.dtype),
             group_sizes,
             tiles=self.tgmm_tiles,
             chunk=self.chunk,
             out_dtype=out,
+            transposed_lhs=self.tgmm_transposed,
+            partial_columns=self.tgmm_partial,
             interpret=self.interpret,
         )
 
