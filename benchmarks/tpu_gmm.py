@@ -177,21 +177,17 @@ def products(tokamax):
 
 
 def _own_tgmm(a, d, s, *, tiles, chunk, flags):
-    """The own weights' kernel; `flags`: `t` the rows given transposed (the
-    transpose timed with it), `T` the same with the transpose made before the
-    timing (what a producer writing it that way would give), `p` partial column
-    tiles."""
-    wide = jnp.float32
-    transposed = "t" in flags or "T" in flags
+    """The own weights' kernel; `flags`: `p` partial column tiles, `d` only
+    dividing ones (neither: the kernel's default rule)."""
+    partial = True if "p" in flags else False if "d" in flags else None
     return grouped_weight_gradient(
-        a.T if "t" in flags else a,
+        a,
         d,
         s,
         tiles=tiles,
         chunk=chunk,
-        out_dtype=wide,
-        transposed_lhs=transposed,
-        partial_columns="p" in flags,
+        out_dtype=jnp.float32,
+        partial_columns=partial,
         interpret=INTERPRET,
     )
 
@@ -279,7 +275,11 @@ def sweep_own(label, rows, k, n, groups, kind, sizes, budget_s, dims="2,0,3"):
             interpret=INTERPRET,
         )
 
-    tm, tn, chunk = OWN_T[0] if kind == "tgmm" else OWN[0]
+    if kind == "tgmm":
+        *t, chunk, _ = OWN_T[0]
+        tm, tn = t[0], t[-1]
+    else:
+        tm, tn, chunk = OWN[0]
     best = (tm, min(contraction, 4096), tn, chunk)
     return _search(
         label, rows, k, n, groups, kind, sizes, budget_s, dims, cand, run, best
@@ -358,7 +358,12 @@ def main():
         help="the own gmm kernel's settings, e.g. 512x768x128,256x512x0 "
         "(rows x out x chunk)",
     )
-    p.add_argument("--own-tgmm", default=None, help="the same for the weights' kernel")
+    p.add_argument(
+        "--own-tgmm",
+        default=None,
+        help="the same for the weights' kernel, or rows x out rows x out x chunk; "
+        "a suffix p: partial column tiles, d: dividing ones (e.g. 512x2048x768x128p)",
+    )
     p.add_argument("--only", default=None, help="candidate name prefixes, e.g. own,me.")
     args = p.parse_args()
     global INTERPRET, OWN, OWN_T, ONLY
@@ -367,7 +372,7 @@ def main():
     OWN = specs(args.own) if args.own else OWN
     OWN_T = (
         [
-            (*(int(v) for v in s.rstrip("tTp").split("x")), s[len(s.rstrip("tTp")) :])
+            (*(int(v) for v in s.rstrip("pd").split("x")), s[len(s.rstrip("pd")) :])
             for s in args.own_tgmm.split(",")
         ]
         if args.own_tgmm
@@ -427,8 +432,6 @@ def main():
                             refs[kind] = np.asarray(
                                 jax.jit(ref)(x, y, sizes), np.float32
                             )
-                        if "T" in getattr(fn, "keywords", {}).get("flags", ""):
-                            x = jax.block_until_ready(jnp.asarray(x.T))
                         got = np.asarray(jax.jit(fn)(x, y, sizes), np.float32)
                         err = float(
                             np.max(np.abs(got - refs[kind]))

@@ -71,9 +71,9 @@ class OwnGMM(me.AbstractGMMBackend):
     `auto` takes at its default tiles) for all three products; `spec` (a backend named
     `own:512x1536x128/512x768x128`) the row tile, output tile and chunk of the two
     `gmm` products and of the weights' gradient (the contraction whole); a third
-    part, letters, sets the weights' kernel's options: `t` the rows transposed
-    first (`transposed_lhs`), `p` partial column tiles, and a number its output
-    rows (`tk`), e.g. `own:512x1536x128/512x768x128/tp1024`."""
+    part sets the weights' kernel's options: `p` partial column tiles, `d` only
+    dividing ones, and a number its output rows (`tk`), e.g.
+    `own:512x1536x128/512x768x128/d1024`."""
 
     spec: str = eqx.field(static=True, default="")
 
@@ -92,8 +92,7 @@ class OwnGMM(me.AbstractGMMBackend):
                 tiles=(tm, 4096, tn),
                 tgmm_tiles=(ttm, ttk, ttn),
                 chunk=c or None,
-                tgmm_transposed="t" in flags,
-                tgmm_partial="p" in flags,
+                tgmm_partial=True if "p" in flags else False if "d" in flags else None,
             )
             assert c == tc, "one chunk for both kernels"
         return gmm(_GroupedProducts(interpret=interpret, **kw), lhs, rhs, sizes)

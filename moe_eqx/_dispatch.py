@@ -139,9 +139,13 @@ class WireRows(eqx.Module):
     - `order`: `[N]` the candidate pair `t * k + j` each row was built from (its first
         pair on that shard), so `token = order // k`.
     - `inverse`: `[T * k]` the row of each candidate pair (`>= N` for one that is not a
-        row), the inverse of `order`: with it, [`moe_eqx.internal.sum_rows`][] sums
-        each token's rows back into it by gathers, not a scatter-add (on the return
-        trip, and in the backward of the gather of tokens into rows).
+        row), the inverse of `order`.
+    - `token_rows`: `[T * w]` each token's rows, `w = min(k, R)` with dedup (`k`
+        without), in pair order, then `N` (none): with it,
+        [`moe_eqx.internal.sum_rows`][] sums each token's rows back into it by `w`
+        gathers, not a scatter-add (on the return trip, and in the backward of the
+        gather of tokens into rows). With dedup `inverse` would take `k` gathers,
+        most of them of no row where `k > R`.
     - `num_tokens`: `T`.
     """
 
@@ -152,6 +156,7 @@ class WireRows(eqx.Module):
     send_pairs: Int[Array, " shards"]
     order: Int[Array, " rows"]
     inverse: Int[Array, " candidates"]
+    token_rows: Int[Array, " token_slots"]
     num_tokens: int = eqx.field(static=True)
 
     @property
@@ -199,6 +204,10 @@ def dedup_rows(
         dest = jnp.where(is_first, dest_shard, num_shards).ravel()
         order = _stable_order(dest, num_shards + 1)[:num_rows]
         inverse = inverse_permutation(order, tokens * k)
+        if dedup:
+            token_rows = _token_rows(inverse, is_first, min(k, num_shards), num_rows)
+        else:
+            token_rows = inverse
         return WireRows(
             token=div(order, k),
             groups=groups.reshape(tokens * k, width)[order],
@@ -210,8 +219,20 @@ def dedup_rows(
             ),
             order=order,
             inverse=inverse,
+            token_rows=token_rows,
             num_tokens=tokens,
         )
+
+
+def _token_rows(inverse, is_first, width: int, none: int):
+    """`[T * width]`: the rows of each token's first pairs on a shard, in pair
+    order, then `none` (elementwise over `[T, width, k]`: no sort, no gather)."""
+    tokens, k = is_first.shape
+    rank = cumsum(is_first.astype(jnp.int32), axis=1) - 1  # [T, k]
+    slot = jnp.arange(width, dtype=jnp.int32)[None, :, None]
+    hit = is_first[:, None, :] & (rank[:, None, :] == slot)  # [T, width, k]
+    row = jnp.sum(jnp.where(hit, inverse.reshape(tokens, 1, k), 0), axis=2)
+    return jnp.where(jnp.any(hit, axis=2), row, none).astype(jnp.int32).ravel()
 
 
 def _histogram(index: Int[Array, " n"], size: int) -> Int[Array, " size"]:

@@ -75,10 +75,11 @@ def _take(values: Array, index: Array, full: bool) -> Array:
     return values.at[index].get(mode="fill", fill_value=0)
 
 
-def _sum_rows(values, weight, order, inverse, num_rows):
-    """`y[r] = sum_j weight[q] values[q]`, `q = inverse[r * per_row + j]`, in float32."""
+def _sum_rows(values, weight, order, inverse, num_rows, full=None):
+    """`y[r] = sum_j weight[q] values[q]`, `q = inverse[r * per_row + j]`, in float32;
+    `full`: every `q` in bounds (default: `inverse` a full permutation)."""
     per_row = _per_row(inverse, num_rows)
-    full = order.shape[0] == inverse.shape[0]
+    full = order.shape[0] == inverse.shape[0] if full is None else full
     inv = inverse.reshape(num_rows, per_row)
     total = None
     # One gather per `j`, summed elementwise: XLA fuses them into one loop with no
@@ -96,6 +97,8 @@ def sum_rows(
     order: Int[Array, " pairs"],
     inverse: Int[Array, " candidates"],
     num_rows: int,
+    *,
+    full: bool | None = None,
 ) -> Float[Array, "rows d"]:
     """`y[r] = sum_j values[inverse[r * per_row + j]]` in float32 (entries `>= C`, not
     kept, add nothing): the sum of each row's pairs as gathers, not a scatter-add.
@@ -103,14 +106,18 @@ def sum_rows(
     **Arguments:**
 
     - `values`: `[C, d]` per-pair values in sorted order.
-    - `order`, `inverse`: as for `permute_rows`.
+    - `order`, `inverse`: as for `permute_rows`; or `inverse` any `[R * per_row]`
+        positions (each row's, `>= C` for none), with `full=False`.
     - `num_rows`: `R`.
+    - `full`: whether every entry of `inverse` is `< C` (gathers without bounds
+        handling); default: whether `inverse` is a full permutation (as long as
+        `order`).
 
     **Returns:**
 
     `[R, d]` float32.
     """
-    return _sum_rows(values, None, order, inverse, num_rows)
+    return _sum_rows(values, None, order, inverse, num_rows, full)
 
 
 def _rows_of(order: Array, inverse: Array, num_rows: int) -> Array:

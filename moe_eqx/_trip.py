@@ -442,7 +442,7 @@ def _send(route: _Route, lin):
 
 def _send_t(route: _Route, ct):
     """Its transpose: the rows go back (the return trip), each token summing its
-    rows (gathers by `wire.inverse`, not a scatter-add)."""
+    rows (gathers by `wire.token_rows`, not a scatter-add)."""
     ct_x, ct_weights = ct
     want_x, want_weights = route.want
     rows, *d_weights = route.move(
@@ -451,8 +451,7 @@ def _send_t(route: _Route, ct):
     d_x = None
     if want_x:
         wire = route.wire
-        d_x = sum_rows(rows, wire.order, wire.inverse, wire.num_tokens)
-        d_x = d_x.astype(ct_x.dtype)
+        d_x = _sum_token_rows(rows, wire).astype(ct_x.dtype)
     return d_x, d_weights[0] if want_weights else None
 
 
@@ -509,10 +508,13 @@ def _return(route: _Route, y_rows):
     back = route.exchange.combine_unpacked(
         y_rows, route.plan, route.bufs.send_rows, materialised=True
     )
-    wire = route.wire
-    return sum_rows(back, wire.order, wire.inverse, wire.num_tokens).astype(
-        y_rows.dtype
-    )
+    return _sum_token_rows(back, route.wire).astype(y_rows.dtype)
+
+
+def _sum_token_rows(rows, wire: WireRows):
+    """Each token's sum of its wire rows (float32), `w` gathers by `token_rows`."""
+    # A token may have fewer rows than `w` (entries `N`): gathers with bounds.
+    return sum_rows(rows, wire.order, wire.token_rows, wire.num_tokens, full=False)
 
 
 def _return_t(route: _Route, ct_y):

@@ -71,28 +71,26 @@ def test_matches_ragged_dot(layout, transpose, tiles, chunk):
 
 
 @CASES
-@pytest.mark.parametrize("variant", ["plain", "transposed lhs", "partial columns"])
-def test_weight_gradient_matches_a_one_hot_contraction(layout, tiles, chunk, variant):
+@pytest.mark.parametrize("partial", [False, True], ids=["dividing", "partial"])
+def test_weight_gradient_matches_a_one_hot_contraction(layout, tiles, chunk, partial):
     """Each group's `lhs^T @ d` over its own rows only (rows past the groups and
     other groups' rows masked out of shared tiles); an empty group's is zero. Also
-    with `lhs` given transposed, and with output columns (`N` = 320, not a multiple
-    of the column tile) in tiles whose last one overhangs the output."""
-    n = 320 if variant == "partial columns" else N
+    with output columns (`N` = 320, not a multiple of the column tile) in tiles
+    whose last one overhangs the output."""
+    n = 320 if partial else N
     sizes = jnp.array(LAYOUTS[layout], jnp.int32)
     lhs = jr.normal(jr.key(4), (M, K))
     d = jr.normal(jr.key(5), (M, n))
     total = int(jnp.sum(sizes))
     # Rows past the groups hold NaN in both operands (a cotangent there may): they
     # must not reach any group's block.
-    bad_lhs = lhs.at[total:].set(jnp.nan)
     out = grouped_weight_gradient(
-        bad_lhs.T if variant == "transposed lhs" else bad_lhs,
+        lhs.at[total:].set(jnp.nan),
         d.at[total:].set(jnp.nan),
         sizes,
         tiles=tiles,
         chunk=chunk,
-        transposed_lhs=variant == "transposed lhs",
-        partial_columns=variant == "partial columns",
+        partial_columns=partial,
         interpret=True,
     )
     assert out.shape == (G, K, n) and out.dtype == lhs.dtype
@@ -107,6 +105,29 @@ def test_weight_gradient_matches_a_one_hot_contraction(layout, tiles, chunk, var
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-3, rtol=0)
     for e in np.flatnonzero(np.asarray(sizes) == 0):
         assert not np.any(np.asarray(out[e])), e
+
+
+def test_weight_gradient_takes_partial_column_tiles_where_divisors_are_small():
+    """By default the weights' kernel overhangs the output with its column tile
+    where the largest tile dividing `N` is under half of it (`N` = 640 = 5 x 128,
+    tile 512: 2 column tiles, not 5 of 128), and keeps dividing tiles otherwise;
+    the values are the same."""
+    sizes = jnp.array([120, 0, 80], jnp.int32)
+    lhs = jr.normal(jr.key(6), (M, K))
+    d = jr.normal(jr.key(7), (M, 640))
+
+    def run(partial, tn=512):
+        fn = lambda a, b: grouped_weight_gradient(
+            a, b, sizes, tiles=(64, 64, tn), partial_columns=partial, interpret=True
+        )
+        return fn(lhs, d), str(jax.make_jaxpr(fn)(lhs, d))
+
+    (got, auto), (want, dividing) = run(None), run(False)
+    assert "grid=(1, 2," in auto and "grid=(1, 5," in dividing
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
+    # A dividing tile at least half the asked one is kept: 640 columns, tile 256
+    # asked, 128 divides (half of 256).
+    assert "grid=(1, 5," in run(None, 256)[1]
 
 
 def test_bfloat16_and_rows_not_a_multiple_of_the_tile():

@@ -66,6 +66,33 @@ def test_tokens_to_wire_rows_and_back(getkey, dedup, k, r):
         (back,),
         getkey(),
     )
+    # Each token's rows listed compactly: `min(k, R)` of them with dedup, each row
+    # once, and the same sums of what comes back (zero past the rows sent).
+    sent = jnp.arange(back.shape[0]) < jnp.sum(wire.send_counts)
+    back = jnp.where(sent[:, None], back, 0.0)
+    width = min(k, r) if dedup else k
+    assert wire.token_rows.shape == (tokens * width,)
+    listed = np.asarray(wire.token_rows)
+    rows = wire.token.shape[0]
+    real = listed[listed < rows]
+    # Every row sent, once (without dedup the padding rows too: a permutation).
+    assert len(set(real.tolist())) == len(real)
+    assert set(range(int(jnp.sum(wire.send_counts)))) <= set(real.tolist())
+    np.testing.assert_array_equal(
+        np.asarray(wire.token)[real], np.repeat(np.arange(tokens), width)[listed < rows]
+    )
+    got, vjp = jax.vjp(
+        lambda b: mi.sum_rows(b, wire.order, wire.token_rows, tokens, full=False), back
+    )
+    want, vjp_want = jax.vjp(
+        lambda b: mi.scatter_to_tokens(b, wire.token, tokens), back
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    ct = jr.normal(getkey(), want.shape)
+    # The rows sent get their token's cotangent (what the others get goes nowhere).
+    np.testing.assert_allclose(
+        vjp(ct)[0][sent], vjp_want(ct)[0][sent], rtol=1e-6, atol=1e-6
+    )
 
 
 def test_wire_weights_gradient_is_the_plain_gather(getkey):

@@ -301,41 +301,41 @@ def grouped_matmul(
 
 
 def grouped_weight_gradient(
-    lhs: Float[Array, "_ _"],  # [M, K], or [K, M] with `transposed_lhs`
+    lhs: Float[Array, "rows k_dim"],
     d: Float[Array, "rows n_dim"],
     group_sizes: Int[Array, " groups"],
     *,
     tiles: tuple[int, int, int] = TGMM_TILES,
     chunk: int | None = CHUNK,
     out_dtype=None,
-    transposed_lhs: bool = False,
-    partial_columns: bool = False,
+    partial_columns: bool | None = None,
     interpret: bool = False,
 ) -> Float[Array, "groups k_dim n_dim"]:
     """`lhs[rows of g]^T @ d[rows of g]` for each group `g` (see the module).
 
     **Arguments:**
 
-    - `lhs`: `[M, K]` (`[K, M]` with `transposed_lhs`), `d`: `[M, N]`, rows sorted
-        by group.
+    - `lhs`: `[M, K]`, `d`: `[M, N]`, rows sorted by group.
     - `group_sizes`: `[G]` int32, `sum <= M` (rows past it belong to no group).
     - `tiles`: `(tm, tk, tn)`, as `grouped_matmul`'s.
     - `chunk`: the rows a visit multiplies at a time (`None`: the whole tile).
     - `out_dtype`: the result's dtype (default `lhs.dtype`), accumulated in float32.
-    - `transposed_lhs`: `lhs` is given as `[K, M]` (its transpose), so a visit's
-        product is a plain `[tk, rows] @ [rows, tn]`, with no transpose of the
-        `lhs` tile in the kernel.
     - `partial_columns`: `tn` need not divide `N`: the last column tile overhangs
         the output (its columns past `N` are neither read into a result nor
-        stored), instead of `tn` cut to a divisor of `N`.
+        stored), instead of `tn` cut to a divisor of `N`. Default (`None`): where
+        the largest dividing tile is under half of `tn` (`N = 2816`, a DeepSeek-V2-
+        Lite-like gate+up: 256 columns a tile instead of 768).
     - `interpret`: run in Pallas' interpreter.
 
     **Returns:**
 
     `[G, K, N]`; an empty group's is zero.
     """
-    k, m = lhs.shape if transposed_lhs else lhs.shape[::-1]
+    m, k = lhs.shape
     n = d.shape[1]
+    if partial_columns is None:
+        want = min(tiles[2], n)
+        partial_columns = _divisor(want, n) < want // 2
     g = group_sizes.shape[0]
     out_dtype = lhs.dtype if out_dtype is None else out_dtype
 
@@ -350,10 +350,7 @@ def grouped_weight_gradient(
     tm, tk, tn, ch, mp = _fit(
         tiles, chunk, m, k, n, lhs.dtype, blocks, partial_n=partial_columns
     )
-    if transposed_lhs:
-        lhs = jnp.pad(lhs, ((0, 0), (0, mp - m)))
-    else:
-        lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
+    lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     d = jnp.pad(d, ((0, mp - m), (0, 0)))
     (offsets, groups, row_tiles), visits = _metadata(
         group_sizes.astype(jnp.int32), mp, tm, visit_empty_groups=True
@@ -372,17 +369,13 @@ def grouped_weight_gradient(
 
         def piece(c0, size, masked):  # rows c0 : c0 + size of the tile
             rows = pl.ds(c0, size)
-            a = lhs[:, rows] if transposed_lhs else lhs[rows, :]
-            b = d[rows, :]
+            a, b = lhs[rows, :], d[rows, :]
             if masked:  # both: another group's rows (or none's) may hold NaN
                 row = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0) + c0
                 mine = (row >= lo) & (row < hi)
-                b = jnp.where(mine, b, jnp.zeros((), b.dtype))
-                if transposed_lhs:
-                    col = jax.lax.broadcasted_iota(jnp.int32, (1, size), 1) + c0
-                    mine = (col >= lo) & (col < hi)
                 a = jnp.where(mine, a, jnp.zeros((), a.dtype))
-            acc[...] += _product(a, b, (1, 0) if transposed_lhs else (0, 0))
+                b = jnp.where(mine, b, jnp.zeros((), b.dtype))
+            acc[...] += _product(a, b, (0, 0))
 
         # As in `grouped_matmul`: a tile of the group's rows only is one product,
         # unmasked; a shared one a chunk at a time, masked where the chunk is shared.
@@ -399,7 +392,7 @@ def grouped_weight_gradient(
             out[...] = acc[...].astype(out.dtype)
 
     def lhs_map(i, j, v, offsets, groups, row_tiles):
-        return (i, row_tiles[v]) if transposed_lhs else (row_tiles[v], i)
+        return row_tiles[v], i
 
     def d_map(i, j, v, offsets, groups, row_tiles):
         return row_tiles[v], j
@@ -413,10 +406,7 @@ def grouped_weight_gradient(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(k // tk, -(-n // tn), visits),
-            in_specs=[
-                pl.BlockSpec((tk, tm) if transposed_lhs else (tm, tk), lhs_map),
-                pl.BlockSpec((tm, tn), d_map),
-            ],
+            in_specs=[pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((tm, tn), d_map)],
             out_specs=pl.BlockSpec((None, tk, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
@@ -431,14 +421,12 @@ def grouped_weight_gradient(
 class _GroupedProducts(AbstractProducts):
     """The three products of `moe_eqx._gmm._products` on these kernels, at `tiles`
     (`(tm, tk, tn)` for `gmm` and `gmm_t`, and for `tgmm`), `chunk` rows a visit;
-    `tgmm_transposed` and `tgmm_partial` are `grouped_weight_gradient`'s
-    `transposed_lhs` (the rows transposed by XLA first) and `partial_columns`."""
+    `tgmm_partial` is `grouped_weight_gradient`'s `partial_columns`."""
 
     tiles: tuple[int, int, int] = eqx.field(static=True, default=GMM_TILES)
     tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=TGMM_TILES)
     chunk: int | None = eqx.field(static=True, default=CHUNK)
-    tgmm_transposed: bool = eqx.field(static=True, default=False)
-    tgmm_partial: bool = eqx.field(static=True, default=False)
+    tgmm_partial: bool | None = eqx.field(static=True, default=None)
     interpret: bool = eqx.field(static=True, default=False)
     has_effects: ClassVar[bool] = False
 
@@ -461,13 +449,12 @@ class _GroupedProducts(AbstractProducts):
 
     def tgmm(self, a, d, group_sizes, out=jnp.float32):
         return grouped_weight_gradient(
-            a.T if self.tgmm_transposed else a,
+            a,
             d.astype(a.dtype),
             group_sizes,
             tiles=self.tgmm_tiles,
             chunk=self.chunk,
             out_dtype=out,
-            transposed_lhs=self.tgmm_transposed,
             partial_columns=self.tgmm_partial,
             interpret=self.interpret,
         )
