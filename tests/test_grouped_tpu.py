@@ -186,6 +186,21 @@ def test_lowers_for_tpu_at_a_model_shape(transpose, chunk):
     assert text.count("tpu_custom_call") == 1
 
 
+@pytest.mark.lowering_only
+def test_weight_gradient_with_overhanging_tiles_lowers_for_tpu():
+    """Mosaic's lowering accepts the weights' kernel at the DeepSeek-V2-Lite-like
+    gate+up (49152 rows, 64 groups, 2048 x 2816: the default overhangs 768-column
+    tiles over the 2816 columns, 4 column tiles instead of 11 dividing ones)."""
+    m, k, n, g = 49152, 2048, 2816, 64
+    lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    d = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+    traced = jax.jit(grouped_weight_gradient).trace(lhs, d, sizes)
+    assert "grid=(1, 4," in str(traced.jaxpr)
+    text = traced.lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1
+
+
 def test_products_have_the_derivatives_of_ragged_dot():
     """The three products on these kernels (`_GroupedProducts`) through
     `moe_eqx._gmm._products.gmm`: the value, both reverse-mode derivatives, forward

@@ -3,13 +3,15 @@ exchange trips (rows and their metadata packed into one collective, each the oth
 transpose), each against its plain formulation (gather, scatter-add, the backend's
 own trips differentiated by JAX) in values, VJPs and JVPs."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import auto_mesh
+from helpers import auto_mesh, mesh
 from jax.sharding import PartitionSpec as P
 
 import moe_eqx as me
@@ -210,6 +212,27 @@ def test_receiver_pairs_are_gathers_both_ways_where_slots_are_dense(
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     jaxpr = str(jax.make_jaxpr(lambda x, w: grad(x, w, False))(x, weights))
     assert ("scatter-add" not in jaxpr) == dense
+
+
+@pytest.mark.parametrize(
+    ("shards", "dedup", "top_k", "scatters"),
+    [(1, True, 4, False), (4, False, 4, False), (8, True, 4, True)],
+    ids=["one shard", "EP4 rows of one pair", "EP8 top-4"],
+)
+def test_layer_gradient_has_row_scatter_adds_only_where_slots_are_sparse(
+    shards, dedup, top_k, scatters
+):
+    """The layer's gradient program on a mesh: a one-shard mesh (what a single TPU
+    chip runs) and rows of one pair each have no scatter-add of `[rows, d_model]`
+    (the receiver's combine and pairs' rows are gathers both ways, each token's
+    wire rows summed by gathers); EP8 with top-4 keeps the receiver's scatter-adds
+    (its rows are mostly empty slots), which shows the check sees them."""
+    cfg = me.MoEConfig(d_model=40, d_ff=24, num_experts=8, top_k=top_k, dedup=dedup)
+    layer = me.MoELayer(cfg, key=jr.key(0))
+    x = jr.normal(jr.key(1), (32 * shards, cfg.d_model))
+    grad = jax.grad(lambda x: jnp.sum(layer(x, mesh=mesh(shards))[0] ** 2))
+    found = re.findall(r"f32\[\d+,40\] = scatter-add", str(jax.make_jaxpr(grad)(x)))
+    assert bool(found) == scatters, found
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
