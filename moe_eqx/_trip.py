@@ -415,7 +415,8 @@ class _Route(eqx.Module):
             moved = self.exchange.dispatch_unpacked(packed, self.plan, self.bufs.rows)
         else:
             # The return trip (the dispatch's transpose) hands the cotangents to the
-            # collective as they are: a scatter-add's output, or their packing, a
+            # collective as they are: a scatter-add's or a fused sum of gathers'
+            # output (see `moe_eqx.internal.expand_rows`), or their packing, a
             # concatenation that XLA:CPU writes once and slices for the collective.
             # Copying it first (`materialised=False`) cost more step time than the
             # slices cost compile time (docs/measured.md).
@@ -503,8 +504,9 @@ def send_rows(
 
 def _return(route: _Route, y_rows):
     """The return trip of the receiver's rows, each token summing its rows."""
-    # The receiver's combine is a scatter-add (see `moe_eqx.internal.expand_rows`):
-    # its output goes to the collective without a copy.
+    # The receiver's combine (a scatter-add, or a fused sum of gathers: see
+    # `moe_eqx.internal.expand_rows`) writes its output once: it goes to the
+    # collective without a copy.
     back = route.exchange.combine_unpacked(
         y_rows, route.plan, route.bufs.send_rows, materialised=True
     )
