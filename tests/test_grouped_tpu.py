@@ -5,6 +5,8 @@ over group layouts edges first, both orientations, the contraction whole and til
 each visit's rows multiplied in chunks and whole; and Mosaic's lowering at a model
 shape. `tests/test_tpu.py` runs them compiled."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -105,6 +107,51 @@ def test_weight_gradient_matches_a_one_hot_contraction(layout, tiles, chunk, par
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-3, rtol=0)
     for e in np.flatnonzero(np.asarray(sizes) == 0):
         assert not np.any(np.asarray(out[e])), e
+
+
+@CASES
+def test_overhanging_row_tiles_equal_padded_rows(layout, tiles, chunk):
+    """With `overhang_rows` (M = 200, not a multiple of a 64-row tile: no padding,
+    no slice; a 256-row tile is more than M and pads as before) both kernels give
+    exactly what they give on padded rows, NaN in the rows past the groups."""
+    sizes = jnp.array(LAYOUTS[layout], jnp.int32)
+    total = int(jnp.sum(sizes))
+    lhs = jr.normal(jr.key(8), (M, K)).at[total:].set(jnp.nan)
+    rhs = jr.normal(jr.key(9), (G, K, N))
+    d = jr.normal(jr.key(10), (M, N)).at[total:].set(jnp.nan)
+    for overhang in (False, True):
+        kw = dict(tiles=tiles, chunk=chunk, overhang_rows=overhang, interpret=True)
+        out = grouped_matmul(lhs, rhs, sizes, **kw)
+        grad = grouped_weight_gradient(lhs, d, sizes, **kw)
+        if not overhang:
+            want_out, want_grad = out, grad
+    assert out.shape == (M, N) and grad.shape == (G, K, N)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(want_grad))
+    assert not np.any(np.isnan(np.asarray(grad)))
+
+
+@pytest.mark.lowering_only
+def test_overhanging_row_tiles_lower_for_tpu():
+    """Mosaic's lowering accepts both kernels with row tiles overhanging a pair
+    buffer that is not a multiple of them (29492 rows: a fallback piece's buffer at
+    the DeepSeek-V2-Lite-like shape, `buffer_factor=0.6`); no pad or slice of the
+    rows is left in the program."""
+    m, k, n, g = 29492, 2048, 2816, 64
+    lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+    d = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+
+    def both(a, b, dd, s):
+        out = grouped_matmul(a, b, s, overhang_rows=True)
+        return out, grouped_weight_gradient(a, dd, s, overhang_rows=True)
+
+    traced = jax.jit(both).trace(lhs, rhs, d, sizes)
+    copies = re.findall(r"bf16\[\d+,\d+\] = (?:pad|slice)", str(traced.jaxpr))
+    assert not copies, copies
+    text = traced.lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 2
 
 
 def test_weight_gradient_takes_partial_column_tiles_where_divisors_are_small():

@@ -185,6 +185,7 @@ def grouped_matmul(
     tiles: tuple[int, int, int] = GMM_TILES,
     chunk: int | None = CHUNK,
     transpose_rhs: bool = False,
+    overhang_rows: bool = False,
     interpret: bool = False,
 ) -> Float[Array, "rows n_dim"]:
     """`lhs[i] @ rhs[g(i)]` (see the module).
@@ -200,6 +201,10 @@ def grouped_matmul(
     - `chunk`: the rows a visit multiplies at a time, skipping the pieces its
         group has no row in (`None`: the whole tile, as megablox).
     - `transpose_rhs`: multiply by `rhs[g]^T` (the input's gradient).
+    - `overhang_rows`: where `M` is not a multiple of the row tile (and at least
+        one tile), the last row tile overhangs `lhs` and the output (its rows past
+        `M` neither stored nor read into a stored row) instead of `lhs` padded to a
+        multiple and the output sliced back: two copies fewer.
     - `interpret`: run in Pallas' interpreter (any platform).
 
     **Returns:**
@@ -220,7 +225,9 @@ def grouped_matmul(
         ]
 
     tm, tk, tn, ch, mp = _fit(tiles, chunk, m, k, n, lhs.dtype, blocks)
-    lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
+    overhang = overhang_rows and m >= tm
+    if not overhang:
+        lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     offsets, groups, row_tiles, visits = _schedule(
         group_sizes.astype(jnp.int32), mp, tm
     )
@@ -281,7 +288,7 @@ def grouped_matmul(
     rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, n), lhs.dtype),
+        out_shape=jax.ShapeDtypeStruct((m if overhang else mp, n), lhs.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(n // tn, visits, k // tk),
@@ -297,7 +304,8 @@ def grouped_matmul(
         ),
         interpret=interpret,
     )
-    return call(offsets, groups, row_tiles, lhs, rhs)[:m]
+    out = call(offsets, groups, row_tiles, lhs, rhs)
+    return out if overhang else out[:m]
 
 
 def grouped_weight_gradient(
@@ -309,6 +317,7 @@ def grouped_weight_gradient(
     chunk: int | None = CHUNK,
     out_dtype=None,
     partial_columns: bool | None = None,
+    overhang_rows: bool = False,
     interpret: bool = False,
 ) -> Float[Array, "groups k_dim n_dim"]:
     """`lhs[rows of g]^T @ d[rows of g]` for each group `g` (see the module).
@@ -325,6 +334,8 @@ def grouped_weight_gradient(
         stored), instead of `tn` cut to a divisor of `N`. Default (`None`): where
         the largest dividing tile is under half of `tn` (`N = 2816`, a DeepSeek-V2-
         Lite-like gate+up: 256 columns a tile instead of 768).
+    - `overhang_rows`: as `grouped_matmul`'s (rows past `M` are masked out of
+        every product, as rows of no group are).
     - `interpret`: run in Pallas' interpreter.
 
     **Returns:**
@@ -350,8 +361,9 @@ def grouped_weight_gradient(
     tm, tk, tn, ch, mp = _fit(
         tiles, chunk, m, k, n, lhs.dtype, blocks, partial_n=partial_columns
     )
-    lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
-    d = jnp.pad(d, ((0, mp - m), (0, 0)))
+    if not (overhang_rows and m >= tm):
+        lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
+        d = jnp.pad(d, ((0, mp - m), (0, 0)))
     (offsets, groups, row_tiles), visits = _metadata(
         group_sizes.astype(jnp.int32), mp, tm, visit_empty_groups=True
     )
@@ -421,12 +433,14 @@ def grouped_weight_gradient(
 class _GroupedProducts(AbstractProducts):
     """The three products of `moe_eqx._gmm._products` on these kernels, at `tiles`
     (`(tm, tk, tn)` for `gmm` and `gmm_t`, and for `tgmm`), `chunk` rows a visit;
-    `tgmm_partial` is `grouped_weight_gradient`'s `partial_columns`."""
+    `tgmm_partial` is `grouped_weight_gradient`'s `partial_columns`, and
+    `overhang_rows` both kernels'."""
 
     tiles: tuple[int, int, int] = eqx.field(static=True, default=GMM_TILES)
     tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=TGMM_TILES)
     chunk: int | None = eqx.field(static=True, default=CHUNK)
     tgmm_partial: bool | None = eqx.field(static=True, default=None)
+    overhang_rows: bool = eqx.field(static=True, default=False)
     interpret: bool = eqx.field(static=True, default=False)
     has_effects: ClassVar[bool] = False
 
@@ -438,6 +452,7 @@ class _GroupedProducts(AbstractProducts):
             tiles=self.tiles,
             chunk=self.chunk,
             transpose_rhs=transpose,
+            overhang_rows=self.overhang_rows,
             interpret=self.interpret,
         )
 
@@ -456,6 +471,7 @@ class _GroupedProducts(AbstractProducts):
             chunk=self.chunk,
             out_dtype=out,
             partial_columns=self.tgmm_partial,
+            overhang_rows=self.overhang_rows,
             interpret=self.interpret,
         )
 
