@@ -257,6 +257,11 @@ def main():
     p.add_argument("--backends", default="auto,megablox,ragged_dot")
     p.add_argument("--minimal", default="megablox,ragged_dot")
     p.add_argument("--mesh", action="store_true")
+    p.add_argument(
+        "--mesh-backends",
+        default="auto",
+        help="the backends of the one-chip mesh's rows (capped and fallback)",
+    )
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--hlo-dir", default=None, help="optimized HLO of profiled rows")
@@ -274,6 +279,10 @@ def main():
         "megablox": lambda a, b, s: _mb_op(a, b, s, a.dtype, (512, 1024, 1024)),
         "ragged_dot": lambda a, b, s: jax.lax.ragged_dot(a, b, s),
     }
+
+    def backend_of(b):
+        return OwnGMM(b[4:]) if b.startswith("own:") else backends[b]
+
     rows, profiles = [], {}
     for si, name in enumerate(args.shapes.split(",")):
         t, d, f, e, k = SHAPES[name]
@@ -293,7 +302,7 @@ def main():
         fn, params = dense_step(d, k * f, jr.key(2))
         add(run, "dense FFN", fn, params)
         for b in args.backends.split(",") + ["free gmm"]:
-            backend = OwnGMM(b[4:]) if b.startswith("own:") else backends[b]
+            backend = backend_of(b)
             cfg = me.MoEConfig(
                 d_model=d, d_ff=f, num_experts=e, top_k=k, gmm_backend=backend
             )
@@ -313,13 +322,20 @@ def main():
             add(run, f"minimal ({b})", fn, params)
         if args.mesh and si == 0:
             mesh = jax.make_mesh((1,), ("expert",))
-            for label, bf in (("mesh capped", 2.0), ("mesh fallback", 0.6)):
-                cfg = me.MoEConfig(
-                    d_model=d, d_ff=f, num_experts=e, top_k=k, buffer_factor=bf
-                )
-                layer = bf16(me.MoELayer(cfg, key=jr.key(0)))
-                fn, params = step_of(layer, mesh)
-                add(run, f"layer ({label})", fn, params, args.profile)
+            for mb in args.mesh_backends.split(","):
+                tag = "" if mb == "auto" else f", {mb}"
+                for label, bf in (("mesh capped", 2.0), ("mesh fallback", 0.6)):
+                    cfg = me.MoEConfig(
+                        d_model=d,
+                        d_ff=f,
+                        num_experts=e,
+                        top_k=k,
+                        buffer_factor=bf,
+                        gmm_backend=backend_of(mb),
+                    )
+                    layer = bf16(me.MoELayer(cfg, key=jr.key(0)))
+                    fn, params = step_of(layer, mesh)
+                    add(run, f"layer ({label}{tag})", fn, params, args.profile)
         dense = found.get("dense FFN")
         for r in rows:
             if r["shape"] == name and dense:

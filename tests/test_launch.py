@@ -1,7 +1,9 @@
 """Multi-process expert parallelism through `jax.distributed` (gloo over loopback):
 2 processes x 4 CPU devices train like 1 process x 8 devices (losses within rtol 1e-5,
 parameters within 1e-5); a process that dies makes the launcher fail fast, and a
-restart from the last checkpoint reaches the uninterrupted run's parameters; an
+restart from the last checkpoint reaches the uninterrupted run's parameters (bitwise
+those of an uninterrupted 2-process run, with the experts split over both mesh axes
+and each process restoring its own pieces); an
 unreachable coordinator fails within a timeout; Ctrl-C says how to resume; gloo's
 connection reports are not streamed.
 
@@ -153,26 +155,13 @@ def test_two_processes_match_one_process(single_process, crash_and_restart):
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_is_bitwise_the_uninterrupted_run(
-    tmp_path_factory, crash_and_restart
-):
-    """The same 2 processes x 4 devices, uninterrupted: the run killed at step 14 and
-    resumed from its Orbax checkpoint (each process restoring its own shards onto
-    its own devices) ends with bitwise the same parameters."""
-    d = tmp_path_factory.mktemp("straight2")
-    _ok(_launch(["--save-params", str(d / "p.npz")]))
-    straight, resumed = load_params(d / "p.npz"), crash_and_restart["params"]
-    assert straight.keys() == resumed.keys() and len(straight) > 5
-    for k in straight:
-        np.testing.assert_array_equal(straight[k], resumed[k], err_msg=k)
-
-
-@pytest.mark.slow
 def test_fsdp_across_processes_killed_and_resumed_is_bitwise(tmp_path):
     """2 processes x 4 devices as `--ep 4 --data 2 --fsdp`: the experts split over
     both mesh axes, so each process holds half of every expert shard. Killed at step
     10 and resumed from its Orbax checkpoint (each process restoring its own pieces),
-    the run ends with bitwise the parameters of the uninterrupted run."""
+    the run ends with bitwise the parameters of the uninterrupted run. (The
+    expert-parallel run above is checked against one process, within the rounding
+    of gloo's summation order; this is the bitwise check of a multi-process resume.)"""
     fsdp = ["--data", "2", "--fsdp", "--steps", "16"]
     straight = tmp_path / "straight.npz"
     proc = _ok(_launch([*fsdp, "--save-params", str(straight)]))

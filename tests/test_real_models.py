@@ -48,17 +48,28 @@ MESHES = {
 }
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+_MODELS = {
+    "deepseek-slots": ("deepseek", dict(num_slots=1)),
+    "deepseek-fallback": ("deepseek", dict(buffer_factor=0.6)),
+    "qwen2-slots-fallback": ("qwen2", dict(num_slots=2, buffer_factor=0.8)),
+}
+# Each model on one device and on two meshes, every mesh under at least one model.
+_MODEL_MESHES = {
+    "deepseek-slots": ["one", "ep4", "dp2xep4"],
+    "deepseek-fallback": ["one", "ep2", "ep8"],
+    "qwen2-slots-fallback": ["one", "ep8", "dp2xep4"],
+}
+_SEMANTICS_CASES = [
+    (name, mesh_name) for name, meshes in _MODEL_MESHES.items() for mesh_name in meshes
+]
+assert {m for ms in _MODEL_MESHES.values() for m in ms} == set(MESHES)
+
+
 @pytest.mark.parametrize(
-    "model, extra",
-    [
-        ("deepseek", dict(num_slots=1)),
-        ("deepseek", dict(buffer_factor=0.6)),
-        ("qwen2", dict(num_slots=2, buffer_factor=0.8)),
-    ],
-    ids=["deepseek-slots", "deepseek-fallback", "qwen2-slots-fallback"],
+    "case, mesh_name", _SEMANTICS_CASES, ids=[f"{a}-{b}" for a, b in _SEMANTICS_CASES]
 )
-def test_model_semantics_match_oracle(getkey, mesh_name, model, extra):
+def test_model_semantics_match_oracle(getkey, case, mesh_name):
+    model, extra = _MODELS[case]
     overrides = dict(DEEPSEEK if model == "deepseek" else QWEN2, **extra)
     m = MESHES[mesh_name]()
     shards = 1 if m is None else m.shape["expert"]

@@ -112,14 +112,12 @@ def test_a_policy_on_the_names_changes_what_is_saved_not_gradients(getkey):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-# Every path the layer runs under a mesh, each with its own config and placement:
-# `(mesh axes, config changes, placed)`.
+# The paths the layer runs under a mesh, each with its own config and placement:
+# `(mesh axes, config changes, placed)`. Between them: drop and fallback (taken, with
+# `buffer_factor=0.5`), placed and unplaced, slots, experts split over a data axis.
 _PATHS = {
-    "ep8_drop_placed": ({"expert": 8}, dict(on_overflow="drop"), True),
     "ep8_drop_unplaced": ({"expert": 8}, dict(on_overflow="drop"), False),
     "ep8_fallback_placed": ({"expert": 8}, {}, True),
-    "ep8_fallback_unplaced": ({"expert": 8}, {}, False),
-    "ep8_fallback_taken": ({"expert": 8}, dict(buffer_factor=0.5), True),
     "ep8_drop_slots": ({"expert": 8}, dict(on_overflow="drop", num_slots=1), True),
     "ep8_fallback_slots": ({"expert": 8}, dict(num_slots=1, buffer_factor=0.5), True),
     "fsdp_2x4_fallback": ({"data": 2, "expert": 4}, dict(fsdp_axes=("data",)), True),
