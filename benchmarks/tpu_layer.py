@@ -19,7 +19,10 @@ shape (tokens, d_model, d_ff, experts, top-k):
   weighted sum (megablox at MaxText's tiles 512/1024/1024);
 - `dense FFN`: `x @ W1 -> SwiGLU -> @ W2` with `k * d_ff` hidden units (same FLOPs);
 - with `--mesh` (first shape only): the layer on a one-chip mesh, capped
-  (`buffer_factor=2`) and with the fallback taken (`buffer_factor=0.6`).
+  (`buffer_factor=2`) and with the fallback taken (`buffer_factor=0.6`); with
+  `--mesh-rows ...,armed` also with the fallback compiled in but not taken (8
+  identity experts, `buffer_factor=0.95`), beside the same layer on one device;
+  `--mesh-backends` the mesh rows' backends.
 
 `vs_dense` is the dense FFN's time over the row's (goal: the layer >= 0.75);
 `compile_s` the time to lower and compile the step. `--profile` prints the costliest
@@ -30,6 +33,7 @@ the JSON; goal: outside at most 10%), and saves their optimized HLO.
 
 import argparse
 import collections
+import functools as ft
 import glob
 import json
 import os
@@ -103,6 +107,10 @@ def bf16(tree):
     return jax.tree.map(
         lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, tree
     )
+
+
+def _stats(layer, x, mesh):
+    return layer(x, mesh=mesh)[1]
 
 
 def step_of(layer, mesh=None):
@@ -258,6 +266,13 @@ def main():
     p.add_argument("--minimal", default="megablox,ragged_dot")
     p.add_argument("--mesh", action="store_true")
     p.add_argument(
+        "--mesh-rows",
+        default="capped,fallback",
+        help="the one-chip mesh's rows: capped (buffer_factor=2, no fallback "
+        "possible), fallback (0.6: taken), armed (8 identity experts, 0.95: the "
+        "fallback compiled in but not taken, beside the same layer on one device)",
+    )
+    p.add_argument(
         "--mesh-backends",
         default="auto",
         help="the backends of the one-chip mesh's rows (capped and fallback)",
@@ -322,20 +337,41 @@ def main():
             add(run, f"minimal ({b})", fn, params)
         if args.mesh and si == 0:
             mesh = jax.make_mesh((1,), ("expert",))
+            mesh_rows = {
+                "capped": [("mesh capped", mesh, dict(buffer_factor=2.0))],
+                "fallback": [("mesh fallback", mesh, dict(buffer_factor=0.6))],
+                # About 1 pick in 9 goes to an identity expert (not sent), so the
+                # pairs stay under the 0.95 buffer: the fallback's program runs,
+                # its loop once, as on any mesh of more than one shard.
+                "armed": [
+                    ("identity 8, one device", None, dict(num_identity_experts=8)),
+                    (
+                        "mesh armed, not taken",
+                        mesh,
+                        dict(num_identity_experts=8, buffer_factor=0.95),
+                    ),
+                ],
+            }
             for mb in args.mesh_backends.split(","):
                 tag = "" if mb == "auto" else f", {mb}"
-                for label, bf in (("mesh capped", 2.0), ("mesh fallback", 0.6)):
-                    cfg = me.MoEConfig(
-                        d_model=d,
-                        d_ff=f,
-                        num_experts=e,
-                        top_k=k,
-                        buffer_factor=bf,
-                        gmm_backend=backend_of(mb),
-                    )
-                    layer = bf16(me.MoELayer(cfg, key=jr.key(0)))
-                    fn, params = step_of(layer, mesh)
-                    add(run, f"layer ({label}{tag})", fn, params, args.profile)
+                for row in args.mesh_rows.split(","):
+                    for label, m, changes in mesh_rows[row]:
+                        cfg = me.MoEConfig(
+                            d_model=d,
+                            d_ff=f,
+                            num_experts=e,
+                            top_k=k,
+                            gmm_backend=backend_of(mb),
+                            **changes,
+                        )
+                        layer = bf16(me.MoELayer(cfg, key=jr.key(0)))
+                        if m is not None:
+                            stats = jax.jit(ft.partial(_stats, mesh=m))(layer, x)
+                            print(
+                                f"  {label}: fallback used {bool(stats.fallback_used)}"
+                            )
+                        fn, params = step_of(layer, m)
+                        add(run, f"layer ({label}{tag})", fn, params, args.profile)
         dense = found.get("dense FFN")
         for r in rows:
             if r["shape"] == name and dense:

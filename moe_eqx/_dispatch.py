@@ -35,6 +35,14 @@ class SortedPairs(eqx.Module):
     order: Int[Array, " pairs"] | None = None
     inverse: Int[Array, " candidates"] | None = None
 
+    def rows_of(self, x: Float[Array, "rows ..."]) -> Float[Array, "pairs ..."]:
+        """Each pair's source row of `x` (`x[row]`): with `order` and `inverse` set, a
+        gather whose backward is a gather too ([`moe_eqx.internal.permute_rows`][]),
+        else a gather by `row` whose backward is a scatter-add."""
+        if self.order is not None and self.inverse is not None:
+            return permute_rows(x, self.order, self.inverse)
+        return x[self.row]
+
 
 def _sort_pairs(
     groups: Int[Array, " candidates"],

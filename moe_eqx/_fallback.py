@@ -242,24 +242,46 @@ class _Res(eqx.Module):
     layout: Any = eqx.field(static=True, default=None)
 
 
-def _grad_acc(inputs: TripInputs):
-    """Zero float32 accumulators of the expert weights' gradients."""
+def _grad_acc(inputs: TripInputs, last: bool = False):
+    """Zero accumulators of the expert weights' gradients: float32 (`acc_dtype`),
+    carried through the backward's loop and summed into in place. `last`: those of
+    the piece the forward keeps and the backward pulls back first, plain zeros in
+    the weights' own dtype (a piece's weight gradient has that dtype anyway): XLA
+    folds them away, so that piece's gradients come out of their grouped matmuls
+    as they are, and a float32 copy of the experts is made only where another piece
+    adds to them (see `_backward_saved`)."""
+    if last:
+        return tuple(
+            _plain_zeros(w.shape, _last_acc_dtype(w), inputs.dest_group)
+            for w in (inputs.w_gate_up, inputs.w_down)
+        )
     acc = acc_dtype(inputs.w_gate_up.dtype)
-    # Carried through the backward's loop and summed into in place.
     return tuple(
         zeros_in_own_buffer(w.shape, acc, inputs.dest_group)
         for w in (inputs.w_gate_up, inputs.w_down)
     )
 
 
-def _piece_vjp(res: _Res, p, policy=None):
+def _last_acc_dtype(w):
+    dtype = jnp.dtype(w.dtype)
+    return dtype if jnp.issubdtype(dtype, jnp.floating) else acc_dtype(dtype)
+
+
+def _plain_zeros(shape, dtype, *like):
+    """`jnp.zeros(shape, dtype)` varying as `like`: zeros XLA folds into a sum (unlike
+    `zeros_in_own_buffer`'s, for a buffer written in place)."""
+    return match_varying(jnp.zeros(shape, dtype), *like)[0]
+
+
+def _piece_vjp(res: _Res, p, policy=None, last: bool = False):
     """Piece `p`'s trip and its pullback: `(y, stats, pullback)`, where
     `pullback((dy, acc))` gives the wanted `d_x`, `d_weights` and `acc +
     d_expert_weights` (the accumulator is summed in place by the grouped matmul's
     backward, see `moe_eqx.AbstractGMMBackend.ffn`; the expert weights themselves are
     closed over). With a `jax.checkpoint` `policy`, the trip is differentiated under
     it: the pullback keeps what the policy saves (the layer's named arrays, say) and
-    recomputes the rest."""
+    recomputes the rest. `last`: the piece whose pullback the forward keeps (see
+    `_grad_acc`)."""
     inputs, want = res.inputs, res.want
 
     def trip(*diff):
@@ -276,7 +298,7 @@ def _piece_vjp(res: _Res, p, policy=None):
 
     diff = [inputs.x] if want.x else []
     diff += [inputs.weights] if want.weights else []
-    diff += [_grad_acc(inputs)] if want.experts else []
+    diff += [_grad_acc(inputs, last)] if want.experts else []
     if policy is not None:
         trip = jax.checkpoint(_without_acc_residual(trip, want.experts), policy=policy)
     out, pullback, stats = jax.vjp(trip, *diff, has_aux=True)
@@ -408,7 +430,7 @@ def _saved_layout(res: _Res, policy=None) -> _Saved:
         it = iter(arrays)
         inputs = jtu.tree_map(lambda a: next(it) if eqx.is_array(a) else a, res.inputs)
         piece = _Res(res.spec, res.num_chunks, res.want, res.overflow, inputs)
-        leaves, treedef = jtu.tree_flatten(_piece_vjp(piece, p, policy)[2])
+        leaves, treedef = jtu.tree_flatten(_piece_vjp(piece, p, policy, True)[2])
         found.append(treedef)
         return leaves
 
@@ -439,7 +461,7 @@ def _loop_saving(res: _Res, policy=None):
 
     def body(p, carry):
         y, stats, _ = carry
-        y_p, stats_p, pullback = _piece_vjp(res, p, policy)
+        y_p, stats_p, pullback = _piece_vjp(res, p, policy, True)
         y, stats = y + y_p.astype(y.dtype), _add(stats, stats_p)
         return y, stats, layout.carried(pullback, res)
 
@@ -524,19 +546,41 @@ def _pull(pullback, dy_p, grads, want: _Want):
     return (*_add(tuple(grads[:-1]), tuple(rows)), acc)
 
 
-def _backward_saved(res: _Res, dy, grads):
+def _backward_saved(res: _Res, dy, like):
     """The last piece's pullback from the residuals the forward kept, then the
-    earlier pieces (none without overflow) each re-run and differentiated."""
+    earlier pieces (none without overflow) each re-run and differentiated. `like`:
+    the input cotangents wanted (x's, the routing weights'), whose shapes these
+    sums take.
+
+    The last piece's cotangents are its pullback's (plain zeros added, which XLA
+    folds), its weight gradients in the weights' dtype. Only where earlier pieces
+    follow (overflow) are those widened to the float32 accumulator the loop adds
+    each piece's into, and narrowed once after it: without overflow the step has no
+    float32 copy of the experts, and no pass over one."""
+    want = res.want
     last = _pieces(res.overflow, res.num_chunks) - 1
     pullback = res.layout.pullback(res.saved, res)
-    grads = _pull(pullback, _per_piece(dy, last), grads, res.want)
+    runtime = res.inputs.dest_group
+    start = tuple(_plain_zeros(a.shape, a.dtype, runtime, a) for a in like)
+    start += (_grad_acc(res.inputs, last=True),) if want.experts else ()
+    grads = _pull(pullback, _per_piece(dy, last), start, want)
 
     def body(p, grads):
-        return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, res.want)
+        return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
 
     # Tied to the last piece's gradients: its residuals are gone before the loop.
     grads, last = jax.lax.optimization_barrier((grads, last))
-    return jax.lax.fori_loop(0, last, body, grads)
+    narrow = [a.dtype for a in grads[-1]] if want.experts else []
+    if all(acc_dtype(d) == d for d in narrow):  # (float32 weights: summed in place)
+        return jax.lax.fori_loop(0, last, body, grads)
+
+    def rest(grads):
+        *rows, acc = grads
+        acc = tuple(a.astype(acc_dtype(a.dtype)) for a in acc)
+        *rows, acc = jax.lax.fori_loop(0, last, body, (*rows, acc))
+        return (*rows, tuple(a.astype(d) for a, d in zip(acc, narrow, strict=True)))
+
+    return jax.lax.cond(last > 0, rest, lambda grads: grads, grads)
 
 
 def _backward(res: _Res, dy, bounded: bool):
@@ -548,17 +592,17 @@ def _backward(res: _Res, dy, bounded: bool):
     def body(p, grads):
         return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
 
-    cotangents = (("x", want.x, inputs.x), ("w", want.weights, inputs.weights))
-    # The backward loop's carried input cotangents, added to in place.
-    grads = [
-        zeros_in_own_buffer(a.shape, a.dtype, inputs.dest_group, a)
-        for _, wanted, a in cotangents
-        if wanted
-    ]
-    grads += [_grad_acc(inputs)] if want.experts else []
+    # The input cotangents wanted: x's, the routing weights'.
+    wanted = ((inputs.x, want.x), (inputs.weights, want.weights))
+    like = [a for a, w in wanted if w]
     if res.saved is not None and not bounded:
-        grads = _backward_saved(res, dy, tuple(grads))
+        grads = _backward_saved(res, dy, like)
     else:
+        # The loop's carried cotangents and accumulators, added to in place.
+        grads = [
+            zeros_in_own_buffer(a.shape, a.dtype, inputs.dest_group, a) for a in like
+        ]
+        grads += [_grad_acc(inputs)] if want.experts else []
         grads = _fold_pieces(body, tuple(grads), res.overflow, res.num_chunks, bounded)
     grads = iter(grads)
     d_x = next(grads) if want.x else None

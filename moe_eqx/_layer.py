@@ -29,7 +29,6 @@ from ._mesh import (
     spec_axes,
 )
 from ._output import LayerOutput, layer_output
-from ._permute import permute_rows
 from ._placement import physical_routing
 from ._rebuild import check_arrays_fit, check_sizes, graft, layer_config
 from ._router import AbstractRouter, Router, check_expert_ids, route_tokens
@@ -333,7 +332,7 @@ def _single_device_call(
     physical, _ = physical_routing(routing, expert_ids)
     pairs = sort_by_expert(physical.experts, physical.weights, cfg.num_experts)
     # A gather whose backward is a gather too (not XLA:CPU's serial scatter-add).
-    xs = permute_rows(x, pairs.order, pairs.inverse)
+    xs = pairs.rows_of(x)
     if experts.weight_on_input:
         xs, pairs = weight_inputs(xs, pairs)
     xs, w_gate_up, w_down, activation = expert_arrays(experts, xs)

@@ -28,7 +28,7 @@ from ._exchange import (
 )
 from ._experts import expert_ffn
 from ._gmm import AbstractGMMBackend, GradAcc
-from ._permute import permute_rows, sum_rows
+from ._permute import sum_rows
 from ._quant import QuantizedWeight
 from ._rules import acc_dtype, count_at_or_below
 from ._tensor import pooled
@@ -248,10 +248,8 @@ def _pairs_of_rows(recv_x, recv_groups, recv_weights, inputs, spec, grad_acc, po
         local_groups=spec.local_groups,
         capacity=spec.buffers.pairs * pool,
     )
-    if pairs.order is None:  # many empty slots: see `_sort_pairs`
-        expert_in = recv_x[pairs.row]
-    else:
-        expert_in = permute_rows(recv_x, pairs.order, pairs.inverse)
+    # Gathers both ways where the candidate slots are dense (`_sort_pairs`).
+    expert_in = pairs.rows_of(recv_x)
     if spec.weight_on_input:
         expert_in, pairs = weight_inputs(expert_in, pairs)
     expert_out = expert_ffn(

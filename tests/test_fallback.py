@@ -1,5 +1,7 @@
 """On overflow: drop (counted) or the chunked dropless fallback (exact)."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -433,3 +435,89 @@ def test_fallback_step_runs_each_trip_once_forward(
     n = int(stats.num_chunks) if overflow else 1
     # Every shard runs each trip: the callback fires once per shard.
     assert len(runs) == 4 * (n + n - 1), (len(runs), n)
+
+
+def _outside_cases(text: str, pattern: str) -> list[str]:
+    """The lines of a StableHLO module matching `pattern` outside every
+    `stablehlo.case` (a `lax.cond`'s branches)."""
+    outside, closing = [], None
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if closing is None:
+            if '"stablehlo.case"(' in line:
+                closing = indent
+            elif re.search(pattern, line):
+                outside.append(line.strip())
+        elif indent == closing and line.lstrip().startswith("})"):
+            closing = None
+    return outside
+
+
+@pytest.mark.lowering_only
+@pytest.mark.parametrize("slots", [0, 1])
+def test_no_float32_copy_of_the_experts_without_overflow(getkey, slots):
+    """bfloat16 experts under EP4 with the fallback compiled in (the default buffer
+    is under EP4's worst case), as lowered for a
+    TPU (its grouped kernels write the weights' dtype): the backward makes its
+    float32 accumulators of the expert weights' gradients only in the branch of a
+    `cond` that runs when earlier pieces follow (overflow). Without overflow the
+    step has no float32 array of an expert weight's shape: the kept piece's
+    gradients come out of their grouped matmuls as they are. An accumulator summed
+    from zeros, as the backward had, makes one outside the branch."""
+    assert make_layer(getkey(), mesh_size=4).config.buffer_factor == 2.0
+    layer = _bf16(make_layer(getkey(), mesh_size=4, d_model=16, num_slots=slots))
+    x = tokens(getkey(), 64).astype(jnp.bfloat16)
+    m = mesh(4)
+    # Every array an argument (a closed-over one is committed to the CPU).
+    arrays, static = eqx.partition(layer, eqx.is_array)
+
+    def loss(a, x):
+        y = eqx.combine(a, static)(x, mesh=m, platform="tpu")[0]
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    def grads(a, x):
+        floats, ints = eqx.partition(a, eqx.is_inexact_array)
+        return jax.grad(lambda f, x: loss(eqx.combine(f, ints), x), (0, 1))(floats, x)
+
+    traced = jax.jit(grads).trace(arrays, x)
+    text = traced.lower(lowering_platforms=("tpu",)).as_text()
+    local = layer.config.num_experts // 4 + slots
+    shapes = [layer.experts.w_gate_up.shape[1:], layer.experts.w_down.shape[1:]]
+    weight_f32 = "|".join(rf"tensor<{local}x{a}x{b}xf32>" for a, b in shapes)
+    assert '"stablehlo.case"(' in text and "tpu_custom_call" in text
+    assert re.search(weight_f32, text)  # (in the overflow branch)
+    assert not _outside_cases(text, weight_f32)
+
+
+def _bf16(tree):
+    return jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, tree
+    )
+
+
+def test_fallback_not_taken_is_the_capped_step(getkey):
+    """bfloat16, EP4, a slot, the default buffer: without overflow the layer with the
+    fallback compiled in gives bitwise the values and gradients of
+    `on_overflow="drop"` (its backward skips the branch that widens the weights'
+    gradients to float32 for the pieces before the kept one)."""
+    key, x = getkey(), tokens(getkey(), 64).astype(jnp.bfloat16)
+    m = mesh(4)
+    out = {}
+    for mode in ("fallback", "drop"):
+        layer = _bf16(make_layer(key, mesh_size=4, num_slots=1, on_overflow=mode))
+        params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+        def loss(p, x):
+            y, stats = eqx.combine(p, static)(x, mesh=m)
+            return jnp.sum(jnp.square(y.astype(jnp.float32))), (y, stats)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        (_, (y, stats)), grads = step(params, x)
+        assert not bool(stats.overflow)
+        out[mode] = [y, *jax.tree.leaves(grads)]
+    assert len(out["drop"]) > 4
+    for a, b in zip(out["fallback"], out["drop"], strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(
+            np.asarray(a, np.float32), np.asarray(b, np.float32)
+        )
