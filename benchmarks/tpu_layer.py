@@ -266,6 +266,9 @@ def main():
     p.add_argument("--minimal", default="megablox,ragged_dot")
     p.add_argument("--mesh", action="store_true")
     p.add_argument(
+        "--only-mesh", action="store_true", help="the mesh rows alone (with --mesh)"
+    )
+    p.add_argument(
         "--mesh-rows",
         default="capped,fallback",
         help="the one-chip mesh's rows: capped (buffer_factor=2, no fallback "
@@ -316,7 +319,8 @@ def main():
 
         fn, params = dense_step(d, k * f, jr.key(2))
         add(run, "dense FFN", fn, params)
-        for b in args.backends.split(",") + ["free gmm"]:
+        skip = args.only_mesh and args.mesh
+        for b in [] if skip else args.backends.split(",") + ["free gmm"]:
             backend = backend_of(b)
             cfg = me.MoEConfig(
                 d_model=d, d_ff=f, num_experts=e, top_k=k, gmm_backend=backend
@@ -331,7 +335,7 @@ def main():
                 args.profile and b in ("auto", "free gmm"),
             )
         for b in args.minimal.split(","):
-            if not b:
+            if not b or skip:
                 continue
             fn, params = minimal_step(d, f, e, k, minimal_gmm[b], jr.key(3))
             add(run, f"minimal ({b})", fn, params)
