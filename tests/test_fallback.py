@@ -454,8 +454,7 @@ def _outside_cases(text: str, pattern: str) -> list[str]:
 
 
 @pytest.mark.lowering_only
-@pytest.mark.parametrize("slots", [0, 1])
-def test_no_float32_copy_of_the_experts_without_overflow(getkey, slots):
+def test_no_float32_copy_of_the_experts_without_overflow(getkey):
     """bfloat16 experts under EP4 with the fallback compiled in (the default buffer
     is under EP4's worst case), as lowered for a
     TPU (its grouped kernels write the weights' dtype): the backward makes its
@@ -465,6 +464,7 @@ def test_no_float32_copy_of_the_experts_without_overflow(getkey, slots):
     gradients come out of their grouped matmuls as they are. An accumulator summed
     from zeros, as the backward had, makes one outside the branch."""
     assert make_layer(getkey(), mesh_size=4).config.buffer_factor == 2.0
+    slots = 1  # (a slot's copy of a hot expert's weights gets a gradient too)
     layer = _bf16(make_layer(getkey(), mesh_size=4, d_model=16, num_slots=slots))
     x = tokens(getkey(), 64).astype(jnp.bfloat16)
     m = mesh(4)
