@@ -244,15 +244,16 @@ class _Res(eqx.Module):
 
 def _grad_acc(inputs: TripInputs, last: bool = False):
     """Zero accumulators of the expert weights' gradients: float32 (`acc_dtype`),
-    carried through the backward's loop and summed into in place. `last`: those of
-    the piece the forward keeps and the backward pulls back first, plain zeros in
-    the weights' own dtype (a piece's weight gradient has that dtype anyway): XLA
-    folds them away, so that piece's gradients come out of their grouped matmuls
-    as they are, and a float32 copy of the experts is made only where another piece
-    adds to them (see `_backward_saved`)."""
-    if last:
+    carried through the backward's loop and summed into in place. `last` (with
+    weights narrower than float32, `_narrow`): those of the piece the forward keeps
+    and the backward pulls back first, plain zeros in the weights' own dtype (a
+    piece's weight gradient has that dtype anyway): XLA folds them away, so that
+    piece's gradients come out of their grouped matmuls as they are, and a float32
+    copy of the experts is made only where another piece adds to them (see
+    `_backward_saved`)."""
+    if last and _narrow(inputs):
         return tuple(
-            _plain_zeros(w.shape, _last_acc_dtype(w), inputs.dest_group)
+            _plain_zeros(w.shape, w.dtype, inputs.dest_group)
             for w in (inputs.w_gate_up, inputs.w_down)
         )
     acc = acc_dtype(inputs.w_gate_up.dtype)
@@ -262,9 +263,10 @@ def _grad_acc(inputs: TripInputs, last: bool = False):
     )
 
 
-def _last_acc_dtype(w):
-    dtype = jnp.dtype(w.dtype)
-    return dtype if jnp.issubdtype(dtype, jnp.floating) else acc_dtype(dtype)
+def _narrow(inputs: TripInputs) -> bool:
+    """Floating-point expert weights narrower than their gradients' accumulator."""
+    dtypes = [jnp.dtype(w.dtype) for w in (inputs.w_gate_up, inputs.w_down)]
+    return all(jnp.issubdtype(d, jnp.floating) and d != acc_dtype(d) for d in dtypes)
 
 
 def _plain_zeros(shape, dtype, *like):
@@ -552,33 +554,36 @@ def _backward_saved(res: _Res, dy, like):
     the input cotangents wanted (x's, the routing weights'), whose shapes these
     sums take.
 
-    The last piece's cotangents are its pullback's (plain zeros added, which XLA
-    folds), its weight gradients in the weights' dtype. Only where earlier pieces
-    follow (overflow) are those widened to the float32 accumulator the loop adds
-    each piece's into, and narrowed once after it: without overflow the step has no
-    float32 copy of the experts, and no pass over one."""
+    With weights narrower than float32 (`_narrow`) the last piece's weight
+    gradients are its pullback's, in the weights' dtype (plain zeros added, which
+    XLA folds). Only where earlier pieces follow (overflow, a `cond` on the
+    predicate every shard shares) are they widened to the float32 accumulator the
+    loop adds each piece's into, and narrowed once after it: without overflow the
+    step has no float32 copy of the experts, and no pass over one."""
     want = res.want
     last = _pieces(res.overflow, res.num_chunks) - 1
     pullback = res.layout.pullback(res.saved, res)
     runtime = res.inputs.dest_group
-    start = tuple(_plain_zeros(a.shape, a.dtype, runtime, a) for a in like)
-    start += (_grad_acc(res.inputs, last=True),) if want.experts else ()
-    grads = _pull(pullback, _per_piece(dy, last), start, want)
+    # The loop's carried input cotangents, added to in place.
+    grads = tuple(zeros_in_own_buffer(a.shape, a.dtype, runtime, a) for a in like)
+    narrow = want.experts and _narrow(res.inputs)
+    grads += (_grad_acc(res.inputs, last=narrow),) if want.experts else ()
+    grads = _pull(pullback, _per_piece(dy, last), grads, want)
 
     def body(p, grads):
         return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
 
     # Tied to the last piece's gradients: its residuals are gone before the loop.
     grads, last = jax.lax.optimization_barrier((grads, last))
-    narrow = [a.dtype for a in grads[-1]] if want.experts else []
-    if all(acc_dtype(d) == d for d in narrow):  # (float32 weights: summed in place)
+    if not narrow:
         return jax.lax.fori_loop(0, last, body, grads)
+    dtypes = [a.dtype for a in grads[-1]]
 
     def rest(grads):
         *rows, acc = grads
         acc = tuple(a.astype(acc_dtype(a.dtype)) for a in acc)
         *rows, acc = jax.lax.fori_loop(0, last, body, (*rows, acc))
-        return (*rows, tuple(a.astype(d) for a, d in zip(acc, narrow, strict=True)))
+        return (*rows, tuple(a.astype(d) for a, d in zip(acc, dtypes, strict=True)))
 
     return jax.lax.cond(last > 0, rest, lambda grads: grads, grads)
 
