@@ -17,8 +17,10 @@ expert weights among them are read from the inputs, not copied): without overflo
 that piece is every token, so the step is the capped trip forward and its pullback
 backward, as `on_overflow="drop"` runs it. The backward pulls that piece back, then
 (on overflow) re-runs the other chunks one at a time in a second loop, differentiating
-each; all sum the expert weights' gradients in place in one float32 accumulator, and
-one piece's residuals are alive at a time. JAX cannot transpose a loop with a traced
+each; all sum the expert weights' gradients in place in one float32 accumulator
+(with weights narrower than float32, made only when earlier pieces follow: without
+overflow the pulled-back piece's gradients are the result, in the weights' dtype),
+and one piece's residuals are alive at a time. JAX cannot transpose a loop with a traced
 count, so for higher orders the backward and the tangent are differentiated as loops
 over `num_chunks` trips that re-run every piece, the pieces past the count skipped
 (`moe_eqx._autodiff.fused`); their reverse mode keeps each trip's residuals.
