@@ -550,11 +550,10 @@ def _pull(pullback, dy_p, grads, want: _Want):
     return (*_add(tuple(grads[:-1]), tuple(rows)), acc)
 
 
-def _backward_saved(res: _Res, dy, like):
+def _backward_saved(res: _Res, dy, rows):
     """The last piece's pullback from the residuals the forward kept, then the
-    earlier pieces (none without overflow) each re-run and differentiated. `like`:
-    the input cotangents wanted (x's, the routing weights'), whose shapes these
-    sums take.
+    earlier pieces (none without overflow) each re-run and differentiated. `rows`:
+    the zero input cotangents the loop carries (x's, the routing weights').
 
     With weights narrower than float32 (`_narrow`) the last piece's weight
     gradients are its pullback's, in the weights' dtype (plain zeros added, which
@@ -565,11 +564,7 @@ def _backward_saved(res: _Res, dy, like):
     want = res.want
     last = _pieces(res.overflow, res.num_chunks) - 1
     pullback = res.layout.pullback(res.saved, res)
-    runtime = res.inputs.dest_group
-    # The loop's carried input cotangents, added to in place.
-    grads = tuple(zeros_in_own_buffer(a.shape, a.dtype, runtime, a) for a in like)
-    narrow = want.experts and _narrow(res.inputs)
-    grads += (_grad_acc(res.inputs, last=narrow),) if want.experts else ()
+    grads = (*rows, _grad_acc(res.inputs, last=True)) if want.experts else rows
     grads = _pull(pullback, _per_piece(dy, last), grads, want)
 
     def body(p, grads):
@@ -577,7 +572,7 @@ def _backward_saved(res: _Res, dy, like):
 
     # Tied to the last piece's gradients: its residuals are gone before the loop.
     grads, last = jax.lax.optimization_barrier((grads, last))
-    if not narrow:
+    if not (want.experts and _narrow(res.inputs)):
         return jax.lax.fori_loop(0, last, body, grads)
     dtypes = [a.dtype for a in grads[-1]]
 
@@ -599,18 +594,18 @@ def _backward(res: _Res, dy, bounded: bool):
     def body(p, grads):
         return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
 
-    # The input cotangents wanted: x's, the routing weights'.
-    wanted = ((inputs.x, want.x), (inputs.weights, want.weights))
-    like = [a for a, w in wanted if w]
+    cotangents = ((inputs.x, want.x), (inputs.weights, want.weights))
+    # The backward loop's carried input cotangents, added to in place.
+    rows = tuple(
+        zeros_in_own_buffer(a.shape, a.dtype, inputs.dest_group, a)
+        for a, wanted in cotangents
+        if wanted
+    )
     if res.saved is not None and not bounded:
-        grads = _backward_saved(res, dy, like)
+        grads = _backward_saved(res, dy, rows)
     else:
-        # The loop's carried cotangents and accumulators, added to in place.
-        grads = [
-            zeros_in_own_buffer(a.shape, a.dtype, inputs.dest_group, a) for a in like
-        ]
-        grads += [_grad_acc(inputs)] if want.experts else []
-        grads = _fold_pieces(body, tuple(grads), res.overflow, res.num_chunks, bounded)
+        grads = (*rows, _grad_acc(inputs)) if want.experts else rows
+        grads = _fold_pieces(body, grads, res.overflow, res.num_chunks, bounded)
     grads = iter(grads)
     d_x = next(grads) if want.x else None
     d_weights = next(grads) if want.weights else None
