@@ -77,7 +77,8 @@ class OwnGMM(me.AbstractGMMBackend):
     `gmm` products and of the weights' gradient (the contraction whole); a third
     part sets the weights' kernel's options: `p` partial column tiles, `d` only
     dividing ones, and a number its output rows (`tk`), e.g.
-    `own:512x1536x128/512x768x128/d1024`; and `o`, both kernels' `overhang_rows`."""
+    `own:512x1536x128/512x768x128/d1024`; and `o`, both kernels' `overhang_rows`
+    (the library's default; a spec without `o` pads the rows to a tile multiple)."""
 
     spec: str = eqx.field(static=True, default="")
 
@@ -273,7 +274,8 @@ def main():
         default="capped,fallback",
         help="the one-chip mesh's rows: capped (buffer_factor=2, no fallback "
         "possible), fallback (0.6: taken), armed (8 identity experts, 0.95: the "
-        "fallback compiled in but not taken, beside the same layer on one device)",
+        "fallback compiled in but not taken, beside the same layer on one device "
+        "and capped on the mesh)",
     )
     p.add_argument(
         "--mesh-backends",
@@ -349,6 +351,11 @@ def main():
                 # its loop once, as on any mesh of more than one shard.
                 "armed": [
                     ("identity 8, one device", None, dict(num_identity_experts=8)),
+                    (
+                        "mesh identity 8, capped",
+                        mesh,
+                        dict(num_identity_experts=8, buffer_factor=2.0),
+                    ),
                     (
                         "mesh armed, not taken",
                         mesh,

@@ -461,18 +461,21 @@ def _loop_saving(res: _Res, policy=None):
     residuals out: `((y, stats), residuals)`. Without overflow the last piece is
     every token: the backward then runs the capped trip's pullback once, as
     `on_overflow="drop"` does, with no re-run."""
-    inputs, layout = res.inputs, res.layout
+    inputs, spec, n, overflow = res.inputs, res.spec, res.num_chunks, res.overflow
 
     def body(p, carry):
-        y, stats, _ = carry
-        y_p, stats_p, pullback = _piece_vjp(res, p, policy, True)
-        y, stats = y + y_p.astype(y.dtype), _add(stats, stats_p)
-        return y, stats, layout.carried(pullback, res)
+        y, stats = carry
+        y_p, stats_p = expert_parallel_trip(_piece(inputs, p, overflow, n), spec)
+        return y + y_p, _add(stats, stats_p)
 
-    init = (*_forward_init(inputs), layout.zeros(res))
-    pieces = _pieces(res.overflow, res.num_chunks)
-    y, stats, saved = jax.lax.fori_loop(0, pieces, body, init)
-    return (y, stats), saved
+    # The earlier pieces (none without overflow) in a loop, undifferentiated: only
+    # the last piece's residuals are kept. That piece runs after the loop, its
+    # residuals computed where the backward reads them, not copied into a carry.
+    last = _pieces(overflow, n) - 1
+    y, stats = jax.lax.fori_loop(0, last, body, _forward_init(inputs))
+    y_p, stats_p, pullback = _piece_vjp(res, last, policy, True)
+    y, stats = y + y_p.astype(y.dtype), _add(stats, stats_p)
+    return (y, stats), res.layout.carried(pullback, res)
 
 
 def _keep_reference(res: _Res):

@@ -140,26 +140,32 @@ def test_overhanging_row_tiles_equal_padded_rows(layout, tiles, chunk):
 
 
 @pytest.mark.lowering_only
-def test_overhanging_row_tiles_lower_for_tpu():
-    """Mosaic's lowering accepts both kernels with row tiles overhanging a pair
-    buffer that is not a multiple of them (29492 rows: a fallback piece's buffer at
-    the DeepSeek-V2-Lite-like shape, `buffer_factor=0.6`); no pad or slice of the
-    rows is left in the program."""
+def test_row_tiles_overhang_by_default_and_lower_for_tpu():
+    """The three products as `gmm_backend="auto"` runs them on a TPU
+    (`_GroupedProducts` at its defaults), on a pair buffer that is not a multiple of
+    the row tile (29492 rows: a fallback piece's buffer at the DeepSeek-V2-Lite-like
+    shape, `buffer_factor=0.6`; any buffer but the worst case of one shard is such):
+    the last row tile overhangs, no pad or slice of the rows is left in the program
+    (on the chip, a copy of the rows each way around each product), and Mosaic's
+    lowering accepts all three kernels."""
+    from moe_eqx._gmm._products import gmm
+    from moe_eqx._gmm.grouped_tpu import _GroupedProducts
+
     m, k, n, g = 29492, 2048, 2816, 64
     lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     rhs = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
     d = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
 
-    def both(a, b, dd, s):
-        out = grouped_matmul(a, b, s, overhang_rows=True)
-        return out, grouped_weight_gradient(a, dd, s, overhang_rows=True)
+    def step(a, b, s, cot):
+        y, pullback = jax.vjp(lambda a, b: gmm(_GroupedProducts(), a, b, s), a, b)
+        return y, pullback(cot)
 
-    traced = jax.jit(both).trace(lhs, rhs, d, sizes)
+    traced = jax.jit(step).trace(lhs, rhs, sizes, d)
     copies = re.findall(r"bf16\[\d+,\d+\] = (?:pad|slice)", str(traced.jaxpr))
     assert not copies, copies
     text = traced.lower(lowering_platforms=("tpu",)).as_text()
-    assert text.count("tpu_custom_call") == 2
+    assert text.count("tpu_custom_call") == 3
 
 
 def test_weight_gradient_takes_partial_column_tiles_where_divisors_are_small():

@@ -231,12 +231,21 @@ def test_megablox_matches_ragged_dot(dtype, skew):
     _close(db, rb, tol)
 
 
+_OWN_CASES = pytest.mark.parametrize(
+    ("chunk", "overhang"),
+    [(128, False), (None, False), (128, True)],
+    ids=["chunks", "whole tiles", "chunks, overhanging rows"],
+)
+
+
 @pytest.mark.parametrize("transpose", [False, True], ids=["gmm", "gmm_t"])
-@pytest.mark.parametrize("chunk", [128, None], ids=["chunks", "whole tiles"])
-def test_own_grouped_matmul_matches_ragged_dot(transpose, chunk):
+@_OWN_CASES
+def test_own_grouped_matmul_matches_ragged_dot(transpose, chunk, overhang):
     """The library's own many-row kernel compiled on the chip at a Qwen3-like
     shape's tiles, skewed groups and rows past them: against `lax.ragged_dot` in
-    float32 on the same bfloat16 values; rows past the groups zero."""
+    float32 on the same bfloat16 values; rows past the groups zero. With
+    `overhang_rows`, the last row tile overhangs the 4000 rows (not a multiple of
+    512) instead of padding them."""
     from moe_eqx._gmm.grouped_tpu import grouped_matmul
 
     g, k, n, m = 128, 2048, 1536, 4000
@@ -248,7 +257,11 @@ def test_own_grouped_matmul_matches_ragged_dot(transpose, chunk):
     lhs = jr.normal(jr.key(1), (m, n if transpose else k), jnp.bfloat16)
     rhs = (jr.normal(jr.key(2), (g, k, n), jnp.float32) * 0.05).astype(jnp.bfloat16)
     run = ft.partial(
-        grouped_matmul, tiles=(512, 4096, 768), chunk=chunk, transpose_rhs=transpose
+        grouped_matmul,
+        tiles=(512, 4096, 768),
+        chunk=chunk,
+        transpose_rhs=transpose,
+        overhang_rows=overhang,
     )
     out = jax.jit(run)(lhs, rhs, sizes)
     dense = jnp.swapaxes(rhs, 1, 2) if transpose else rhs
@@ -265,10 +278,11 @@ def test_own_grouped_matmul_matches_ragged_dot(transpose, chunk):
     assert not np.any(np.asarray(out[total:], np.float32))
 
 
-@pytest.mark.parametrize("chunk", [128, None], ids=["chunks", "whole tiles"])
-def test_own_weight_gradient_matches_ragged_dot(chunk):
+@_OWN_CASES
+def test_own_weight_gradient_matches_ragged_dot(chunk, overhang):
     """The library's own weights'-gradient kernel compiled on the chip, skewed and
-    empty groups, against `lax.ragged_dot`'s transpose in float32."""
+    empty groups, against `lax.ragged_dot`'s transpose in float32 (with
+    `overhang_rows`, the rows past the last whole tile read by an overhanging one)."""
     from moe_eqx._gmm.grouped_tpu import grouped_weight_gradient
 
     g, k, n, m = 128, 2048, 1536, 4000
@@ -284,6 +298,7 @@ def test_own_weight_gradient_matches_ragged_dot(chunk):
         tiles=(256, 2048, 512),
         chunk=chunk,
         out_dtype=jnp.float32,
+        overhang_rows=overhang,
     )
     out = jax.jit(run)(lhs, d, sizes)
 

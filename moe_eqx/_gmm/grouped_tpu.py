@@ -185,7 +185,7 @@ def grouped_matmul(
     tiles: tuple[int, int, int] = GMM_TILES,
     chunk: int | None = CHUNK,
     transpose_rhs: bool = False,
-    overhang_rows: bool = False,
+    overhang_rows: bool = True,
     interpret: bool = False,
 ) -> Float[Array, "rows n_dim"]:
     """`lhs[i] @ rhs[g(i)]` (see the module).
@@ -204,7 +204,8 @@ def grouped_matmul(
     - `overhang_rows`: where `M` is not a multiple of the row tile (and at least
         one tile), the last row tile overhangs `lhs` and the output (its rows past
         `M` neither stored nor read into a stored row) instead of `lhs` padded to a
-        multiple and the output sliced back: two copies fewer.
+        multiple and the output sliced back: two copies fewer. (`False`: padded,
+        as megablox does.)
     - `interpret`: run in Pallas' interpreter (any platform).
 
     **Returns:**
@@ -317,7 +318,7 @@ def grouped_weight_gradient(
     chunk: int | None = CHUNK,
     out_dtype=None,
     partial_columns: bool | None = None,
-    overhang_rows: bool = False,
+    overhang_rows: bool = True,
     interpret: bool = False,
 ) -> Float[Array, "groups k_dim n_dim"]:
     """`lhs[rows of g]^T @ d[rows of g]` for each group `g` (see the module).
@@ -440,7 +441,7 @@ class _GroupedProducts(AbstractProducts):
     tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=TGMM_TILES)
     chunk: int | None = eqx.field(static=True, default=CHUNK)
     tgmm_partial: bool | None = eqx.field(static=True, default=None)
-    overhang_rows: bool = eqx.field(static=True, default=False)
+    overhang_rows: bool = eqx.field(static=True, default=True)
     interpret: bool = eqx.field(static=True, default=False)
     has_effects: ClassVar[bool] = False
 
