@@ -244,16 +244,16 @@ class _Res(eqx.Module):
     layout: Any = eqx.field(static=True, default=None)
 
 
-def _grad_acc(inputs: TripInputs, last: bool = False):
+def _grad_acc(inputs: TripInputs, own_dtype: bool = False):
     """Zero accumulators of the expert weights' gradients: float32 (`acc_dtype`),
-    carried through the backward's loop and summed into in place. `last` (with
-    weights narrower than float32, `_narrow`): those of the piece the forward keeps
-    and the backward pulls back first, plain zeros in the weights' own dtype (a
-    piece's weight gradient has that dtype anyway): XLA folds them away, so that
-    piece's gradients come out of their grouped matmuls as they are, and a float32
-    copy of the experts is made only where another piece adds to them (see
+    carried through the backward's loop and summed into in place. `own_dtype` (with
+    weights narrower than float32, `_narrow`): plain zeros in the weights' own dtype
+    (a piece's weight gradient has that dtype anyway), for the piece the forward
+    keeps and the backward pulls back first: XLA folds them away, so that piece's
+    gradients come out of their grouped matmuls as they are, and a float32 copy of
+    the experts is made only where more than one other piece adds to them (see
     `_backward_saved`)."""
-    if last and _narrow(inputs):
+    if own_dtype and _narrow(inputs):
         return tuple(
             _plain_zeros(w.shape, w.dtype, inputs.dest_group)
             for w in (inputs.w_gate_up, inputs.w_down)
@@ -277,14 +277,14 @@ def _plain_zeros(shape, dtype, *like):
     return match_varying(jnp.zeros(shape, dtype), *like)[0]
 
 
-def _piece_vjp(res: _Res, p, policy=None, last: bool = False):
+def _piece_vjp(res: _Res, p, policy=None, own_dtype: bool = False):
     """Piece `p`'s trip and its pullback: `(y, stats, pullback)`, where
     `pullback((dy, acc))` gives the wanted `d_x`, `d_weights` and `acc +
     d_expert_weights` (the accumulator is summed in place by the grouped matmul's
     backward, see `moe_eqx.AbstractGMMBackend.ffn`; the expert weights themselves are
     closed over). With a `jax.checkpoint` `policy`, the trip is differentiated under
     it: the pullback keeps what the policy saves (the layer's named arrays, say) and
-    recomputes the rest. `last`: the piece whose pullback the forward keeps (see
+    recomputes the rest. `own_dtype`: the accumulators in the weights' dtype (see
     `_grad_acc`)."""
     inputs, want = res.inputs, res.want
 
@@ -302,7 +302,7 @@ def _piece_vjp(res: _Res, p, policy=None, last: bool = False):
 
     diff = [inputs.x] if want.x else []
     diff += [inputs.weights] if want.weights else []
-    diff += [_grad_acc(inputs, last)] if want.experts else []
+    diff += [_grad_acc(inputs, own_dtype)] if want.experts else []
     if policy is not None:
         trip = jax.checkpoint(_without_acc_residual(trip, want.experts), policy=policy)
     out, pullback, stats = jax.vjp(trip, *diff, has_aux=True)
@@ -335,8 +335,8 @@ def _without_acc_residual(trip, with_acc: bool):
     return fn
 
 
-def _piece_pullback(res: _Res, p):
-    return _piece_vjp(res, p)[2]
+def _piece_pullback(res: _Res, p, own_dtype: bool = False):
+    return _piece_vjp(res, p, own_dtype=own_dtype)[2]
 
 
 def _varying_like(leaves, res: _Res):
@@ -563,11 +563,13 @@ def _backward_saved(res: _Res, dy, rows):
     XLA folds). Only where earlier pieces follow (overflow, a `cond` on the
     predicate every shard shares) are they widened to the float32 accumulator the
     loop adds each piece's into, and narrowed once after it: without overflow the
-    step has no float32 copy of the experts, and no pass over one."""
+    step has no float32 copy of the experts, and no pass over one. With two chunks,
+    one earlier piece at most, the two pieces' gradients are summed in one addition
+    in the weights' dtype, without the float32 accumulator."""
     want = res.want
     last = _pieces(res.overflow, res.num_chunks) - 1
     pullback = res.layout.pullback(res.saved, res)
-    grads = (*rows, _grad_acc(res.inputs, last=True)) if want.experts else rows
+    grads = (*rows, _grad_acc(res.inputs, own_dtype=True)) if want.experts else rows
     grads = _pull(pullback, _per_piece(dy, last), grads, want)
 
     def body(p, grads):
@@ -577,6 +579,16 @@ def _backward_saved(res: _Res, dy, rows):
     grads, last = jax.lax.optimization_barrier((grads, last))
     if not (want.experts and _narrow(res.inputs)):
         return jax.lax.fori_loop(0, last, body, grads)
+    if res.num_chunks == 2:
+        # One earlier piece at most: its gradients and the last piece's summed in
+        # one addition in the weights' dtype, with no float32 copy of the experts
+        # (where XLA adds in float32 and rounds, as on TPUs and CPUs, the value the
+        # float32 accumulator gives).
+        def once(p, grads):
+            pullback = _piece_pullback(res, p, own_dtype=True)
+            return _pull(pullback, _per_piece(dy, p), grads, want)
+
+        return jax.lax.fori_loop(0, last, once, grads)
     dtypes = [a.dtype for a in grads[-1]]
 
     def rest(grads):

@@ -191,7 +191,10 @@ class Selection(eqx.Module):
         # the bias (Kolibri-1 adds it to the logits).
         select = jax.lax.stop_gradient(logits if self.bias_on_logits else scores)
         if bias is not None:
-            select = select + jax.lax.stop_gradient(bias)[None, :]
+            # (In the scores' dtype: a bias cast with the other leaves, say to
+            # bfloat16, still selects.)
+            bias = jax.lax.stop_gradient(bias).astype(select.dtype)
+            select = select + bias[None, :]
         if num_groups > 1:
             keep = self._group_mask(select, num_groups, top_groups)
             select = jnp.where(keep, select, jnp.float32(self.group_fill))

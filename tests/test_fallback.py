@@ -489,6 +489,75 @@ def test_no_float32_copy_of_the_experts_without_overflow(getkey):
     assert not _outside_cases(text, weight_f32)
 
 
+def _two_chunks(key_layer, key_x):
+    """bfloat16 experts, EP4 at the default buffer, every token routed among shard
+    0's experts (the fallback then runs two chunks): the layer, the tokens, and the
+    experts' gradient of a loss, jitted (`platform`: traced for it instead)."""
+    layer = _bf16(make_layer(key_layer, mesh_size=4, d_model=16, bias_kind="one_shard"))
+    x = tokens(key_x, 64).astype(jnp.bfloat16)
+    m = mesh(4)
+
+    def experts_grad(layer, platform=None):
+        # Every array an argument (a closed-over one is committed to the CPU).
+        arrays, static = eqx.partition(layer, eqx.is_array)
+
+        def loss(w, arrays, x):
+            lay = eqx.tree_at(
+                lambda l: (l.experts.w_gate_up, l.experts.w_down),
+                eqx.combine(arrays, static),
+                w,
+            )
+            y = lay(x, mesh=m, platform=platform)[0]
+            return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+        w = (layer.experts.w_gate_up, layer.experts.w_down)
+        grad = jax.jit(jax.grad(loss))
+        return grad.trace(w, arrays, x) if platform else grad(w, arrays, x)
+
+    return layer, x, m, experts_grad
+
+
+@pytest.mark.lowering_only
+def test_two_chunks_make_no_float32_copy_of_the_experts(getkey):
+    """With two chunks (the kept one and one re-run in the backward) the two
+    pieces' expert weights' gradients are summed in one addition in the weights'
+    dtype: lowered for a TPU, the step has no float32 array of an expert weight's
+    shape at all (a float32 accumulator, widened and narrowed, would be one)."""
+    layer, _, _, experts_grad = _two_chunks(getkey(), getkey())
+    text = experts_grad(layer, "tpu").lower(lowering_platforms=("tpu",)).as_text()
+    shapes = [layer.experts.w_gate_up.shape, layer.experts.w_down.shape]
+    local = layer.config.num_experts // 4
+    weight_f32 = "|".join(rf"tensor<{local}x{a}x{b}xf32>" for _, a, b in shapes)
+    assert "tpu_custom_call" in text and not re.search(weight_f32, text)
+
+
+def test_two_chunks_sum_the_expert_gradients_in_their_dtype(getkey):
+    """The two chunks' expert weights' gradients, summed in the bfloat16 weights'
+    dtype, equal to bfloat16 rounding those of the same layer whose expert weights
+    are float32 copies of the same values (products in the tokens' bfloat16 either
+    way; each piece's gradient and their sum then in float32)."""
+    layer, x, m, experts_grad = _two_chunks(getkey(), getkey())
+    stats = eqx.filter_jit(lambda layer, x: layer(x, mesh=m)[1])(layer, x)
+    assert bool(stats.fallback_used) and int(stats.num_chunks) == 2
+    wide = eqx.tree_at(
+        lambda l: (l.experts.w_gate_up, l.experts.w_down),
+        layer,
+        (
+            layer.experts.w_gate_up.astype(jnp.float32),
+            layer.experts.w_down.astype(jnp.float32),
+        ),
+    )
+    for got, want in zip(experts_grad(layer), experts_grad(wide), strict=True):
+        assert got.dtype == jnp.bfloat16 and want.dtype == jnp.float32
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            np.asarray(want),
+            rtol=2**-7,
+            atol=2**-9 * scale,
+        )
+
+
 def _bf16(tree):
     return jax.tree.map(
         lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, tree
