@@ -455,17 +455,22 @@ def _outside_cases(text: str, pattern: str) -> list[str]:
 
 @pytest.mark.lowering_only
 def test_no_float32_copy_of_the_experts_without_overflow(getkey):
-    """bfloat16 experts under EP4 with the fallback compiled in (the default buffer
-    is under EP4's worst case), as lowered for a
-    TPU (its grouped kernels write the weights' dtype): the backward makes its
-    float32 accumulators of the expert weights' gradients only in the branch of a
-    `cond` that runs when earlier pieces follow (overflow). Without overflow the
-    step has no float32 array of an expert weight's shape: the kept piece's
-    gradients come out of their grouped matmuls as they are. An accumulator summed
-    from zeros, as the backward had, makes one outside the branch."""
-    assert make_layer(getkey(), mesh_size=4).config.buffer_factor == 2.0
+    """bfloat16 experts under EP4 with the fallback compiled in (a buffer under
+    EP4's worst case, of three chunks: with two the pieces' gradients are summed in
+    the weights' dtype, see `test_two_chunks_make_no_float32_copy_of_the_experts`),
+    as lowered for a TPU (its grouped kernels write the weights' dtype): the
+    backward makes its float32 accumulators of the expert weights' gradients only
+    in the branch of a `cond` that runs when earlier pieces follow (overflow).
+    Without overflow the step has no float32 array of an expert weight's shape: the
+    kept piece's gradients come out of their grouped matmuls as they are. An
+    accumulator summed from zeros, as the backward had, makes one outside the
+    branch."""
     slots = 1  # (a slot's copy of a hot expert's weights gets a gradient too)
-    layer = _bf16(make_layer(getkey(), mesh_size=4, d_model=16, num_slots=slots))
+    layer = _bf16(
+        make_layer(
+            getkey(), mesh_size=4, d_model=16, num_slots=slots, buffer_factor=1.5
+        )
+    )
     x = tokens(getkey(), 64).astype(jnp.bfloat16)
     m = mesh(4)
     # Every array an argument (a closed-over one is committed to the CPU).
