@@ -11,16 +11,18 @@ path.
 
 Derivatives (`jax.custom_jvp`, the tangent a `custom_linear`, see
 `moe_eqx._autodiff`): forward mode differentiates the loop directly, one loop carrying
-the value and its tangent (`primal_and_tangent`). Reverse mode differentiates each
-piece as the loop runs it and carries the last piece's residuals out of the loop (the
-expert weights among them are read from the inputs, not copied): without overflow
-that piece is every token, so the step is the capped trip forward and its pullback
-backward, as `on_overflow="drop"` runs it. The backward pulls that piece back, then
-(on overflow) re-runs the other chunks one at a time in a second loop, differentiating
-each; all sum the expert weights' gradients in place in one float32 accumulator
-(with weights narrower than float32, made only when earlier pieces follow: without
-overflow the pulled-back piece's gradients are the result, in the weights' dtype),
-and one piece's residuals are alive at a time. JAX cannot transpose a loop with a traced
+the value and its tangent (`primal_and_tangent`). Reverse mode runs the pieces before
+the last in a loop (none without overflow) and the last one after it, differentiated,
+keeping its residuals where they are computed (the expert weights among them are the
+inputs, not copies): without overflow that piece is every token, so the step is the
+capped trip forward and its pullback backward, as `on_overflow="drop"` runs it. The
+backward pulls that piece back, then (on overflow) re-runs the other chunks one at a
+time in a second loop, differentiating each; all sum the expert weights' gradients in
+place in one float32 accumulator (with weights narrower than float32, made only when
+more than one earlier piece follows: without overflow the pulled-back piece's
+gradients are the result, in the weights' dtype, and with two chunks the other
+piece's are added to them in that dtype), and one piece's residuals are alive at a
+time. JAX cannot transpose a loop with a traced
 count, so for higher orders the backward and the tangent are differentiated as loops
 over `num_chunks` trips that re-run every piece, the pieces past the count skipped
 (`moe_eqx._autodiff.fused`); their reverse mode keeps each trip's residuals.
@@ -238,8 +240,8 @@ class _Res(eqx.Module):
     want: _Want = eqx.field(static=True)
     overflow: Array | bool
     inputs: TripInputs
-    # Reverse mode: the last piece's pullback residuals, carried out of the forward
-    # loop, and how they make its pullback.
+    # Reverse mode: the last piece's pullback residuals, kept by the forward, and
+    # how they make its pullback.
     saved: tuple | None = None
     layout: Any = eqx.field(static=True, default=None)
 
@@ -340,8 +342,8 @@ def _piece_pullback(res: _Res, p, own_dtype: bool = False):
 
 
 def _varying_like(leaves, res: _Res):
-    """`leaves` cast to vary over every `shard_map` axis `res`'s arrays vary over: a
-    loop carry of residuals has one type whether zero or computed."""
+    """`leaves` cast to vary over every `shard_map` axis `res`'s arrays vary over:
+    the kept residuals have one type whether zero (the reference's) or computed."""
     ref = [a for a in jtu.tree_leaves(res) if eqx.is_array(a)]
     return list(match_varying(*leaves, *ref)[: len(leaves)])
 
@@ -358,11 +360,11 @@ class _Broadcast(NamedTuple):
 
 
 class _Saved(NamedTuple):
-    """How a piece's pullback is carried out of a loop: its structure, and for each
-    of its residuals the index of the input it is (the expert weights, passed on
-    unchanged: read from the inputs again, never copied into the loop carry), a
-    `_Broadcast` (carried as its scalar) or `None` (carried; `shapes` lists what is
-    carried)."""
+    """How the last piece's pullback is kept from the forward to the backward (as
+    residuals of the `custom_jvp`): its structure, and for each of its residuals the
+    index of the input it is (the expert weights, passed on unchanged: read from the
+    inputs again, never copied), a `_Broadcast` (kept as its scalar) or `None` (kept;
+    `shapes` lists what is kept)."""
 
     treedef: Any
     inputs_at: tuple
@@ -378,9 +380,9 @@ class _Saved(NamedTuple):
         return tuple(_varying_like(kept, res))
 
     def zeros(self, res: _Res) -> tuple:
-        runtime = res.inputs.dest_group
-        # The loop's carried residuals, overwritten in place by each piece.
-        zeros = [zeros_in_own_buffer(s.shape, s.dtype, runtime) for s in self.shapes]
+        """Zeros in place of the kept residuals (the higher orders' reference,
+        whose backward re-runs every piece and reads none of them)."""
+        zeros = [jnp.zeros(s.shape, s.dtype) for s in self.shapes]
         return tuple(_varying_like(zeros, res))
 
     def pullback(self, carried, res: _Res):
@@ -456,10 +458,10 @@ def _saved_layout(res: _Res, policy=None) -> _Saved:
 
 
 def _loop_saving(res: _Res, policy=None):
-    """The pieces' loop (as `_loop`), differentiating each piece as it runs (under a
-    `jax.checkpoint` `policy` if given) and carrying the last piece's pullback
-    residuals out: `((y, stats), residuals)`. Without overflow the last piece is
-    every token: the backward then runs the capped trip's pullback once, as
+    """The pieces (as `_loop`), the earlier ones in a loop and the last one after
+    it, differentiated (under a `jax.checkpoint` `policy` if given), keeping its
+    pullback's residuals: `((y, stats), residuals)`. Without overflow the last piece
+    is every token: the backward then runs the capped trip's pullback once, as
     `on_overflow="drop"` does, with no re-run."""
     inputs, spec, n, overflow = res.inputs, res.spec, res.num_chunks, res.overflow
 
