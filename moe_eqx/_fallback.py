@@ -204,14 +204,21 @@ def _forward_init(inputs: TripInputs):
     return y0, _zero_stats(inputs.valid)
 
 
-def _loop(spec, num_chunks, overflow, inputs, bounded=False):
+def _forward_body(spec, num_chunks, overflow, inputs):
+    """The forward loop's body: piece `p`'s trip added to `(y, stats)`."""
+
     def body(p, carry):
         y, stats = carry
         y_p, stats_p = expert_parallel_trip(
             _piece(inputs, p, overflow, num_chunks), spec
         )
-        return y + y_p, _add(stats, stats_p)
+        return y + y_p.astype(y.dtype), _add(stats, stats_p)
 
+    return body
+
+
+def _loop(spec, num_chunks, overflow, inputs, bounded=False):
+    body = _forward_body(spec, num_chunks, overflow, inputs)
     return _fold_pieces(body, _forward_init(inputs), overflow, num_chunks, bounded)
 
 
@@ -337,8 +344,15 @@ def _without_acc_residual(trip, with_acc: bool):
     return fn
 
 
-def _piece_pullback(res: _Res, p, own_dtype: bool = False):
-    return _piece_vjp(res, p, own_dtype=own_dtype)[2]
+def _backward_body(res: _Res, dy, own_dtype: bool = False):
+    """The backward loop's body: piece `p` re-run, differentiated, and pulled back
+    into `grads` (`own_dtype`: its accumulators in the weights' dtype)."""
+
+    def body(p, grads):
+        pullback = _piece_vjp(res, p, own_dtype=own_dtype)[2]
+        return _pull(pullback, _per_piece(dy, p), grads, res.want)
+
+    return body
 
 
 def _varying_like(leaves, res: _Res):
@@ -463,13 +477,8 @@ def _loop_saving(res: _Res, policy=None):
     pullback's residuals: `((y, stats), residuals)`. Without overflow the last piece
     is every token: the backward then runs the capped trip's pullback once, as
     `on_overflow="drop"` does, with no re-run."""
-    inputs, spec, n, overflow = res.inputs, res.spec, res.num_chunks, res.overflow
-
-    def body(p, carry):
-        y, stats = carry
-        y_p, stats_p = expert_parallel_trip(_piece(inputs, p, overflow, n), spec)
-        return y + y_p, _add(stats, stats_p)
-
+    inputs, n, overflow = res.inputs, res.num_chunks, res.overflow
+    body = _forward_body(res.spec, n, overflow, inputs)
     # The earlier pieces (none without overflow) in a loop, undifferentiated: only
     # the last piece's residuals are kept. That piece runs after the loop, its
     # residuals computed where the backward reads them, not copied into a carry.
@@ -574,9 +583,7 @@ def _backward_saved(res: _Res, dy, rows):
     grads = (*rows, _grad_acc(res.inputs, own_dtype=True)) if want.experts else rows
     grads = _pull(pullback, _per_piece(dy, last), grads, want)
 
-    def body(p, grads):
-        return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
-
+    body = _backward_body(res, dy)
     # Tied to the last piece's gradients: its residuals are gone before the loop.
     grads, last = jax.lax.optimization_barrier((grads, last))
     if not (want.experts and _narrow(res.inputs)):
@@ -586,11 +593,7 @@ def _backward_saved(res: _Res, dy, rows):
         # one addition in the weights' dtype, with no float32 copy of the experts
         # (where XLA adds in float32 and rounds, as on TPUs and CPUs, the value the
         # float32 accumulator gives).
-        def once(p, grads):
-            pullback = _piece_pullback(res, p, own_dtype=True)
-            return _pull(pullback, _per_piece(dy, p), grads, want)
-
-        return jax.lax.fori_loop(0, last, once, grads)
+        return jax.lax.fori_loop(0, last, _backward_body(res, dy, True), grads)
     dtypes = [a.dtype for a in grads[-1]]
 
     def rest(grads):
@@ -608,9 +611,7 @@ def _backward(res: _Res, dy, bounded: bool):
     in place in one float32 accumulator."""
     inputs, want = res.inputs, res.want
 
-    def body(p, grads):
-        return _pull(_piece_pullback(res, p), _per_piece(dy, p), grads, want)
-
+    body = _backward_body(res, dy)
     cotangents = ((inputs.x, want.x), (inputs.weights, want.weights))
     # The backward loop's carried input cotangents, added to in place.
     rows = tuple(
