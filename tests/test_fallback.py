@@ -397,7 +397,7 @@ def test_fallback_step_runs_each_trip_once_forward(
     """What the fallback's forward+backward step really runs, counted as it runs:
     without overflow, the capped trip once, its residuals kept for the backward as
     `on_overflow="drop"` keeps them (no re-run); with overflow, each of the `n` chunks
-    once forward, and the backward re-runs chunks 1 to n - 1 only (chunk 0's
+    once forward, and the backward re-runs chunks 0 to n - 2 only (the last chunk's
     residuals are kept)."""
     import moe_eqx._fallback as fallback
 
