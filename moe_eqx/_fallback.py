@@ -583,17 +583,17 @@ def _backward_saved(res: _Res, dy, rows):
     grads = (*rows, _grad_acc(res.inputs, own_dtype=True)) if want.experts else rows
     grads = _pull(pullback, _per_piece(dy, last), grads, want)
 
-    body = _backward_body(res, dy)
+    narrow = want.experts and _narrow(res.inputs)
+    # Two chunks, one earlier piece at most: its gradients and the last piece's
+    # summed in one addition in the weights' dtype, with no float32 copy of the
+    # experts (where XLA adds in float32 and rounds, as on TPUs and CPUs, the value
+    # the float32 accumulator gives).
+    own_dtype = narrow and res.num_chunks == 2
+    body = _backward_body(res, dy, own_dtype)
     # Tied to the last piece's gradients: its residuals are gone before the loop.
     grads, last = jax.lax.optimization_barrier((grads, last))
-    if not (want.experts and _narrow(res.inputs)):
+    if not narrow or own_dtype:
         return jax.lax.fori_loop(0, last, body, grads)
-    if res.num_chunks == 2:
-        # One earlier piece at most: its gradients and the last piece's summed in
-        # one addition in the weights' dtype, with no float32 copy of the experts
-        # (where XLA adds in float32 and rounds, as on TPUs and CPUs, the value the
-        # float32 accumulator gives).
-        return jax.lax.fori_loop(0, last, _backward_body(res, dy, True), grads)
     dtypes = [a.dtype for a in grads[-1]]
 
     def rest(grads):
@@ -610,8 +610,6 @@ def _backward(res: _Res, dy, bounded: bool):
     the tokens' rows and of the routing weights, and the expert weights' gradients
     in place in one float32 accumulator."""
     inputs, want = res.inputs, res.want
-
-    body = _backward_body(res, dy)
     cotangents = ((inputs.x, want.x), (inputs.weights, want.weights))
     # The backward loop's carried input cotangents, added to in place.
     rows = tuple(
@@ -623,6 +621,7 @@ def _backward(res: _Res, dy, bounded: bool):
         grads = _backward_saved(res, dy, rows)
     else:
         grads = (*rows, _grad_acc(inputs)) if want.experts else rows
+        body = _backward_body(res, dy)
         grads = _fold_pieces(body, grads, res.overflow, res.num_chunks, bounded)
     grads = iter(grads)
     d_x = next(grads) if want.x else None
