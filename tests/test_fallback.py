@@ -494,6 +494,10 @@ def test_no_float32_copy_of_the_experts_without_overflow(getkey):
     assert not _outside_cases(text, weight_f32)
 
 
+def _expert_weights(layer):
+    return layer.experts.w_gate_up, layer.experts.w_down
+
+
 def _two_chunks(key_layer, key_x):
     """bfloat16 experts, EP4 at the default buffer, every token routed among shard
     0's experts (the fallback then runs two chunks): the layer, the tokens, and the
@@ -507,15 +511,11 @@ def _two_chunks(key_layer, key_x):
         arrays, static = eqx.partition(layer, eqx.is_array)
 
         def loss(w, arrays, x):
-            lay = eqx.tree_at(
-                lambda l: (l.experts.w_gate_up, l.experts.w_down),
-                eqx.combine(arrays, static),
-                w,
-            )
+            lay = eqx.tree_at(_expert_weights, eqx.combine(arrays, static), w)
             y = lay(x, mesh=m, platform=platform)[0]
             return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
-        w = (layer.experts.w_gate_up, layer.experts.w_down)
+        w = _expert_weights(layer)
         grad = jax.jit(jax.grad(loss))
         return grad.trace(w, arrays, x) if platform else grad(w, arrays, x)
 
@@ -530,9 +530,11 @@ def test_two_chunks_make_no_float32_copy_of_the_experts(getkey):
     shape at all (a float32 accumulator, widened and narrowed, would be one)."""
     layer, _, _, experts_grad = _two_chunks(getkey(), getkey())
     text = experts_grad(layer, "tpu").lower(lowering_platforms=("tpu",)).as_text()
-    shapes = [layer.experts.w_gate_up.shape, layer.experts.w_down.shape]
     local = layer.config.num_experts // 4
-    weight_f32 = "|".join(rf"tensor<{local}x{a}x{b}xf32>" for _, a, b in shapes)
+    weight_f32 = "|".join(
+        rf"tensor<{local}x{a}x{b}xf32>"
+        for _, a, b in map(jnp.shape, _expert_weights(layer))
+    )
     assert "tpu_custom_call" in text and not re.search(weight_f32, text)
 
 
@@ -545,12 +547,9 @@ def test_two_chunks_sum_the_expert_gradients_in_their_dtype(getkey):
     stats = eqx.filter_jit(lambda layer, x: layer(x, mesh=m)[1])(layer, x)
     assert bool(stats.fallback_used) and int(stats.num_chunks) == 2
     wide = eqx.tree_at(
-        lambda l: (l.experts.w_gate_up, l.experts.w_down),
+        _expert_weights,
         layer,
-        (
-            layer.experts.w_gate_up.astype(jnp.float32),
-            layer.experts.w_down.astype(jnp.float32),
-        ),
+        tuple(w.astype(jnp.float32) for w in _expert_weights(layer)),
     )
     for got, want in zip(experts_grad(layer), experts_grad(wide), strict=True):
         assert got.dtype == jnp.bfloat16 and want.dtype == jnp.float32

@@ -73,9 +73,10 @@ def _run(layer, x, mesh, chunks):
 @pytest.mark.parametrize("path", list(_PATHS))
 def test_equal_to_one_round_trip(getkey, path):
     """`C = 3` (chunks of unequal sizes: 25 tokens per shard; `C = 2` on the
-    all-gather path): outputs and gradients equal `C = 1`'s within float32 rounding, and so do the counted stats,
-    whichever exchange, with the fallback taken in some chunks, with slots, with
-    data and tensor axes, with identity and shared experts."""
+    all-gather path): outputs and gradients equal `C = 1`'s within float32
+    rounding, and so do the counted stats, whichever exchange, with the fallback
+    taken in some chunks, with slots, with data and tensor axes, with identity and
+    shared experts."""
     changes, axes = _PATHS[path]
     cfg = me.MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, **changes)
     layer = me.MoELayer(cfg, key=getkey())
