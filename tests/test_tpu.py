@@ -311,3 +311,52 @@ def test_own_weight_gradient_matches_ragged_dot(chunk, overhang):
     _, vjp = jax.vjp(product, w0)
     (ref,) = jax.jit(vjp)(d.astype(jnp.float32))
     _close(out, ref, 2e-2)
+
+
+@pytest.mark.parametrize(("k", "n"), [(2048, 2816), (1408, 2048)], ids=["up", "down"])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+def test_own_grouped_matmul_reads_quantized_weights(fmt, k, n):
+    """The many-row kernel on quantized weights (each visit's tile dequantized in
+    VMEM) compiled on the chip at DeepSeek-V2-Lite-like expert shapes (the down
+    projection's MXFP4 bytes 704 a row, not a multiple of 128 lanes), skewed
+    groups (one over several row tiles) and rows past them: the same values as the
+    kernel on the weights dequantized first, bfloat16."""
+    from moe_eqx._gmm.grouped_tpu import grouped_matmul
+    from moe_eqx.internal import quantize
+
+    g, m = 64, 4000
+    sizes = (
+        jnp.zeros((g,), jnp.int32)
+        .at[jnp.array([0, 7, 63])]
+        .set(jnp.array([2900, 1, 839]))
+    )
+    w = quantize(jr.normal(jr.key(2), (g, k, n), jnp.float32) * 0.05, fmt)
+    lhs = jr.normal(jr.key(1), (m, k), jnp.bfloat16)
+    out = jax.jit(grouped_matmul)(lhs, w, sizes)
+    dense = jax.jit(lambda w: w.dequantize(jnp.bfloat16))(w)
+    ref = jax.jit(grouped_matmul)(lhs, dense, sizes)
+    total = int(jnp.sum(sizes))
+    _close(out[:total], ref[:total], 1e-2)
+    assert not np.any(np.asarray(out[total:], np.float32))
+
+
+@pytest.mark.parametrize("k", [512, 448])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_own_grouped_matmul_dequantizes_every_code_exactly(fmt, dtype, k):
+    """Every stored byte through the compiled many-row kernel (rows of the identity
+    times its tile, two row tiles and two column tiles; `K = 448`: MXFP4 rows of
+    224 bytes, FP8's last block of 64 rows) equals `QuantizedArray.dequantize` on
+    the chip."""
+    from moe_eqx._gmm.grouped_tpu import grouped_matmul
+
+    dt = jnp.dtype(dtype)
+    n = 256
+    w = every_code_weight(fmt, k, n, jr.key(11))
+    want = np.asarray(jax.jit(lambda w: w.dequantize(dt))(w)[0], np.float32)
+    sizes = jnp.array([k], jnp.int32)
+    fn = jax.jit(ft.partial(grouped_matmul, tiles=(256, k, 128)))
+    got = np.asarray(fn(jnp.eye(k, dtype=dt), w, sizes), np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    mask = ~np.isnan(want)
+    np.testing.assert_array_equal(got[mask], want[mask])

@@ -13,6 +13,13 @@ Also unlike megablox, tiles past the last group's rows are visited (once, with n
 group): they are zeroed in the kernel, so rows past `sum(group_sizes)` come out zero
 without a pass over the whole output afterwards.
 
+Quantized weights (`moe_eqx._gmm.quantized_tpu`: int8, FP8, MXFP4) are read by
+`grouped_matmul` as stored: each visit's weight tile is dequantized into VMEM once
+per group and column tile (a group's visits follow each other, so the next reuses
+it), exactly as `QuantizedArray.dequantize` does, and multiplied as a float tile:
+prefill reads a quarter to a half of the float weights' bytes and makes no float
+copy of them.
+
 `grouped_weight_gradient` is the third product, `lhs[rows of g]^T @ d[rows of g]`
 for each group (the weights' gradient): the grid is `(K tiles, N tiles, visits)`,
 each group's visits accumulating into its output block, an empty group visited once
@@ -22,8 +29,9 @@ in.
 `_GroupedProducts` makes them the three products of `moe_eqx._gmm._products`, which
 `PallasTPUGMM` (`gmm_backend="auto"` on a TPU) takes for many rows.
 `benchmarks/tpu_gmm.py` measures them against megablox and `lax.ragged_dot`;
-`tests/test_grouped_tpu.py` tests them in Pallas' interpreter, values and
-derivatives of every order.
+`tests/test_grouped_tpu.py` and `tests/test_grouped_tpu_quantized.py` test them
+in Pallas' interpreter, values and derivatives of every order, every stored byte of
+each quantized format.
 
 Scoped VMEM: each call asks Mosaic for the room its double-buffered tiles take
 (Mosaic's default scoped limit stops tiles past about `(512, 2048, 768)`), up to a
@@ -40,8 +48,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from .._quant import FP8_BLOCK, MXFP4_BLOCK, QuantizedArray, as_float, is_quantized
 from ._products import AbstractProducts
 from .megablox import _mb  # megablox's visit schedule (`make_group_metadata`)
+from .quantized_tpu import (
+    KERNEL_FORMATS,
+    dequantize_rows,
+    fp4_pair,
+    fp8_column_scales,
+    in_kernel,
+    mxfp4_half_scales,
+)
 
 
 def _row_tile(dtype) -> int:
@@ -82,19 +99,30 @@ CHUNK = 128
 _VMEM_CAP = 100 << 20
 
 
-def _vmem_need(blocks) -> int:
+def _vmem_need(blocks, scratches: int = 1) -> int:
     """Bytes of VMEM for the double-buffered `blocks` (`(shape, dtype)`, the
-    scratch last, single) with room for the product's temporaries."""
-    *buffered, scratch = (
-        jnp.dtype(dt).itemsize * math.prod(shape) for shape, dt in blocks
-    )
-    return 2 * sum(buffered) + 2 * scratch + (8 << 20)
+    `scratches` last, single) with room for the product's temporaries."""
+    sizes = [jnp.dtype(dt).itemsize * math.prod(shape) for shape, dt in blocks]
+    buffered, scratch = sizes[:-scratches], sizes[-scratches:]
+    return 2 * sum(buffered) + 2 * sum(scratch) + (8 << 20)
 
 
-def _fit(tiles, chunk, m: int, k: int, n: int, dtype, blocks, partial_n=False):
+def _fit(
+    tiles,
+    chunk,
+    m: int,
+    k: int,
+    n: int,
+    dtype,
+    blocks,
+    partial_n: bool = False,
+    scratches: int = 1,
+    whole_k: bool = False,
+):
     """`(tm, tk, tn, chunk, padded rows)`: the rows cut down to a multiple of the
     dtype's row tile, `tk` and `tn` to the largest multiple of 128 that divides
-    their axis (or the whole axis); then, while the VMEM of `blocks(tm, tk, tn)`
+    their axis (or the whole axis; always the whole `k` with `whole_k`); then,
+    while the VMEM of `blocks(tm, tk, tn)` (the last `scratches` of them single)
     is more than a call may ask for, the largest of the three made smaller (to the
     next dividing multiple of 128; the rows halved). The chunk is the whole row
     tile unless it divides it."""
@@ -106,12 +134,14 @@ def _fit(tiles, chunk, m: int, k: int, n: int, dtype, blocks, partial_n=False):
         tk = _divisor(tk, k)
     else:
         tk, tn = _divisor(tk, k), _divisor(tn, n)
-    while _vmem_need(blocks(tm, tk, tn)) > _VMEM_CAP:
+    if whole_k:
+        tk = k
+    while _vmem_need(blocks(tm, tk, tn), scratches) > _VMEM_CAP:
         smaller = {  # each tile's next smaller size, where it has one
             "tn": (max(128, (tn - 1) // 128 * 128) if tn > 128 else tn)
             if partial_n
             else _divisor(tn - 128, n),
-            "tk": _divisor(tk - 128, k),
+            "tk": tk if whole_k else _divisor(tk - 128, k),
             "tm": max(rt, tm // 2 // rt * rt),
         }
         now = {"tn": tn, "tk": tk, "tm": tm}
@@ -154,6 +184,30 @@ def _metadata(group_sizes, m: int, tm: int, visit_empty_groups: bool):
         )
 
 
+def _mxfp4_columns(values: Array, scales: Array) -> Array:
+    """Columns of an MXFP4 weight dequantized, `[K, c]` bfloat16, from their rows
+    of stored bytes `values` `[c, K / 2]` and scale bytes `scales` `[c, K / 32]`
+    (normal scales: `[2, 254]`).
+
+    Each value is a code of two significant bits times a power of two, exact in
+    bfloat16 (infinite where it overflows, as in float32), so its bfloat16 bits are
+    the top half of its float32 bits. A byte's two values (rows `2 j` and
+    `2 j + 1` of the weight) go into the two halves of one 32-bit word, the words
+    are transposed to `[K / 2, c]`, and a bitcast to bfloat16 unpacks each word
+    into two consecutive rows: the weight in its own row order, so that the rows
+    it multiplies are read as they are (no even / odd split of them)."""
+    scale = mxfp4_half_scales(
+        scales, values.shape[1], lambda a, b: _product(a, b, (1, 0))
+    )
+    low, high = fp4_pair(values.astype(jnp.int32), scale)
+
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+    words = ((bits(low) >> 16) & 0xFFFF) | (bits(high) & -(1 << 16))
+    return pltpu.bitcast(words.T, jnp.bfloat16)
+
+
 def _schedule(group_sizes, m: int, tm: int):
     """`(offsets, groups, tiles, visits)`: each visit's group and row tile, in
     order, then one visit with no group (group `G`) for each tile past the groups'
@@ -179,7 +233,7 @@ def _schedule(group_sizes, m: int, tm: int):
 
 def grouped_matmul(
     lhs: Float[Array, "rows k_dim"],
-    rhs: Float[Array, "groups _ _"],  # [G, K, N], or [G, N, K] transposed
+    rhs: Float[Array, "groups _ _"] | QuantizedArray,  # [G, K, N] ([G, N, K]^T)
     group_sizes: Int[Array, " groups"],
     *,
     tiles: tuple[int, int, int] = GMM_TILES,
@@ -193,7 +247,13 @@ def grouped_matmul(
     **Arguments:**
 
     - `lhs`: `[M, K]` rows sorted by group.
-    - `rhs`: `[G, K, N]`, or `[G, N, K]` with `transpose_rhs`.
+    - `rhs`: `[G, K, N]`, or `[G, N, K]` with `transpose_rhs`; or a
+        [`moe_eqx.QuantizedArray`][] `[G, K, N]` in a format of `KERNEL_FORMATS`
+        (int8, FP8, MXFP4), not transposed: its stored bytes are read, each
+        visit's tile dequantized in VMEM to `lhs.dtype` exactly as
+        `QuantizedArray.dequantize` does, once per group and column tile (the
+        visits of one group follow each other); MXFP4 takes the whole contraction
+        a tile and its scale bytes in `[2, 254]` (the caller's check).
     - `group_sizes`: `[G]` int32, `sum <= M`.
     - `tiles`: `(tm, tk, tn)`, each cut down to its axis; `tk` and `tn` to the
         largest multiple of 128 that divides `K` and `N` (else the whole axis),
@@ -216,24 +276,84 @@ def grouped_matmul(
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    dtype = lhs.dtype
+    fmt = rhs.fmt if is_quantized(rhs) else None
+    if fmt is not None and (transpose_rhs or not in_kernel(rhs)):
+        raise ValueError(
+            "A quantized `rhs` is read in the kernel only in the formats "
+            f"{KERNEL_FORMATS} and without `transpose_rhs` (got {fmt!r}"
+            f"{', transposed' if transpose_rhs else ''}): dequantize it first."
+        )
+    # The kernel's operands: the rows, the weights as stored, and the VMEM tiles
+    # each visit multiplies (a quantized weight's dequantized there, `[tk, tn]`).
+    if fmt == "mxfp4":  # values `[G, N, K / 2]`, scales `[G, N, K / 32]`
+        weights = [rhs.values, rhs.scales]
+    elif fmt is not None:  # values `[G, K, N]`, float32 scales `[G, R, N]`
+        if fmt == "int8":
+            scales = jax.lax.bitcast_convert_type(rhs.scales, jnp.float32)
+        else:  # one row per 128-row block of `K`
+            scales = fp8_column_scales(rhs, k, n)
+        weights = [rhs.values, scales]
+    else:
+        weights = [rhs]
 
-    def blocks(tm, tk, tn):  # lhs, rhs, out, the accumulator
+    def blocks(tm, tk, tn):  # the rows, the weights, out, the accumulator, tile
+        if fmt is None:
+            stored = [((tk, tn), rhs.dtype)]
+        elif fmt == "mxfp4":
+            stored = [((tn, tk // 2), jnp.int8), ((tn, tk // MXFP4_BLOCK), jnp.int8)]
+        else:
+            stored = [((tk, tn), jnp.int8), ((scales.shape[1], tn), jnp.float32)]
+        tile = [] if fmt is None else [((tk, tn), dtype)]
         return [
-            ((tm, tk), lhs.dtype),
-            ((tk, tn), rhs.dtype),
-            ((tm, tn), lhs.dtype),
+            ((tm, tk), dtype),
+            *stored,
+            ((tm, tn), dtype),
             ((tm, tn), jnp.float32),
+            *tile,
         ]
 
-    tm, tk, tn, ch, mp = _fit(tiles, chunk, m, k, n, lhs.dtype, blocks)
+    scratches = 1 if fmt is None else 2
+    tm, tk, tn, ch, mp = _fit(
+        tiles,
+        chunk,
+        m,
+        k,
+        n,
+        dtype,
+        blocks,
+        scratches=scratches,
+        whole_k=fmt == "mxfp4",  # each row's scale bytes whole
+    )
     overhang = overhang_rows and m >= tm
     if not overhang:
         lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     offsets, groups, row_tiles, visits = _schedule(
         group_sizes.astype(jnp.int32), mp, tm
     )
+    num_k = k // tk
+    contract = (1, 1 if transpose_rhs else 0)
 
-    def kernel(offsets, groups, row_tiles, lhs, rhs, out, acc):
+    def dequantize(kk, w_refs, tile):
+        """The visit's weight tile into `tile` (`[tk, tn]`), 128 rows (MXFP4: 128
+        columns) at a time: the temporaries of a block stay small."""
+        v, sc = w_refs
+        if fmt == "mxfp4":
+            for c0 in range(0, tn, 128):
+                cols = pl.ds(c0, min(128, tn - c0))
+                tile[:, cols] = _mxfp4_columns(v[cols, :], sc[cols, :]).astype(dtype)
+            return
+        for r0 in range(0, tk, FP8_BLOCK[0]):
+            rows = pl.ds(r0, min(FP8_BLOCK[0], tk - r0))
+            if fmt == "int8":
+                scale = sc[...]
+            else:  # the columns' scales in this 128-row block of `K`
+                block = kk * (tk // FP8_BLOCK[0]) + r0 // FP8_BLOCK[0]
+                scale = sc[pl.ds(block, 1), :]
+            tile[rows, :] = dequantize_rows(fmt, dtype, v[rows, :], scale)
+
+    def kernel(offsets, groups, row_tiles, lhs, *refs):
+        w_refs, (out, acc, *tile_refs) = refs[: len(weights)], refs[len(weights) :]
         v, kk = pl.program_id(1), pl.program_id(2)
         group, tile = groups[v], row_tiles[v]
         lo, hi = _rows(offsets, group, tile, tm)
@@ -243,7 +363,27 @@ def grouped_matmul(
         def _():
             out[...] = jnp.zeros(out.shape, out.dtype)
 
-        contract = (1, 1 if transpose_rhs else 0)
+        if fmt is None:
+            (tile_now,) = w_refs
+        else:
+            # Dequantized once per group and column tile: consecutive visits of
+            # one group (its row tiles, in order) reuse the tile. `held` is the
+            # group whose tile is in VMEM (none at a column tile's first visit).
+            tile_now, held = tile_refs
+
+            @pl.when((v == 0) & (kk == 0))
+            def _():
+                held[0] = -1
+
+            stale = held[0] != group
+            if num_k > 1:  # a tile of `K` per step: each step's own
+                stale = True
+
+            @pl.when((hi > lo) & stale)
+            def _():
+                dequantize(kk, w_refs, tile_now)
+                held[0] = group
+
         last = kk == pl.num_programs(2) - 1
 
         def piece(c0, size):  # rows c0 : c0 + size of the tile
@@ -253,7 +393,7 @@ def grouped_matmul(
             def _():
                 acc[rows, :] = jnp.zeros((size, tn), jnp.float32)
 
-            acc[rows, :] += _product(lhs[rows, :], rhs[...], contract)
+            acc[rows, :] += _product(lhs[rows, :], tile_now[...], contract)
             whole = (lo <= c0) & (hi >= c0 + size)  # every row the group's
 
             @pl.when(last & whole)
@@ -279,33 +419,51 @@ def grouped_matmul(
     def lhs_map(j, v, kk, offsets, groups, row_tiles):
         return row_tiles[v], kk
 
-    def rhs_map(j, v, kk, offsets, groups, row_tiles):
-        group = jnp.minimum(groups[v], g - 1)  # the no-group visits load the last
-        return (group, j, kk) if transpose_rhs else (group, kk, j)
+    def weight_map(transposed):
+        def index(j, v, kk, offsets, groups, row_tiles):
+            group = jnp.minimum(groups[v], g - 1)  # the no-group visits: the last
+            return (group, j, kk) if transposed else (group, kk, j)
+
+        return index
+
+    def scale_map(j, v, kk, offsets, groups, row_tiles):  # int8's and FP8's
+        return jnp.minimum(groups[v], g - 1), 0, j
 
     def out_map(j, v, kk, offsets, groups, row_tiles):
         return row_tiles[v], j
 
-    rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    shapes = blocks(tm, tk, tn)
+    if fmt == "mxfp4":
+        weight_specs = [
+            pl.BlockSpec((None, *shape), weight_map(True)) for shape, _ in shapes[1:3]
+        ]
+    elif fmt is not None:
+        weight_specs = [
+            pl.BlockSpec((None, tk, tn), weight_map(False)),
+            pl.BlockSpec((None, scales.shape[1], tn), scale_map),
+        ]
+    else:
+        rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+        weight_specs = [pl.BlockSpec(rhs_block, weight_map(transpose_rhs))]
+    scratch = [pltpu.VMEM((tm, tn), jnp.float32)]
+    if fmt is not None:
+        scratch += [pltpu.VMEM((tk, tn), dtype), pltpu.SMEM((1,), jnp.int32)]
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m if overhang else mp, n), lhs.dtype),
+        out_shape=jax.ShapeDtypeStruct((m if overhang else mp, n), dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(n // tn, visits, k // tk),
-            in_specs=[
-                pl.BlockSpec((tm, tk), lhs_map),
-                pl.BlockSpec(rhs_block, rhs_map),
-            ],
+            grid=(n // tn, visits, num_k),
+            in_specs=[pl.BlockSpec((tm, tk), lhs_map), *weight_specs],
             out_specs=pl.BlockSpec((tm, tn), out_map),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+            scratch_shapes=scratch,
         ),
         compiler_params=_params(
-            ("parallel", "arbitrary", "arbitrary"), _vmem_need(blocks(tm, tk, tn))
+            ("parallel", "arbitrary", "arbitrary"), _vmem_need(shapes, scratches)
         ),
         interpret=interpret,
     )
-    out = call(offsets, groups, row_tiles, lhs, rhs)
+    out = call(offsets, groups, row_tiles, lhs, *weights)
     return out if overhang else out[:m]
 
 
@@ -446,9 +604,11 @@ class _GroupedProducts(AbstractProducts):
     has_effects: ClassVar[bool] = False
 
     def _gmm(self, a, b, group_sizes, transpose):
+        if is_quantized(b) and (transpose or not in_kernel(b)):
+            b = as_float(b, a.dtype)  # (the input's gradient: dequantized whole)
         return grouped_matmul(
             a,
-            b.astype(a.dtype),
+            b if is_quantized(b) else b.astype(a.dtype),
             group_sizes,
             tiles=self.tiles,
             chunk=self.chunk,
@@ -477,6 +637,8 @@ class _GroupedProducts(AbstractProducts):
         )
 
     def backward(self, a, b, group_sizes, d_out, want):
+        if is_quantized(b):
+            b = as_float(b, a.dtype)
         d_a = self.gmm_t(d_out, b, group_sizes) if want[0] else None
         # The weights' gradient written in their dtype from the float32 accumulator.
         d_b = self.tgmm(a, d_out, group_sizes, b.dtype) if want[1] else None

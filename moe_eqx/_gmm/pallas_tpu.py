@@ -1,5 +1,6 @@
 """`PallasTPUGMM`: the TPU's grouped matmul. For many rows (training, prefill)
-the library's own grouped kernels (`moe_eqx._gmm.grouped_tpu`, `_TrainingProducts`);
+the library's own grouped kernels (`moe_eqx._gmm.grouped_tpu`, `_TrainingProducts`;
+quantized weights read as stored by the forward);
 for few rows (decode steps) a Pallas TPU kernel of its own,
 which reads each touched expert's weight once, quantized weights as they are stored
 (the rest of this module).
@@ -31,7 +32,6 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
@@ -39,7 +39,6 @@ from jaxtyping import Array, Float, Int
 from .._activation import SWIGLU, AbstractActivation
 from .._quant import (
     FP8_BLOCK,
-    MXFP4_BLOCK,
     NORMAL_SCALE_BYTES,
     QuantizedArray,
     QuantizedWeight,
@@ -52,6 +51,7 @@ from ._products import AbstractProducts, gmm
 from .gathered import GatheredGMM
 from .grouped_tpu import _GroupedProducts, _product, _row_tile
 from .mosaic_gpu.quantized import kernel_operands
+from .quantized_tpu import fp4_pair, fp8_value, in_kernel, mxfp4_half_scales
 from .ragged_dot import _RaggedDotProducts
 
 # VMEM a weight tile may take with its dequantizing temporaries (int32 codes, float32
@@ -69,42 +69,6 @@ def _tile_n(n: int, k: int, fmt: str | None, itemsize: int) -> int:
         if k * t * per_value <= _TILE_BUDGET:
             return t
     return fits[-1] if fits else n
-
-
-_INT_MIN = -(2**31)  # the float32 sign bit, as an int32
-# FP4 E2M1 magnitudes (codes 0..7) times two, one per nibble: 0 1 2 3 4 6 8 12.
-_FP4_TWICE = int(np.array(0xC8643210, np.uint32).view(np.int32))
-
-
-def _fp8_value(b: Array) -> Array:
-    """float32 values of FP8 E4M3FN bytes (`int8` widened to int32), exactly:
-    normals by their float32 bits (exponent `e + 120`), subnormals `m * 2 ** -9`
-    (no float32 subnormal is formed, which a TPU would flush), `0x7F` / `0xFF` NaN."""
-    a = b & 0x7F
-    normal = jax.lax.bitcast_convert_type((a << 20) + (120 << 23), jnp.float32)
-    small = a.astype(jnp.float32) * jnp.float32(2.0**-9)
-    magnitude = jnp.where(a < 8, small, normal)
-    bits = jax.lax.bitcast_convert_type(magnitude, jnp.int32) | (b & _INT_MIN)
-    value = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return jnp.where(a == 0x7F, jnp.float32(jnp.nan), value)
-
-
-def _fp4_pair(b: Array, scale: Array) -> tuple[Array, Array]:
-    """float32 values of the low and high FP4 E2M1 codes of bytes `b` (`int8`
-    widened to int32) times `scale`, where `scale` is half the block's E8M0 scale
-    (`2 ** (byte - 128)`): each code's magnitude times two is a small integer
-    (read from `_FP4_TWICE`), exact in float32, and so is its product with a power
-    of two; the sign is the code's top bit."""
-
-    def value(index, sign):
-        twice = (jnp.int32(_FP4_TWICE) >> index) & 0xF
-        product = twice.astype(jnp.float32) * scale
-        bits = jax.lax.bitcast_convert_type(product, jnp.int32) | sign
-        return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-    low = value((b << 2) & 0x1C, (b << 28) & _INT_MIN)
-    high = value((b >> 2) & 0x1C, b & _INT_MIN)
-    return low, high
 
 
 def _dot(a, b, transpose_b=False):
@@ -145,7 +109,7 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
         part = None
         for b in range(-(-k // FP8_BLOCK[0])):
             lo, hi = b * FP8_BLOCK[0], min(k, (b + 1) * FP8_BLOCK[0])
-            value = _fp8_value(v[lo:hi, :].astype(jnp.int32))
+            value = fp8_value(v[lo:hi, :].astype(jnp.int32))
             term = _dot(x[:, lo:hi], (value * scale_row(b)).astype(dtype))
             part = term if part is None else part + term
         return part
@@ -153,19 +117,8 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
     # `2 j + 1`), `s` its scale bytes `[tn, K / 32]`; the rows' even and odd columns
     # come apart (`x_refs`), so each half of a byte meets its own.
     (x_even, x_odd), (v, s) = x_refs, w_refs
-    # Half of each block's scale, `2 ** (byte - 128)` (a normal float32 for the
-    # bytes this kernel takes), over its 16 bytes by a product with a 0/1 matrix:
-    # exact (a power of two times one, summed with zeros).
-    exponent = ((s[...].astype(jnp.int32) & 0xFF) - 1) << 23
-    scale = jax.lax.bitcast_convert_type(exponent, jnp.float32)  # [tn, K / 32]
-    half = MXFP4_BLOCK // 2
-    blocks, width = scale.shape[1], v.shape[1]
-    rows = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 1)
-    # (`>>`, not `//`: Mosaic lowers no integer floor division.)
-    spread = jnp.where((cols >> (half.bit_length() - 1)) == rows, 1.0, 0.0)
-    scale = _dot(scale.astype(jnp.bfloat16), spread.astype(jnp.bfloat16))
-    low, high = _fp4_pair(v[...].astype(jnp.int32), scale)  # [tn, K / 2] each
+    scale = mxfp4_half_scales(s[...], v.shape[1], _dot)  # [tn, K / 2]
+    low, high = fp4_pair(v[...].astype(jnp.int32), scale)  # [tn, K / 2] each
     return _dot(x_even[...], low.astype(dtype), True) + _dot(
         x_odd[...], high.astype(dtype), True
     )
@@ -308,20 +261,6 @@ def decode_gmm(
     return out[:m]
 
 
-# The formats the kernel reads in place; a weight in another (a user's own) is
-# dequantized first.
-KERNEL_FORMATS = ("int8", "float8_e4m3fn", "mxfp4")
-
-
-def _in_kernel(w) -> bool:
-    """Whether the kernel takes `w` as it is: a float array, or a `QuantizedArray`
-    in one of `KERNEL_FORMATS` (MXFP4 with normal scale bytes only, see
-    `PallasTPUGMM.ffn`), not one with its bias folded in."""
-    if not is_quantized(w):
-        return True
-    return isinstance(w, QuantizedArray) and w.fmt in KERNEL_FORMATS
-
-
 class _DecodeProducts(AbstractProducts):
     """The kernel as the forward product; `lax.ragged_dot` for its transposes."""
 
@@ -346,6 +285,30 @@ class _DecodeProducts(AbstractProducts):
         )
 
 
+@jax.custom_jvp
+def _cut_where(cut: Array, x: Array) -> Array:
+    """`x`, whose tangent (and so cotangent) is zero where `cut`: no pass over `x`
+    in the forward (a `where` on `x` itself would be one)."""
+    return x
+
+
+@_cut_where.defjvp
+def _cut_where_jvp(primals, tangents):
+    cut, x = primals
+    return x, jnp.where(cut, jnp.zeros((), x.dtype), tangents[1])
+
+
+def _by_expert(w, dtype) -> Array:
+    """`w` in `dtype`, a quantized weight dequantized one expert at a time (its
+    float32 intermediates are one expert's, not every expert's)."""
+    if not is_quantized(w):
+        return w.astype(dtype)
+    return jax.lax.map(
+        lambda g: w.map_experts(lambda a: a[g]).dequantize(dtype),
+        jnp.arange(w.values.shape[0]),
+    )
+
+
 def _float(w, dtype):
     return w.dequantize(dtype) if is_quantized(w) else w
 
@@ -364,17 +327,26 @@ class _TrainingProducts(AbstractProducts):
             return _RaggedDotProducts()
         return _GroupedProducts(interpret=self.interpret)
 
+    def _weights(self, a, b):
+        """`b` as the kernel takes it: quantized weights as stored where the own
+        kernel reads them, dequantized whole for `lax.ragged_dot`."""
+        if a.dtype.itemsize > 4:
+            return _float(b, a.dtype)
+        return b
+
     def gmm(self, a, b, group_sizes):
-        return self._kernel(a).gmm(a, b, group_sizes)
+        return self._kernel(a).gmm(a, self._weights(a, b), group_sizes)
 
     def gmm_t(self, a, b, group_sizes):
-        return self._kernel(a).gmm_t(a, b, group_sizes)
+        return self._kernel(a).gmm_t(a, self._weights(a, b), group_sizes)
 
     def tgmm(self, a, d, group_sizes):
         return self._kernel(a).tgmm(a, d, group_sizes)
 
     def backward(self, a, b, group_sizes, d_out, want):
-        return self._kernel(a).backward(a, b, group_sizes, d_out, want)
+        return self._kernel(a).backward(
+            a, self._weights(a, b), group_sizes, d_out, want
+        )
 
 
 class PallasTPUGMM(AbstractGMMBackend):
@@ -384,11 +356,14 @@ class PallasTPUGMM(AbstractGMMBackend):
 
     The kernel reads only the experts that have rows, and quantized experts
     ([`moe_eqx.QuantizedArray`][]: FP8, MXFP4, int8) as stored, dequantizing each
-    weight tile in VMEM: no float copy of the experts is made. MXFP4 weights with a
-    scale byte outside `[2, 254]` (subnormal or infinite scales, in no trained
-    checkpoint) go to `GatheredGMM` (one expert dequantized at a time); biased
-    quantized experts and the chunked fallback's accumulating FFN take the products
-    for many rows (or `fallback`).
+    weight tile in VMEM: no float copy of the experts is made. For many rows the
+    own grouped kernel's forward reads them as stored too (each tile dequantized
+    once per group and column tile); the input's gradient there dequantizes them
+    whole. MXFP4 weights with a scale byte outside `[2, 254]` (subnormal or
+    infinite scales, in no trained checkpoint) are dequantized exactly instead: by
+    `GatheredGMM` (few rows) or one expert at a time before the many-row kernels;
+    biased quantized experts and the chunked fallback's accumulating FFN take the
+    products for many rows, dequantized whole (or `fallback`).
 
     **Arguments:**
 
@@ -437,11 +412,13 @@ class PallasTPUGMM(AbstractGMMBackend):
         activation: AbstractActivation = SWIGLU,
     ):
         weights = (w_gate_up, w_down)
-        if (
-            grad_acc is not None
-            or x.shape[0] > self.max_rows
-            or not all(_in_kernel(w) for w in weights)
-        ):
+        many = x.shape[0] > self.max_rows
+        # Quantized experts in a format the kernels read: each weight tile
+        # dequantized in VMEM, by the decode kernel or (many rows) the own grouped
+        # kernel's forward; float experts for many rows: two calls of this backend.
+        own = grad_acc is None and all(in_kernel(w) for w in weights)
+        quantized = any(is_quantized(w) for w in weights)
+        if not own or (many and (self.fallback is not None or not quantized)):
             if self.fallback is not None:
                 return self.fallback.ffn(
                     x, w_gate_up, w_down, group_sizes, grad_acc, activation=activation
@@ -450,11 +427,13 @@ class PallasTPUGMM(AbstractGMMBackend):
             return gmm_ffn(
                 many, x, w_gate_up, w_down, group_sizes, grad_acc, activation
             )
+        products = _TrainingProducts(self.interpret) if many else self._products()
         mxfp4 = [w for w in weights if is_quantized(w) and w.fmt == "mxfp4"]
         if not mxfp4:
-            return self._ffn(x, w_gate_up, w_down, group_sizes, activation)
+            return self._ffn(x, w_gate_up, w_down, group_sizes, activation, products)
         # Other scale bytes (in no trained checkpoint) need the exact integer
-        # construction of `_quant`: one expert at a time, below.
+        # construction of `_quant`: one expert at a time (few rows) or each weight
+        # dequantized whole (many), below.
         lo, hi = NORMAL_SCALE_BYTES
         edge = jnp.zeros((), bool)
         for w in mxfp4:
@@ -462,6 +441,15 @@ class PallasTPUGMM(AbstractGMMBackend):
             edge = edge | jnp.any((byte < lo) | (byte > hi))
 
         def exact(fast, x, w_gate_up, w_down, group_sizes):
+            if many:  # the kernels on each weight dequantized an expert at a time
+                whole = dataclasses.replace(self, max_rows=0)
+
+                def product(lhs, w, sizes):
+                    return whole(lhs, _by_expert(w, lhs.dtype), sizes)
+
+                return two_products(
+                    product, x, w_gate_up, w_down, group_sizes, activation
+                )
             # One expert's float matrices at a time: no float copy of them all.
             return GatheredGMM().ffn(
                 x, w_gate_up, w_down, group_sizes, activation=activation
@@ -471,17 +459,16 @@ class PallasTPUGMM(AbstractGMMBackend):
             return fast
 
         # The kernel runs outside the `cond` (docs/measured.md, "TPU"), its result
-        # unused where the exact branch is taken. There it multiplies zeros, and
-        # the zeros' `where` stops its pullback, which would be NaN (a zero
-        # cotangent through the other bytes' infinite or NaN products).
-        idle = jnp.where(edge, jnp.zeros((), x.dtype), x)
-        fast = self._ffn(idle, w_gate_up, w_down, group_sizes, activation)
+        # unused where the exact branch is taken. There its pullback (a zero
+        # cotangent through the other bytes' infinite or NaN products) would be
+        # NaN: `_cut_where` zeroes it, in the derivatives only.
+        fast = self._ffn(
+            _cut_where(edge, x), w_gate_up, w_down, group_sizes, activation, products
+        )
         args = (fast, x, w_gate_up, w_down, group_sizes)
         return jax.lax.cond(edge, exact, kernel, *args)
 
-    def _ffn(self, x, w_gate_up, w_down, group_sizes, activation):
-        products = self._products()
-
+    def _ffn(self, x, w_gate_up, w_down, group_sizes, activation, products):
         def product(lhs, w, sizes):
             if not is_quantized(w):
                 w = w.astype(lhs.dtype)

@@ -1,0 +1,102 @@
+"""Quantized weight tiles dequantized inside TPU kernels (Pallas), shared by the
+decode kernel (`moe_eqx._gmm.pallas_tpu`) and the many-row grouped kernel
+(`moe_eqx._gmm.grouped_tpu`).
+
+Each built-in format's tile is dequantized exactly as
+[`moe_eqx.QuantizedArray.dequantize`][] does: float32 values times float32 scales,
+one rounding to the activations' dtype. The stored bytes are read as `int8` (a
+bitcast of them outside the kernel would be a copy of every expert's weight on a
+TPU) and widened to int32 in VMEM; the float values are built from their bits with
+integer and float32 operations a TPU's vector unit has.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from .._quant import MXFP4_BLOCK, QuantizedArray, is_quantized
+from .mosaic_gpu.quantized import kernel_operands
+
+_INT_MIN = -(2**31)  # the float32 sign bit, as an int32
+# FP4 E2M1 magnitudes (codes 0..7) times two, one per nibble: 0 1 2 3 4 6 8 12.
+_FP4_TWICE = int(np.array(0xC8643210, np.uint32).view(np.int32))
+
+# The formats the kernels read in place; a weight in another (a user's own) is
+# dequantized first.
+KERNEL_FORMATS = ("int8", "float8_e4m3fn", "mxfp4")
+
+
+def in_kernel(w) -> bool:
+    """Whether the kernels take `w` as it is: a float array, or a `QuantizedArray`
+    in one of `KERNEL_FORMATS` (MXFP4 with normal scale bytes only, which the
+    caller checks), not one with its bias folded in."""
+    if not is_quantized(w):
+        return True
+    return isinstance(w, QuantizedArray) and w.fmt in KERNEL_FORMATS
+
+
+def fp8_value(b: Array) -> Array:
+    """float32 values of FP8 E4M3FN bytes (`int8` widened to int32), exactly:
+    normals by their float32 bits (exponent `e + 120`), subnormals `m * 2 ** -9`
+    (no float32 subnormal is formed, which a TPU would flush), `0x7F` / `0xFF` NaN."""
+    a = b & 0x7F
+    normal = jax.lax.bitcast_convert_type((a << 20) + (120 << 23), jnp.float32)
+    small = a.astype(jnp.float32) * jnp.float32(2.0**-9)
+    magnitude = jnp.where(a < 8, small, normal)
+    bits = jax.lax.bitcast_convert_type(magnitude, jnp.int32) | (b & _INT_MIN)
+    value = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jnp.where(a == 0x7F, jnp.float32(jnp.nan), value)
+
+
+def fp4_pair(b: Array, scale: Array) -> tuple[Array, Array]:
+    """float32 values of the low and high FP4 E2M1 codes of bytes `b` (`int8`
+    widened to int32) times `scale`, where `scale` is half the block's E8M0 scale
+    (`2 ** (byte - 128)`): each code's magnitude times two is a small integer
+    (read from `_FP4_TWICE`), exact in float32, and so is its product with a power
+    of two; the sign is the code's top bit."""
+
+    def value(index, sign):
+        twice = (jnp.int32(_FP4_TWICE) >> index) & 0xF
+        product = twice.astype(jnp.float32) * scale
+        bits = jax.lax.bitcast_convert_type(product, jnp.int32) | sign
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+    low = value((b << 2) & 0x1C, (b << 28) & _INT_MIN)
+    high = value((b >> 2) & 0x1C, b & _INT_MIN)
+    return low, high
+
+
+def mxfp4_half_scales(s: Array, width: int, product) -> Array:
+    """Half of each MXFP4 block's scale, `2 ** (byte - 128)` (a normal float32 for
+    the bytes the kernels take), for scale bytes `s` `[rows, K / 32]` (`int8`)
+    spread over the `width = K / 2` value bytes of their rows, `[rows, K / 2]`: a
+    product (by `product(a, b)`, a kernel's matrix product) with a 0/1 matrix, exact
+    (a power of two times one, summed with zeros)."""
+    exponent = ((s.astype(jnp.int32) & 0xFF) - 1) << 23
+    scale = jax.lax.bitcast_convert_type(exponent, jnp.float32)
+    half = MXFP4_BLOCK // 2
+    blocks = scale.shape[1]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 1)
+    # (`>>`, not `//`: Mosaic lowers no integer floor division.)
+    spread = jnp.where((cols >> (half.bit_length() - 1)) == rows, 1.0, 0.0)
+    return product(scale.astype(jnp.bfloat16), spread.astype(jnp.bfloat16))
+
+
+def fp8_column_scales(w: QuantizedArray, k: int, n: int) -> Array:
+    """An FP8 weight's float32 scales as `[G, ceil(K / 128), N]`, one column per
+    weight column (each part blocked from its own first column)."""
+    return kernel_operands(w, k, n)[1]
+
+
+def dequantize_rows(fmt: str, dtype, values: Array, scales: Array) -> Array:
+    """Rows of an int8 or FP8 tile dequantized to `dtype`: `values` `[r, n]`
+    (`int8` bytes), `scales` `[1, n]` float32 (int8: the columns' scales; FP8: the
+    columns' scales in the rows' 128-row block)."""
+    codes = values.astype(jnp.int32)
+    if fmt == "int8":
+        value = codes.astype(jnp.float32)
+    else:
+        value = fp8_value(codes)
+    return (value * scales).astype(dtype)

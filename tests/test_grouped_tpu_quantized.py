@@ -1,0 +1,230 @@
+"""Quantized experts on the library's own many-row TPU kernel (`grouped_matmul` with a
+`QuantizedArray`, which `me.PallasTPUGMM` takes for prefill): each visit's weight
+tile dequantized in VMEM, once per group and column tile, in Pallas' interpreter on
+the CPU against the same kernel on the weights dequantized first; every stored byte
+through the kernel; the layer; and Mosaic's lowering at a model shape, with no float
+copy of the experts. `tests/test_tpu.py` runs them compiled."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import every_code_weight
+
+import moe_eqx as me
+from moe_eqx._activation import SWIGLU
+from moe_eqx._gmm.grouped_tpu import grouped_matmul
+from moe_eqx._gmm.pallas_tpu import PallasTPUGMM, _TrainingProducts
+from moe_eqx.internal import quantize
+
+K, M = 256, 200
+# An empty group first, one over several row tiles, rows past the groups' sum.
+SIZES = [0, 120, 30, 0]
+
+# (format, columns, parts): FP8 also in two parts whose width is not whole blocks.
+FORMATS = {
+    "int8": ("int8", 256, 1),
+    "fp8": ("float8_e4m3fn", 256, 1),
+    "fp8-parts": ("float8_e4m3fn", 384, 2),
+    "mxfp4": ("mxfp4", 256, 1),
+}
+
+
+def _parts(w, fmt, parts):
+    """`w` quantized in `parts` column blocks side by side, each blocked from its
+    own first column (a gate and an up projection)."""
+    pieces = [quantize(p, fmt) for p in jnp.split(w, parts, axis=-1)]
+    values = jnp.concatenate([p.values for p in pieces], -1)
+    scales = jnp.concatenate([p.scales for p in pieces], -1)
+    return me.QuantizedArray(values, scales, fmt, jnp.float32, parts)
+
+
+def _raw(n, groups=None, seed=1):
+    groups = len(SIZES) if groups is None else groups
+    w = jr.normal(jr.key(seed), (groups, K, n))
+    return w * jnp.exp2(jr.randint(jr.key(seed + 1), (groups, 1, n), -3, 3))
+
+
+def _both(lhs, w, sizes, dt, **kw):
+    ours = grouped_matmul(lhs, w, sizes, interpret=True, **kw)
+    first = grouped_matmul(lhs, w.dequantize(dt), sizes, interpret=True, **kw)
+    return np.asarray(ours, np.float32), np.asarray(first, np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("case", "tk"),
+    [("int8", K), ("int8", 128), ("fp8", K), ("fp8", 128), ("fp8-parts", K)]
+    + [("mxfp4", K)],
+)
+def test_equals_dequantizing_first(case, tk, dtype):
+    """Skewed groups (an empty one first, one over several row tiles, rows past
+    the sum holding NaN), two or three column tiles, the contraction whole or in
+    tiles: exactly the values of the kernel on the weights dequantized first."""
+    fmt, n, parts = FORMATS[case]
+    dt = jnp.dtype(dtype)
+    w = _parts(_raw(n), fmt, parts)
+    sizes = jnp.array(SIZES, jnp.int32)
+    lhs = jr.normal(jr.key(0), (M, K), dt).at[sum(SIZES) :].set(jnp.nan)
+    ours, first = _both(lhs, w, sizes, dt, tiles=(32, tk, 128), chunk=16)
+    assert not np.isnan(first[: sum(SIZES)]).any()
+    assert not np.any(ours[sum(SIZES) :]), "rows past the groups"
+    np.testing.assert_array_equal(ours, first)
+
+
+def test_one_group_dequantizes_each_column_tile():
+    """One group whose rows fill every visit: the tile held from the first column
+    tile must not be taken for the second (each column tile's first visit
+    dequantizes its own)."""
+    w = _parts(_raw(256, groups=1), "int8", 1)
+    lhs = jr.normal(jr.key(0), (64, K))
+    sizes = jnp.array([64], jnp.int32)
+    ours, first = _both(lhs, w, sizes, jnp.float32, tiles=(32, K, 128), chunk=None)
+    np.testing.assert_array_equal(ours, first)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "n", "parts"), [FORMATS[c] for c in FORMATS], ids=list(FORMATS)
+)
+def test_every_code_dequantizes_exactly(fmt, n, parts):
+    """Rows of the identity times the kernel's dequantized tile give the tile back:
+    it equals `QuantizedArray.dequantize` for every stored byte (NaN where it is
+    NaN), over several column tiles and two row tiles."""
+    w = every_code_weight(fmt, K, n, jr.key(11), parts)
+    want = np.asarray(w.dequantize(jnp.float32)[0], np.float32)
+    got = grouped_matmul(
+        jnp.eye(K),
+        w,
+        jnp.array([K], jnp.int32),
+        tiles=(128, K, 128),
+        interpret=True,
+    )
+    got = np.asarray(got, np.float32)
+    assert np.isnan(want).any() == (fmt == "float8_e4m3fn")
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    mask = ~np.isnan(want)
+    np.testing.assert_array_equal(got[mask], want[mask])
+
+
+def test_rejects_a_transposed_quantized_rhs():
+    w = _parts(_raw(256), "int8", 1)
+    with pytest.raises(ValueError, match="transpose"):
+        grouped_matmul(jnp.ones((8, 256)), w, jnp.array(SIZES), transpose_rhs=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+def test_layer_prefill_equals_the_dequantized_layer(fmt):
+    """The layer on `PallasTPUGMM` past its decode rows (the many-row kernel reading
+    the stored bytes): its output and its input's gradient are those of the same
+    layer with its experts dequantized."""
+    cfg = me.MoEConfig(
+        d_model=64,
+        d_ff=64,
+        num_experts=4,
+        top_k=2,
+        gmm_backend=PallasTPUGMM(max_rows=4, interpret=True),
+    )
+    layer = me.quantize_experts(me.MoELayer(cfg, key=jr.key(5)), fmt)
+    floats = me.dequantize_experts(layer)
+    x = jr.normal(jr.key(7), (24, 64))
+
+    def close(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max(), rtol=0)
+
+    close(jax.jit(lambda x: layer(x)[0])(x), floats(x)[0])
+    grad = jax.grad(lambda x: jnp.sum(jnp.sin(layer(x)[0])))(x)
+    close(grad, jax.grad(lambda x: jnp.sum(jnp.sin(floats(x)[0])))(x))
+
+
+def _expert_arrays(text, g, k, n):
+    """Float arrays of a whole expert weight's shape in a lowered program."""
+    return re.findall(rf"tensor<{g}x{k}x{n}x(?:bf16|f32)>", text)
+
+
+@pytest.mark.lowering_only
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+def test_prefill_lowers_for_tpu_without_a_float_copy_of_the_experts(fmt):
+    """A DeepSeek-V2-Lite-like expert FFN at 4096 tokens' pairs, bfloat16, lowered
+    for TPU: Mosaic takes both products' kernels, and no float array of either
+    weight's shape is in the program (the experts dequantized whole before the
+    kernels, as before, would be; MXFP4 checks the kernels' FFN, the part outside
+    its edge-scale check)."""
+    g, d, f, rows = 64, 2048, 1408, 4096 * 6
+    w1 = jax.eval_shape(lambda: quantize(jnp.zeros((g, d, 2 * f)), fmt))
+    w2 = jax.eval_shape(lambda: quantize(jnp.zeros((g, f, d)), fmt))
+    x = jax.ShapeDtypeStruct((rows, d), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+    backend = PallasTPUGMM()
+    if fmt == "mxfp4":
+
+        def ffn(x, w1, w2, s):
+            return backend._ffn(x, w1, w2, s, SWIGLU, _TrainingProducts(False))
+    else:
+        ffn = backend.ffn
+    text = (
+        jax.jit(ffn)
+        .trace(x, w1, w2, sizes)
+        .lower(lowering_platforms=("tpu",))
+        .as_text()
+    )
+    assert text.count("tpu_custom_call") == 2
+    assert not _expert_arrays(text, g, d, 2 * f) + _expert_arrays(text, g, f, d)
+
+
+def _with_scale_byte(w, byte):
+    """MXFP4 `w` with its first scale byte of every row set to `byte`."""
+    scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8).at[:, :, 0].set(byte)
+    return eqx.tree_at(
+        lambda w: w.scales, w, jax.lax.bitcast_convert_type(scales, jnp.int8)
+    )
+
+
+@pytest.mark.parametrize("byte", [0, 1])
+def test_prefill_with_edge_scales_takes_the_exact_path(byte):
+    """MXFP4 scale bytes outside `[2, 254]` at many rows: the kernels' float
+    scaling would flush them, so the layer takes the experts dequantized exactly
+    (one at a time); its output and its input's gradient are the dequantized
+    layer's, finite."""
+    cfg = me.MoEConfig(
+        d_model=64,
+        d_ff=64,
+        num_experts=4,
+        top_k=2,
+        gmm_backend=PallasTPUGMM(max_rows=4, interpret=True),
+    )
+    layer = me.quantize_experts(me.MoELayer(cfg, key=jr.key(5)), "mxfp4")
+    w = _with_scale_byte(layer.experts.w_gate_up, byte)
+    layer = eqx.tree_at(lambda l: l.experts.w_gate_up, layer, w)
+    floats = me.dequantize_experts(layer)
+    x = jr.normal(jr.key(8), (24, 64)) * 1e30
+    y, want = layer(x)[0], floats(x)[0]
+    np.testing.assert_allclose(y, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+    def loss(layer, x):
+        return jnp.sum(jnp.sin(layer(x)[0]))
+
+    x = x / 1e30  # (at 1e30 the router's gradient is not finite, float layer too)
+    grad = jax.grad(loss, argnums=1)(layer, x)
+    assert np.all(np.isfinite(np.asarray(grad)))
+    want = jax.grad(loss, argnums=1)(floats, x)
+    np.testing.assert_allclose(grad, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_mxfp4_prefill_holds_no_float32_copy_of_the_experts():
+    """The many-row MXFP4 FFN, its exact branch for edge scale bytes included,
+    compiled (CPU): its temporaries under 0.6x the experts' float32 bytes. Before,
+    at many rows it dequantized both weights whole ahead of the kernels: 1.3x."""
+    g, d, f, rows = 32, 256, 256, 64
+    w1 = jax.eval_shape(lambda: quantize(jnp.zeros((g, d, 2 * f)), "mxfp4"))
+    w2 = jax.eval_shape(lambda: quantize(jnp.zeros((g, f, d)), "mxfp4"))
+    x = jax.ShapeDtypeStruct((rows, d), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+    backend = PallasTPUGMM(max_rows=4, interpret=True)
+    compiled = jax.jit(backend.ffn).lower(x, w1, w2, sizes).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 0.6 * (g * d * 2 * f + g * f * d) * 4, temp
