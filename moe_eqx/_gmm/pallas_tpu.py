@@ -432,8 +432,8 @@ class PallasTPUGMM(AbstractGMMBackend):
         if not mxfp4:
             return self._ffn(x, w_gate_up, w_down, group_sizes, activation, products)
         # Other scale bytes (in no trained checkpoint) need the exact integer
-        # construction of `_quant`: one expert at a time (few rows) or each weight
-        # dequantized whole (many), below.
+        # construction of `_quant`: below, one expert at a time (few rows: each
+        # row's expert; many: each weight dequantized an expert at a time).
         lo, hi = NORMAL_SCALE_BYTES
         edge = jnp.zeros((), bool)
         for w in mxfp4:
