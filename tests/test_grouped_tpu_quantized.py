@@ -119,8 +119,8 @@ def test_rejects_a_transposed_quantized_rhs():
 @pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
 def test_layer_prefill_equals_the_dequantized_layer(fmt):
     """The layer on `PallasTPUGMM` past its decode rows (the many-row kernel reading
-    the stored bytes): its output and its input's gradient are those of the same
-    layer with its experts dequantized."""
+    the stored bytes): its output, its input's gradient and its forward-mode tangent
+    are those of the same layer with its experts dequantized."""
     cfg = me.MoEConfig(
         d_model=64,
         d_ff=64,
@@ -139,6 +139,10 @@ def test_layer_prefill_equals_the_dequantized_layer(fmt):
     close(jax.jit(lambda x: layer(x)[0])(x), floats(x)[0])
     grad = jax.grad(lambda x: jnp.sum(jnp.sin(layer(x)[0])))(x)
     close(grad, jax.grad(lambda x: jnp.sum(jnp.sin(floats(x)[0])))(x))
+    # Forward mode: the tangent through the kernel reading the stored bytes.
+    t = jr.normal(jr.key(9), x.shape)
+    _, tangent = jax.jvp(lambda x: layer(x)[0], (x,), (t,))
+    close(tangent, jax.jvp(lambda x: floats(x)[0], (x,), (t,))[1])
 
 
 def _expert_arrays(text, g, k, n):
