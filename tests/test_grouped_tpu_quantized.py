@@ -116,11 +116,9 @@ def test_rejects_a_transposed_quantized_rhs():
         grouped_matmul(jnp.ones((8, 256)), w, jnp.array(SIZES), transpose_rhs=True)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
-def test_layer_prefill_equals_the_dequantized_layer(fmt):
-    """The layer on `PallasTPUGMM` past its decode rows (the many-row kernel reading
-    the stored bytes): its output, its input's gradient and its forward-mode tangent
-    are those of the same layer with its experts dequantized."""
+def _prefill_layer(fmt):
+    """A layer with `fmt` experts on `PallasTPUGMM` past its decode rows (4), so
+    that its pairs take the many-row kernel."""
     cfg = me.MoEConfig(
         d_model=64,
         d_ff=64,
@@ -128,7 +126,15 @@ def test_layer_prefill_equals_the_dequantized_layer(fmt):
         top_k=2,
         gmm_backend=PallasTPUGMM(max_rows=4, interpret=True),
     )
-    layer = me.quantize_experts(me.MoELayer(cfg, key=jr.key(5)), fmt)
+    return me.quantize_experts(me.MoELayer(cfg, key=jr.key(5)), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+def test_layer_prefill_equals_the_dequantized_layer(fmt):
+    """The layer on `PallasTPUGMM` past its decode rows (the many-row kernel reading
+    the stored bytes): its output, its input's gradient and its forward-mode tangent
+    are those of the same layer with its experts dequantized."""
+    layer = _prefill_layer(fmt)
     floats = me.dequantize_experts(layer)
     x = jr.normal(jr.key(7), (24, 64))
 
@@ -194,14 +200,7 @@ def test_prefill_with_edge_scales_takes_the_exact_path(byte):
     scaling would flush them, so the layer takes the experts dequantized exactly
     (one at a time); its output and its input's gradient are the dequantized
     layer's, finite."""
-    cfg = me.MoEConfig(
-        d_model=64,
-        d_ff=64,
-        num_experts=4,
-        top_k=2,
-        gmm_backend=PallasTPUGMM(max_rows=4, interpret=True),
-    )
-    layer = me.quantize_experts(me.MoELayer(cfg, key=jr.key(5)), "mxfp4")
+    layer = _prefill_layer("mxfp4")
     w = _with_scale_byte(layer.experts.w_gate_up, byte)
     layer = eqx.tree_at(lambda l: l.experts.w_gate_up, layer, w)
     floats = me.dequantize_experts(layer)
