@@ -53,9 +53,9 @@ from ._products import AbstractProducts
 from .megablox import _mb  # megablox's visit schedule (`make_group_metadata`)
 from .quantized_tpu import (
     KERNEL_FORMATS,
+    column_scales,
     dequantize_rows,
     fp4_pair,
-    fp8_column_scales,
     in_kernel,
     mxfp4_half_scales,
 )
@@ -289,10 +289,7 @@ def grouped_matmul(
     if fmt == "mxfp4":  # values `[G, N, K / 2]`, scales `[G, N, K / 32]`
         weights = [rhs.values, rhs.scales]
     elif fmt is not None:  # values `[G, K, N]`, float32 scales `[G, R, N]`
-        if fmt == "int8":
-            scales = jax.lax.bitcast_convert_type(rhs.scales, jnp.float32)
-        else:  # one row per 128-row block of `K`
-            scales = fp8_column_scales(rhs, k, n)
+        scales = column_scales(rhs, k, n)
         weights = [rhs.values, scales]
     else:
         weights = [rhs]

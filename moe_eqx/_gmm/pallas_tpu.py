@@ -48,10 +48,15 @@ from .._quant import (
 from .._rules import match_varying
 from ._base import AbstractGMMBackend, GradAcc, gmm_ffn, group_ids, two_products
 from ._products import AbstractProducts, gmm
-from .gathered import GatheredGMM
+from .gathered import GatheredGMM, _expert_matrix
 from .grouped_tpu import _GroupedProducts, _product, _row_tile
-from .mosaic_gpu.quantized import kernel_operands
-from .quantized_tpu import fp4_pair, fp8_value, in_kernel, mxfp4_half_scales
+from .quantized_tpu import (
+    column_scales,
+    dequantize_rows,
+    fp4_pair,
+    in_kernel,
+    mxfp4_half_scales,
+)
 from .ragged_dot import _RaggedDotProducts
 
 # VMEM a weight tile may take with its dequantizing temporaries (int32 codes, float32
@@ -85,8 +90,7 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
         return _dot(x[...], w[...].astype(dtype))
     if fmt == "int8":
         (x,), (v, s) = x_refs, w_refs
-        w = v[...].astype(jnp.int32).astype(jnp.float32) * s[...]
-        return _dot(x[...], w.astype(dtype))
+        return _dot(x[...], dequantize_rows(fmt, dtype, v[...], s[...]))
     if fmt in ("fp8_blocks", "float8_e4m3fn"):
         (x,), (v, s) = x_refs, w_refs
         if fmt == "fp8_blocks":  # `s`: this expert's `[column blocks, row blocks]`
@@ -109,8 +113,8 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
         part = None
         for b in range(-(-k // FP8_BLOCK[0])):
             lo, hi = b * FP8_BLOCK[0], min(k, (b + 1) * FP8_BLOCK[0])
-            value = fp8_value(v[lo:hi, :].astype(jnp.int32))
-            term = _dot(x[:, lo:hi], (value * scale_row(b)).astype(dtype))
+            tile = dequantize_rows("float8_e4m3fn", dtype, v[lo:hi, :], scale_row(b))
+            term = _dot(x[:, lo:hi], tile)
             part = term if part is None else part + term
         return part
     # MXFP4: `v` is `W^T` as bytes `[tn, K / 2]` (byte `j` holds rows `2 j` and
@@ -178,7 +182,7 @@ def _weight_operands(w, k: int, n: int, tn: int):
             (w.values, scales),
             ((None, k, None), (None, *scales.shape[1:])),
         )
-    _, scales = kernel_operands(w, k, n)  # scales: [G, rows of K, N] float32
+    scales = column_scales(w, k, n)  # [G, rows of K, N] float32
     return w.fmt, (w.values, scales), ((None, k, None), (None, scales.shape[1], None))
 
 
@@ -304,8 +308,7 @@ def _by_expert(w, dtype) -> Array:
     if not is_quantized(w):
         return w.astype(dtype)
     return jax.lax.map(
-        lambda g: w.map_experts(lambda a: a[g]).dequantize(dtype),
-        jnp.arange(w.values.shape[0]),
+        lambda g: _expert_matrix(w, g, dtype), jnp.arange(w.values.shape[0])
     )
 
 

@@ -84,9 +84,10 @@ def mxfp4_half_scales(s: Array, width: int, product) -> Array:
     return product(scale.astype(jnp.bfloat16), spread.astype(jnp.bfloat16))
 
 
-def fp8_column_scales(w: QuantizedArray, k: int, n: int) -> Array:
-    """An FP8 weight's float32 scales as `[G, ceil(K / 128), N]`, one column per
-    weight column (each part blocked from its own first column)."""
+def column_scales(w: QuantizedArray, k: int, n: int) -> Array:
+    """An int8 or FP8 weight's float32 scales, one column per weight column: int8's
+    `[G, 1, N]`, FP8's `[G, ceil(K / 128), N]` (one row per 128-row block, each
+    part blocked from its own first column)."""
     return kernel_operands(w, k, n)[1]
 
 
