@@ -159,3 +159,25 @@ def _free_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def mxfp4_transposed(monkeypatch):
+    """Makes the TPU kernels read MXFP4 weights in their transposed orientation,
+    `[G, K / 2, N]` (as where a TPU lays the stored bytes out with `N` minor-most),
+    in place of this platform's layout. Yields the list of shapes asked about,
+    which a test checks is not empty (the orientation was chosen). JAX's caches
+    are cleared before and after, so that no trace of either orientation is
+    reused by the other."""
+    from moe_eqx._gmm import quantized_tpu
+
+    asked = []
+
+    def transposed(shape, dtype):
+        asked.append(tuple(shape))
+        return True
+
+    jax.clear_caches()
+    monkeypatch.setattr(quantized_tpu, "stores_transposed", transposed)
+    yield asked
+    jax.clear_caches()

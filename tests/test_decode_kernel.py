@@ -38,9 +38,26 @@ def test_kernel_reads_the_stored_bytes_themselves(fmt):
         assert arrays[1] is w.scales and w.scales.dtype == jnp.int8
 
 
-@pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4"])
+def test_mxfp4_transposed_operands_are_the_stored_bytes_swapped(mxfp4_transposed):
+    """Where the platform lays MXFP4 bytes out with `N` minor-most, the kernel's
+    operands are the stored arrays with their last two axes swapped (no other
+    conversion), which is the bytes as they lie there."""
+    asked = mxfp4_transposed
+    w = quantize(jr.normal(jr.key(1), (G, K, N)), "mxfp4")
+    path, arrays, blocks = _weight_operands(w, K, N, 32)
+    assert path == "mxfp4_kn" and asked == [w.values.shape]
+    np.testing.assert_array_equal(arrays[0], jnp.swapaxes(w.values, 1, 2))
+    np.testing.assert_array_equal(arrays[1], jnp.swapaxes(w.scales, 1, 2))
+    assert blocks == ((None, K // 2, None), (None, K // 32, None))
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_values_match_dequantizing_first(fmt, dtype):
+def test_values_match_dequantizing_first(fmt, dtype, request):
+    asked = None
+    if fmt == "mxfp4-kn":  # the bytes read in their transposed orientation
+        asked = request.getfixturevalue("mxfp4_transposed")
+        fmt = "mxfp4"
     dt = jnp.dtype(dtype)
     lhs = jr.normal(jr.key(0), (M, K), dt)
     rhs = jr.normal(jr.key(1), (G, K, N))
@@ -51,6 +68,7 @@ def test_values_match_dequantizing_first(fmt, dtype):
     assert out.dtype == dt and out.shape == (M, N)
     _close(out, ref, 1e-5 if dt == jnp.float32 else 1e-2)
     assert not np.any(np.asarray(out[11:], np.float32)), "rows past the groups"
+    assert asked is None or asked
 
 
 def test_no_rows_and_one_row():
@@ -118,14 +136,19 @@ def test_layer_on_the_kernel_matches_oracle(num_shards):
     _close(got[0].experts.w_down, want[0].experts.w_down, 1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
-def test_quantized_layer_matches_dequantized(fmt):
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
+def test_quantized_layer_matches_dequantized(fmt, request):
+    asked = None
+    if fmt == "mxfp4-kn":
+        asked = request.getfixturevalue("mxfp4_transposed")
+        fmt = "mxfp4"
     layer = me.quantize_experts(_layer(), fmt)
     floats = me.dequantize_experts(layer)
     x = jr.normal(jr.key(7), (8, K))
     _close(jax.jit(lambda x: layer(x)[0])(x), floats(x)[0], 1e-5)
     g = jax.grad(lambda x: jnp.sum(layer(x)[0] ** 2))(x)
     _close(g, jax.grad(lambda x: jnp.sum(floats(x)[0] ** 2))(x), 1e-4)
+    assert asked is None or asked
 
 
 @pytest.mark.parametrize("byte", [0, 1, 255])
@@ -162,11 +185,17 @@ def test_mxfp4_edge_scales_take_the_exact_path(byte):
 
 
 @pytest.mark.lowering_only
-@pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4"])
-def test_lowers_for_tpu_at_a_model_shape(fmt):
+@pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
+def test_lowers_for_tpu_at_a_model_shape(fmt, request):
     """Mosaic's lowering (run here, on the CPU) accepts every format's kernel at a
     DeepSeek-V2-Lite-like expert shape, both products: what the interpreter cannot
-    check (e.g. an integer division Mosaic has no rule for)."""
+    check (e.g. an integer division Mosaic has no rule for). MXFP4 in both
+    orientations (the down projection's bytes, `K / 2 = 704`, arrive transposed on
+    a TPU)."""
+    asked = None
+    if fmt == "mxfp4-kn":
+        asked = request.getfixturevalue("mxfp4_transposed")
+        fmt = "mxfp4"
     for k, n in ((2048, 2816), (1408, 2048)):
         lhs = jax.ShapeDtypeStruct((48, k), jnp.bfloat16)
         w = jnp.zeros((64, k, n), jnp.bfloat16)
@@ -179,6 +208,7 @@ def test_lowers_for_tpu_at_a_model_shape(fmt):
             .as_text()
         )
         assert text.count("tpu_custom_call") == 1, (fmt, k, n)
+    assert asked is None or asked
 
 
 # FP8 in parts whose width is whole blocks (the kernel spreads the block scales
@@ -189,15 +219,18 @@ _LAYOUTS = [
     ("float8_e4m3fn", 256, 2, "fp8_blocks"),
     ("float8_e4m3fn", 384, 2, "float8_e4m3fn"),
     ("mxfp4", 256, 1, "mxfp4"),
+    ("mxfp4", 256, 1, "mxfp4_kn"),  # read in the transposed orientation
 ]
 
 
 @pytest.mark.parametrize(("fmt", "n", "parts", "path"), _LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_code_dequantizes_exactly(fmt, n, parts, path, dtype):
+def test_every_code_dequantizes_exactly(fmt, n, parts, path, dtype, request):
     """Rows of the identity times the kernel's dequantized tile give the tile back:
     it equals `QuantizedArray.dequantize` exactly for every stored byte (NaN where
     it is NaN), over several grid steps of 128 columns."""
+    if path == "mxfp4_kn":
+        request.getfixturevalue("mxfp4_transposed")
     dt = jnp.dtype(dtype)
     k = 512
     w = every_code_weight(fmt, k, n, jr.key(11), parts)

@@ -76,6 +76,27 @@ def test_equals_dequantizing_first(case, tk, dtype):
     np.testing.assert_array_equal(ours, first)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [256, 448, 704])
+def test_mxfp4_transposed_equals_dequantizing_first(k, dtype, mxfp4_transposed):
+    """MXFP4 bytes read in their transposed orientation (`[G, K / 2, N]`, as a TPU
+    lays out `K / 2 = 704`; dequantized 256 rows at a time, the last piece short
+    where `K / 2` is not a multiple of 128): exactly the kernel on the weights
+    dequantized first, groups as above."""
+    dt = jnp.dtype(dtype)
+    w = jr.normal(jr.key(1), (len(SIZES), k, 256))
+    w = quantize(
+        w * jnp.exp2(jr.randint(jr.key(2), (len(SIZES), k, 1), -3, 3)), "mxfp4"
+    )
+    sizes = jnp.array(SIZES, jnp.int32)
+    lhs = jr.normal(jr.key(0), (M, k), dt).at[sum(SIZES) :].set(jnp.nan)
+    ours, first = _both(lhs, w, sizes, dt, tiles=(32, k, 128), chunk=16)
+    assert mxfp4_transposed == [w.values.shape]
+    assert not np.isnan(first[: sum(SIZES)]).any()
+    assert not np.any(ours[sum(SIZES) :]), "rows past the groups"
+    np.testing.assert_array_equal(ours, first)
+
+
 def test_one_group_dequantizes_each_column_tile():
     """One group whose rows fill every visit: the tile held from the first column
     tile must not be taken for the second (each column tile's first visit
@@ -88,12 +109,19 @@ def test_one_group_dequantizes_each_column_tile():
 
 
 @pytest.mark.parametrize(
-    ("fmt", "n", "parts"), [FORMATS[c] for c in FORMATS], ids=list(FORMATS)
+    ("fmt", "n", "parts"),
+    [FORMATS[c] for c in FORMATS] + [("mxfp4-kn", 256, 1)],
+    ids=[*FORMATS, "mxfp4-kn"],
 )
-def test_every_code_dequantizes_exactly(fmt, n, parts):
+def test_every_code_dequantizes_exactly(fmt, n, parts, request):
     """Rows of the identity times the kernel's dequantized tile give the tile back:
     it equals `QuantizedArray.dequantize` for every stored byte (NaN where it is
-    NaN), over several column tiles and two row tiles."""
+    NaN), over several column tiles and two row tiles; MXFP4 read in both
+    orientations."""
+    asked = None
+    if fmt == "mxfp4-kn":
+        asked = request.getfixturevalue("mxfp4_transposed")
+        fmt = "mxfp4"
     w = every_code_weight(fmt, K, n, jr.key(11), parts)
     want = np.asarray(w.dequantize(jnp.float32)[0], np.float32)
     got = grouped_matmul(
@@ -108,6 +136,7 @@ def test_every_code_dequantizes_exactly(fmt, n, parts):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     mask = ~np.isnan(want)
     np.testing.assert_array_equal(got[mask], want[mask])
+    assert asked is None or asked
 
 
 def test_rejects_a_transposed_quantized_rhs():
@@ -129,11 +158,16 @@ def _prefill_layer(fmt):
     return me.quantize_experts(me.MoELayer(cfg, key=jr.key(5)), fmt)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
-def test_layer_prefill_equals_the_dequantized_layer(fmt):
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
+def test_layer_prefill_equals_the_dequantized_layer(fmt, request):
     """The layer on `PallasTPUGMM` past its decode rows (the many-row kernel reading
     the stored bytes): its output, its input's gradient and its forward-mode tangent
-    are those of the same layer with its experts dequantized."""
+    are those of the same layer with its experts dequantized (MXFP4 in both
+    orientations)."""
+    asked = None
+    if fmt == "mxfp4-kn":
+        asked = request.getfixturevalue("mxfp4_transposed")
+        fmt = "mxfp4"
     layer = _prefill_layer(fmt)
     floats = me.dequantize_experts(layer)
     x = jr.normal(jr.key(7), (24, 64))
@@ -151,6 +185,7 @@ def test_layer_prefill_equals_the_dequantized_layer(fmt):
     t = jr.normal(jr.key(9), x.shape)
     _, tangent = jax.jvp(lambda x: layer(x)[0], (x,), (t,))
     close(tangent, jax.jvp(lambda x: floats(x)[0], (x,), (t,))[1])
+    assert asked is None or asked
 
 
 def _expert_arrays(text, g, k, n):
@@ -159,13 +194,17 @@ def _expert_arrays(text, g, k, n):
 
 
 @pytest.mark.lowering_only
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
-def test_prefill_lowers_for_tpu_without_a_float_copy_of_the_experts(fmt):
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
+def test_prefill_lowers_for_tpu_without_a_float_copy_of_the_experts(fmt, request):
     """A DeepSeek-V2-Lite-like expert FFN at 4096 tokens' pairs, bfloat16, lowered
     for TPU: Mosaic takes both products' kernels, and no float array of either
     weight's shape is in the program (the experts dequantized whole before the
     kernels, as before, would be; MXFP4 checks the kernels' FFN, the part outside
-    its edge-scale check)."""
+    its edge-scale check, in both orientations)."""
+    asked = None
+    if fmt == "mxfp4-kn":
+        asked = request.getfixturevalue("mxfp4_transposed")
+        fmt = "mxfp4"
     g, d, f, rows = 64, 2048, 1408, 4096 * 6
     w1 = jax.eval_shape(lambda: quantize(jnp.zeros((g, d, 2 * f)), fmt))
     w2 = jax.eval_shape(lambda: quantize(jnp.zeros((g, f, d)), fmt))
@@ -186,6 +225,7 @@ def test_prefill_lowers_for_tpu_without_a_float_copy_of_the_experts(fmt):
     )
     assert text.count("tpu_custom_call") == 2
     assert not _expert_arrays(text, g, d, 2 * f) + _expert_arrays(text, g, f, d)
+    assert asked is None or asked
 
 
 def _with_scale_byte(w, byte):

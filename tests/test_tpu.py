@@ -126,6 +126,60 @@ def test_quantized_matches_dequantized(fmt, tokens, where):
     _close(g, g_ref, 3e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 512])
+def test_mxfp4_as_arguments_matches_dequantized(tokens):
+    """MXFP4 experts as the call's arguments (the down projection's bytes, 64 a
+    row, arrive in the chip's layout with `N` minor-most and are read as they lie,
+    transposed): the same output and input gradient as the dequantized layer."""
+    from moe_eqx._gmm.quantized_tpu import stores_transposed
+
+    layer = me.quantize_experts(_layer(jnp.bfloat16), "mxfp4")
+    values = layer.experts.w_down.values
+    assert stores_transposed(values.shape, values.dtype), values.shape
+    floats = me.dequantize_experts(layer)
+    x = jr.normal(jr.key(2), (tokens, 256), jnp.bfloat16)
+    y = eqx.filter_jit(lambda l, x: l(x)[0])(layer, x)
+    _close(y, floats(x)[0], 2e-2)
+    g = eqx.filter_jit(jax.grad(lambda x, l: _loss(l(x)[0])))(x, layer)
+    _close(g, jax.grad(lambda x: _loss(floats(x)[0]))(x), 3e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 4096])
+def test_mxfp4_arguments_are_not_copied(tokens):
+    """A DeepSeek-V2-Lite-like MXFP4 layer compiled with its arrays as arguments:
+    no copy or transpose of the down projection's stored bytes (`[64, 2048, 704]`,
+    which the chip lays out with `N` minor-most) or of its scale bytes is in the
+    program (the kernels read them as they lie); the up projection's bytes
+    (`K / 2 = 1024`, row-major) neither."""
+    import re
+
+    cfg = me.MoEConfig(d_model=2048, d_ff=1408, num_experts=64, top_k=6)
+
+    def build():
+        layer = me.MoELayer(cfg, key=jr.key(0))
+        layer = jax.tree.map(
+            lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, layer
+        )
+        return me.quantize_experts(layer, "mxfp4")
+
+    shapes = eqx.filter_eval_shape(build)
+    params, static = eqx.partition(
+        shapes, lambda a: isinstance(a, jax.ShapeDtypeStruct)
+    )
+    x = jax.ShapeDtypeStruct((tokens, 2048), jnp.bfloat16)
+
+    def run(params, x):
+        return eqx.combine(params, static)(x)[0]
+
+    text = jax.jit(run).lower(params, x).compile().as_text()
+    made = re.findall(
+        r"= s8\[64,(?:2048,704|704,2048|2048,44|44,2048|2816,1024|1024,2816)\]"
+        r"\{[^}]*\} ([\w-]+)\(",
+        text,
+    )
+    assert set(made) <= {"parameter", "bitcast", "get-tuple-element"}, made
+
+
 @pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4"])
 def test_decode_kernel_matches_ragged_dot(fmt):
     """The Pallas decode kernel at a DeepSeek-V2-Lite-like expert shape on the chip,

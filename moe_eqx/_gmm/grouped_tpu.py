@@ -53,11 +53,13 @@ from ._products import AbstractProducts
 from .megablox import _mb  # megablox's visit schedule (`make_group_metadata`)
 from .quantized_tpu import (
     KERNEL_FORMATS,
+    bfloat16_pairs,
     column_scales,
     dequantize_rows,
     fp4_pair,
     in_kernel,
     mxfp4_half_scales,
+    mxfp4_operands,
 )
 
 
@@ -200,12 +202,24 @@ def _mxfp4_columns(values: Array, scales: Array) -> Array:
         scales, values.shape[1], lambda a, b: _product(a, b, (1, 0))
     )
     low, high = fp4_pair(values.astype(jnp.int32), scale)
+    return pltpu.bitcast(bfloat16_pairs(low, high).T, jnp.bfloat16)
 
-    def bits(x):
-        return jax.lax.bitcast_convert_type(x, jnp.int32)
 
-    words = ((bits(low) >> 16) & 0xFFFF) | (bits(high) & -(1 << 16))
-    return pltpu.bitcast(words.T, jnp.bfloat16)
+def _mxfp4_rows(values: Array, scales: Array, first: int) -> Array:
+    """Rows `2 first : 2 (first + r)` of an MXFP4 weight dequantized, `[2 r, c]`
+    bfloat16, from the bytes `values` `[r, c]` (rows `first : first + r` of the
+    transposed orientation's `[K / 2, c]`) and all of the columns' scale bytes
+    `scales` `[K / 32, c]`: as `_mxfp4_columns`, with no transpose (the bytes
+    already lie along the rows)."""
+    scale = mxfp4_half_scales(
+        scales,
+        values.shape[0],
+        lambda a, b: _product(a, b, (1, 0)),
+        rows_first=True,
+        first=first,
+    )
+    low, high = fp4_pair(values.astype(jnp.int32), scale)
+    return pltpu.bitcast(bfloat16_pairs(low, high), jnp.bfloat16)
 
 
 def _schedule(group_sizes, m: int, tm: int):
@@ -286,8 +300,10 @@ def grouped_matmul(
         )
     # The kernel's operands: the rows, the weights as stored, and the VMEM tiles
     # each visit multiplies (a quantized weight's dequantized there, `[tk, tn]`).
-    if fmt == "mxfp4":  # values `[G, N, K / 2]`, scales `[G, N, K / 32]`
-        weights = [rhs.values, rhs.scales]
+    kn = False
+    if fmt == "mxfp4":  # `[G, N, K / 2]` and `[G, N, K / 32]`, or swapped (`kn`)
+        values, mx_scales, kn = mxfp4_operands(rhs)
+        weights = [values, mx_scales]
     elif fmt is not None:  # values `[G, K, N]`, float32 scales `[G, R, N]`
         scales = column_scales(rhs, k, n)
         weights = [rhs.values, scales]
@@ -298,7 +314,10 @@ def grouped_matmul(
         if fmt is None:
             stored = [((tk, tn), rhs.dtype)]
         elif fmt == "mxfp4":
-            stored = [((tn, tk // 2), jnp.int8), ((tn, tk // MXFP4_BLOCK), jnp.int8)]
+            pair = [(tk // 2, tn), (tk // MXFP4_BLOCK, tn)]
+            if not kn:
+                pair = [shape[::-1] for shape in pair]
+            stored = [(shape, jnp.int8) for shape in pair]
         else:
             stored = [((tk, tn), jnp.int8), ((scales.shape[1], tn), jnp.float32)]
         tile = [] if fmt is None else [((tk, tn), dtype)]
@@ -333,8 +352,15 @@ def grouped_matmul(
 
     def dequantize(kk, w_refs, tile):
         """The visit's weight tile into `tile` (`[tk, tn]`), 128 rows (MXFP4: 128
-        columns) at a time: the temporaries of a block stay small."""
+        columns, or 256 rows where it is stored transposed) at a time: the
+        temporaries of a block stay small."""
         v, sc = w_refs
+        if kn:
+            for r0 in range(0, tk // 2, 128):
+                size = min(128, tk // 2 - r0)
+                rows = _mxfp4_rows(v[pl.ds(r0, size), :], sc[...], r0)
+                tile[pl.ds(2 * r0, 2 * size), :] = rows.astype(dtype)
+            return
         if fmt == "mxfp4":
             for c0 in range(0, tn, 128):
                 cols = pl.ds(c0, min(128, tn - c0))
@@ -432,7 +458,7 @@ def grouped_matmul(
     shapes = blocks(tm, tk, tn)
     if fmt == "mxfp4":
         weight_specs = [
-            pl.BlockSpec((None, *shape), weight_map(True)) for shape, _ in shapes[1:3]
+            pl.BlockSpec((None, *shape), weight_map(not kn)) for shape, _ in shapes[1:3]
         ]
     elif fmt is not None:
         weight_specs = [

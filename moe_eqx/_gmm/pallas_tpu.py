@@ -56,6 +56,7 @@ from .quantized_tpu import (
     fp4_pair,
     in_kernel,
     mxfp4_half_scales,
+    mxfp4_operands,
 )
 from .ragged_dot import _RaggedDotProducts
 
@@ -81,10 +82,10 @@ def _dot(a, b, transpose_b=False):
 
 
 def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
-    """All rows times one expert's `[K, tn]` tile (MXFP4: its `[tn, K]` transpose),
-    dequantized in VMEM exactly as [`moe_eqx.QuantizedArray.dequantize`][] does
-    (float32 values times float32 scales, one rounding to `dtype`): `[rows, tn]`
-    float32."""
+    """All rows times one expert's `[K, tn]` tile (MXFP4 stored `[N, K / 2]`: its
+    `[tn, K]` transpose), dequantized in VMEM exactly as
+    [`moe_eqx.QuantizedArray.dequantize`][] does (float32 values times float32
+    scales, one rounding to `dtype`): `[rows, tn]` float32."""
     if fmt is None:
         (x,), (w,) = x_refs, w_refs
         return _dot(x[...], w[...].astype(dtype))
@@ -117,14 +118,17 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
             term = _dot(x[:, lo:hi], tile)
             part = term if part is None else part + term
         return part
-    # MXFP4: `v` is `W^T` as bytes `[tn, K / 2]` (byte `j` holds rows `2 j` and
-    # `2 j + 1`), `s` its scale bytes `[tn, K / 32]`; the rows' even and odd columns
-    # come apart (`x_refs`), so each half of a byte meets its own.
+    # MXFP4: `v` holds the weight's bytes (byte `j` of a column: rows `2 j` and
+    # `2 j + 1`), `[K / 2, tn]` ("mxfp4_kn") or `W^T`'s `[tn, K / 2]`, `s` its
+    # scale bytes in the same orientation; the rows' even and odd columns come
+    # apart (`x_refs`), so each half of a byte meets its own.
     (x_even, x_odd), (v, s) = x_refs, w_refs
-    scale = mxfp4_half_scales(s[...], v.shape[1], _dot)  # [tn, K / 2]
-    low, high = fp4_pair(v[...].astype(jnp.int32), scale)  # [tn, K / 2] each
-    return _dot(x_even[...], low.astype(dtype), True) + _dot(
-        x_odd[...], high.astype(dtype), True
+    kn = fmt == "mxfp4_kn"
+    width = v.shape[0 if kn else 1]
+    scale = mxfp4_half_scales(s[...], width, _dot, rows_first=kn)
+    low, high = fp4_pair(v[...].astype(jnp.int32), scale)
+    return _dot(x_even[...], low.astype(dtype), not kn) + _dot(
+        x_odd[...], high.astype(dtype), not kn
     )
 
 
@@ -167,8 +171,11 @@ def _weight_operands(w, k: int, n: int, tn: int):
         return None, (w,), ((None, k, None),)
     # The stored bytes as they are, `int8` (a bitcast, even of `uint8` to `int8`,
     # is a copy of the whole weight on a TPU when it feeds a kernel).
-    if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[G, N, K / 32]`
-        values, scales = w.values, w.scales
+    if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[G, N, K / 32]`, or swapped
+        values, scales, kn = mxfp4_operands(w)
+        if kn:
+            blocks = ((None, k // 2, None), (None, k // 32, None))
+            return "mxfp4_kn", (values, scales), blocks
         return "mxfp4", (values, scales), ((None, None, k // 2), (None, None, k // 32))
     block = FP8_BLOCK[1]
     if w.fmt == "float8_e4m3fn" and tn % block == 0 and (n // w.parts) % block == 0:

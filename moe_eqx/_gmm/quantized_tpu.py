@@ -10,9 +10,12 @@ TPU) and widened to int32 in VMEM; the float values are built from their bits wi
 integer and float32 operations a TPU's vector unit has.
 """
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Layout
 from jaxtyping import Array
 
 from .._quant import MXFP4_BLOCK, QuantizedArray, is_quantized
@@ -67,21 +70,76 @@ def fp4_pair(b: Array, scale: Array) -> tuple[Array, Array]:
     return low, high
 
 
-def mxfp4_half_scales(s: Array, width: int, product) -> Array:
+def mxfp4_half_scales(
+    s: Array, width: int, product, *, rows_first: bool = False, first: int = 0
+) -> Array:
     """Half of each MXFP4 block's scale, `2 ** (byte - 128)` (a normal float32 for
-    the bytes the kernels take), for scale bytes `s` `[rows, K / 32]` (`int8`)
-    spread over the `width = K / 2` value bytes of their rows, `[rows, K / 2]`: a
-    product (by `product(a, b)`, a kernel's matrix product) with a 0/1 matrix, exact
-    (a power of two times one, summed with zeros)."""
+    the bytes the kernels take), spread over the value bytes of its block: for
+    scale bytes `s` `[rows, K / 32]` (`int8`) over the `width = K / 2` value bytes
+    of their rows, `[rows, K / 2]`; with `rows_first`, `s` `[K / 32, columns]` over
+    the value bytes `first : first + width` of each column, `[width, columns]` (the
+    transposed orientation, `mxfp4_operands`). A product
+    (by `product(a, b)`, a kernel's matrix product) with a 0/1 matrix, exact (a
+    power of two times one, summed with zeros)."""
     exponent = ((s.astype(jnp.int32) & 0xFF) - 1) << 23
-    scale = jax.lax.bitcast_convert_type(exponent, jnp.float32)
+    scale = jax.lax.bitcast_convert_type(exponent, jnp.float32).astype(jnp.bfloat16)
     half = MXFP4_BLOCK // 2
-    blocks = scale.shape[1]
-    rows = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (blocks, width), 1)
+    blocks = scale.shape[0 if rows_first else 1]
+    shape = (width, blocks) if rows_first else (blocks, width)
+    byte = jax.lax.broadcasted_iota(jnp.int32, shape, 0 if rows_first else 1) + first
+    block = jax.lax.broadcasted_iota(jnp.int32, shape, 1 if rows_first else 0)
     # (`>>`, not `//`: Mosaic lowers no integer floor division.)
-    spread = jnp.where((cols >> (half.bit_length() - 1)) == rows, 1.0, 0.0)
-    return product(scale.astype(jnp.bfloat16), spread.astype(jnp.bfloat16))
+    spread = jnp.where((byte >> (half.bit_length() - 1)) == block, 1.0, 0.0)
+    spread = spread.astype(jnp.bfloat16)
+    return product(spread, scale) if rows_first else product(scale, spread)
+
+
+def bfloat16_pairs(low: Array, high: Array) -> Array:
+    """The bfloat16 bits of `low` and `high` (float32 values exact in bfloat16, such
+    as FP4 codes times power-of-two scales) in the low and high halves of one int32
+    word each: `pltpu.bitcast` of `[r, c]` words to bfloat16 is `[2 r, c]`, row
+    `2 i` from `low[i]` and `2 i + 1` from `high[i]`."""
+
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+    return ((bits(low) >> 16) & 0xFFFF) | (bits(high) & -(1 << 16))
+
+
+@ft.lru_cache(maxsize=1024)
+def _default_minor_axis(shape: tuple[int, ...], dtype: str) -> int:
+    device = jax.devices()[0]
+    try:
+        layout = device.client.get_default_layout(jnp.dtype(dtype), shape, device)
+        return Layout.from_pjrt_layout(layout).major_to_minor[-1]
+    except Exception:  # a platform or version without the query: row-major
+        return len(shape) - 1
+
+
+def stores_transposed(shape: tuple[int, ...], dtype) -> bool:
+    """Whether the default platform's own layout of an array of `shape` and `dtype`
+    (the layout a call's array arguments arrive in) has its second-to-last axis
+    minor-most. A TPU chooses that for an array whose last axis is not a multiple
+    of 128 lanes and whose second-to-last is (an MXFP4 weight's `[..., N, K / 2]`
+    bytes with `K / 2 = 704`, say); row-major elsewhere."""
+    if len(shape) < 2:
+        return False
+    return _default_minor_axis(tuple(shape), jnp.dtype(dtype).name) == len(shape) - 2
+
+
+def mxfp4_operands(w: QuantizedArray) -> tuple[Array, Array, bool]:
+    """`(values, scales, kn)`: an MXFP4 weight's stored bytes as a kernel reads
+    them, `[G, N, K / 2]` and `[G, N, K / 32]` (`kn` false), or both with their
+    last two axes swapped, `[G, K / 2, N]` and `[G, K / 32, N]` (`kn` true), where
+    the values arrive in a layout with `N` minor-most (`stores_transposed`): the
+    swapped view is then the bytes as they lie, and a kernel reading it row-major
+    makes no copy of them (the stored orientation would be one in every call).
+    The scales follow the values (a copy of them alone, a sixteenth of the bytes,
+    where their own layout differs)."""
+    values, scales = w.values, w.scales
+    if stores_transposed(values.shape, values.dtype):
+        return jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2), True
+    return values, scales, False
 
 
 def column_scales(w: QuantizedArray, k: int, n: int) -> Array:
