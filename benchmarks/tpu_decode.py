@@ -24,6 +24,10 @@ compiles far quicker with the same kernels), one device. Rows, for each expert f
   trace (the chip's time without the host's dispatch), `device_over_bound`, and
   `ops`, the costliest ops.
 
+With `--grad`, each row is the input's gradient instead (`jax.grad` of
+`sum(y.astype(float32) ** 2)` with respect to `x`; the experts are constants), as
+a fine-tune of other layers over frozen quantized experts runs it.
+
 With `--kernel`, the decode kernel alone instead (`decode_gmm` on the layer's two
 expert weights, passed as arguments): `ms` (and `device_ms` with `--profile`) per format, token count and product, and
 `over_bf16` against bfloat16 weights.
@@ -139,6 +143,13 @@ def _kernel_rows(base, formats, tokens_list, repeats, profile) -> list:
     return rows
 
 
+def _output(layer, x, grad: bool):
+    """The layer's output at `x`, or (`grad`) the input's gradient of a loss of it."""
+    if grad:
+        return jax.grad(lambda x: jnp.sum(layer(x)[0].astype(jnp.float32) ** 2))(x)
+    return layer(x)[0]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,8,64,8192")
@@ -158,6 +169,9 @@ def main():
         help="the layer's arrays as arguments of the jitted call (quicker compiles)",
     )
     p.add_argument("--hlo-dir", default=None, help="each row's optimized HLO")
+    p.add_argument(
+        "--grad", action="store_true", help="the input's gradient instead (see above)"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     d_model, d_ff, num_experts, top_k = map(int, args.shape.split(","))
@@ -203,11 +217,13 @@ def main():
                 layer = layer.with_config(gmm_backend=backend)
                 if args.as_argument:
                     params, static = eqx.partition(layer, eqx.is_array)
-                    run = jax.jit(lambda p, x, s=static: eqx.combine(p, s)(x)[0])
+                    run = jax.jit(
+                        lambda p, x, s=static: _output(eqx.combine(p, s), x, args.grad)
+                    )
                     fn = ft.partial(run, params)
                     lower = ft.partial(run.lower, params)
                 else:
-                    fn = jax.jit(lambda x, layer=layer: layer(x)[0])
+                    fn = jax.jit(lambda x, layer=layer: _output(layer, x, args.grad))
                     lower = fn.lower
                 try:
                     compiled = lower(x).compile()

@@ -139,10 +139,34 @@ def test_every_code_dequantizes_exactly(fmt, n, parts, request):
     assert asked is None or asked
 
 
-def test_rejects_a_transposed_quantized_rhs():
-    w = _parts(_raw(256), "int8", 1)
-    with pytest.raises(ValueError, match="transpose"):
-        grouped_matmul(jnp.ones((8, 256)), w, jnp.array(SIZES), transpose_rhs=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("case", "tn"),
+    [("int8", 128), ("int8", K), ("fp8", 128), ("fp8-parts", K), ("mxfp4", K)]
+    + [("mxfp4-kn", K)],
+)
+def test_input_gradient_product_equals_dequantizing_first(case, tn, dtype, request):
+    """The input's gradient's product (`transpose_rhs`: rows times each group's
+    weight transposed) on the stored bytes, the weight's `K` the output columns
+    (whole for MXFP4, else one or two tiles) and its `N` the contraction over two
+    or three tiles: exactly the kernel on the weights dequantized first, the
+    groups as above."""
+    asked = None
+    if case == "mxfp4-kn":
+        asked = request.getfixturevalue("mxfp4_transposed")
+        case = "mxfp4"
+    fmt, n, parts = FORMATS[case]
+    dt = jnp.dtype(dtype)
+    w = _parts(_raw(n), fmt, parts)
+    sizes = jnp.array(SIZES, jnp.int32)
+    lhs = jr.normal(jr.key(0), (M, n), dt).at[sum(SIZES) :].set(jnp.nan)
+    kw = dict(tiles=(32, 128, tn), chunk=16, transpose_rhs=True)
+    ours, first = _both(lhs, w, sizes, dt, **kw)
+    assert ours.shape == (M, K)
+    assert not np.isnan(first[: sum(SIZES)]).any()
+    assert not np.any(ours[sum(SIZES) :]), "rows past the groups"
+    np.testing.assert_array_equal(ours, first)
+    assert asked is None or asked
 
 
 def _prefill_layer(fmt):
@@ -197,10 +221,12 @@ def _expert_arrays(text, g, k, n):
 @pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
 def test_prefill_lowers_for_tpu_without_a_float_copy_of_the_experts(fmt, request):
     """A DeepSeek-V2-Lite-like expert FFN at 4096 tokens' pairs, bfloat16, lowered
-    for TPU: Mosaic takes both products' kernels, and no float array of either
-    weight's shape is in the program (the experts dequantized whole before the
-    kernels, as before, would be; MXFP4 checks the kernels' FFN, the part outside
-    its edge-scale check, in both orientations)."""
+    for TPU, forward and the input's gradient: Mosaic takes both products' kernels
+    and both of their input gradients', and no float array of either weight's
+    shape is in the program (the experts dequantized whole before the kernels, as
+    the forward once did and the input's gradient after it, would be; MXFP4 checks
+    the kernels' FFN, the part outside its edge-scale check, in both
+    orientations)."""
     asked = None
     if fmt == "mxfp4-kn":
         asked = request.getfixturevalue("mxfp4_transposed")
@@ -217,14 +243,19 @@ def test_prefill_lowers_for_tpu_without_a_float_copy_of_the_experts(fmt, request
             return backend._ffn(x, w1, w2, s, SWIGLU, _TrainingProducts(False))
     else:
         ffn = backend.ffn
-    text = (
-        jax.jit(ffn)
-        .trace(x, w1, w2, sizes)
-        .lower(lowering_platforms=("tpu",))
-        .as_text()
-    )
-    assert text.count("tpu_custom_call") == 2
-    assert not _expert_arrays(text, g, d, 2 * f) + _expert_arrays(text, g, f, d)
+
+    def value_and_grad(x, w1, w2, s):
+        return jax.value_and_grad(lambda x: jnp.sum(ffn(x, w1, w2, s)))(x)
+
+    for fn, kernels in ((ffn, 2), (value_and_grad, 4)):
+        text = (
+            jax.jit(fn)
+            .trace(x, w1, w2, sizes)
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
+        assert text.count("tpu_custom_call") == kernels
+        assert not _expert_arrays(text, g, d, 2 * f) + _expert_arrays(text, g, f, d)
     assert asked is None or asked
 
 

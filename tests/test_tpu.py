@@ -367,16 +367,20 @@ def test_own_weight_gradient_matches_ragged_dot(chunk, overhang):
     _close(out, ref, 2e-2)
 
 
+@pytest.mark.parametrize("transpose", [False, True], ids=["gmm", "gmm_t"])
 @pytest.mark.parametrize(("k", "n"), [(2048, 2816), (1408, 2048)], ids=["up", "down"])
 @pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
-def test_own_grouped_matmul_reads_quantized_weights(fmt, k, n):
+def test_own_grouped_matmul_reads_quantized_weights(fmt, k, n, transpose):
     """The many-row kernel on quantized weights (each visit's tile dequantized in
     VMEM) compiled on the chip at DeepSeek-V2-Lite-like expert shapes (the down
-    projection's MXFP4 bytes 704 a row, not a multiple of 128 lanes), skewed
-    groups (one over several row tiles) and rows past them: the same values as the
-    kernel on the weights dequantized first, bfloat16."""
+    projection's MXFP4 bytes 704 a row, not a multiple of 128 lanes, which the
+    chip lays out transposed), skewed groups (one over several row tiles) and rows
+    past them, the forward and the input's gradient's product: the same values as
+    the kernel on the weights dequantized first, bfloat16."""
     from moe_eqx._gmm.grouped_tpu import grouped_matmul
     from moe_eqx.internal import quantize
+
+    run = jax.jit(ft.partial(grouped_matmul, transpose_rhs=transpose))
 
     g, m = 64, 4000
     sizes = (
@@ -385,10 +389,10 @@ def test_own_grouped_matmul_reads_quantized_weights(fmt, k, n):
         .set(jnp.array([2900, 1, 839]))
     )
     w = quantize(jr.normal(jr.key(2), (g, k, n), jnp.float32) * 0.05, fmt)
-    lhs = jr.normal(jr.key(1), (m, k), jnp.bfloat16)
-    out = jax.jit(grouped_matmul)(lhs, w, sizes)
+    lhs = jr.normal(jr.key(1), (m, n if transpose else k), jnp.bfloat16)
+    out = run(lhs, w, sizes)
     dense = jax.jit(lambda w: w.dequantize(jnp.bfloat16))(w)
-    ref = jax.jit(grouped_matmul)(lhs, dense, sizes)
+    ref = run(lhs, dense, sizes)
     total = int(jnp.sum(sizes))
     _close(out[:total], ref[:total], 1e-2)
     assert not np.any(np.asarray(out[total:], np.float32))

@@ -120,10 +120,12 @@ def _fit(
     partial_n: bool = False,
     scratches: int = 1,
     whole_k: bool = False,
+    whole_n: bool = False,
 ):
     """`(tm, tk, tn, chunk, padded rows)`: the rows cut down to a multiple of the
     dtype's row tile, `tk` and `tn` to the largest multiple of 128 that divides
-    their axis (or the whole axis; always the whole `k` with `whole_k`); then,
+    their axis (or the whole axis; always the whole `k` with `whole_k`, the whole
+    `n` with `whole_n`); then,
     while the VMEM of `blocks(tm, tk, tn)` (the last `scratches` of them single)
     is more than a call may ask for, the largest of the three made smaller (to the
     next dividing multiple of 128; the rows halved). The chunk is the whole row
@@ -138,10 +140,14 @@ def _fit(
         tk, tn = _divisor(tk, k), _divisor(tn, n)
     if whole_k:
         tk = k
+    if whole_n:
+        tn = n
     while _vmem_need(blocks(tm, tk, tn), scratches) > _VMEM_CAP:
         smaller = {  # each tile's next smaller size, where it has one
             "tn": (max(128, (tn - 1) // 128 * 128) if tn > 128 else tn)
             if partial_n
+            else tn
+            if whole_n
             else _divisor(tn - 128, n),
             "tk": tk if whole_k else _divisor(tk - 128, k),
             "tm": max(rt, tm // 2 // rt * rt),
@@ -262,12 +268,13 @@ def grouped_matmul(
 
     - `lhs`: `[M, K]` rows sorted by group.
     - `rhs`: `[G, K, N]`, or `[G, N, K]` with `transpose_rhs`; or a
-        [`moe_eqx.QuantizedArray`][] `[G, K, N]` in a format of `KERNEL_FORMATS`
-        (int8, FP8, MXFP4), not transposed: its stored bytes are read, each
-        visit's tile dequantized in VMEM to `lhs.dtype` exactly as
-        `QuantizedArray.dequantize` does, once per group and column tile (the
-        visits of one group follow each other); MXFP4 takes the whole contraction
-        a tile and its scale bytes in `[2, 254]` (the caller's check).
+        [`moe_eqx.QuantizedArray`][] (its logical shape as a float `rhs`'s) in a
+        format of `KERNEL_FORMATS` (int8, FP8, MXFP4): its stored bytes are read,
+        each visit's tile dequantized in VMEM to `lhs.dtype` exactly as
+        `QuantizedArray.dequantize` does, once per group and output tile (the
+        visits of one group follow each other); MXFP4 takes the weight's whole
+        `K` a tile (the contraction, or the output columns with `transpose_rhs`)
+        and its scale bytes in `[2, 254]` (the caller's check).
     - `group_sizes`: `[G]` int32, `sum <= M`.
     - `tiles`: `(tm, tk, tn)`, each cut down to its axis; `tk` and `tn` to the
         largest multiple of 128 that divides `K` and `N` (else the whole axis),
@@ -292,20 +299,24 @@ def grouped_matmul(
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     dtype = lhs.dtype
     fmt = rhs.fmt if is_quantized(rhs) else None
-    if fmt is not None and (transpose_rhs or not in_kernel(rhs)):
+    if fmt is not None and not in_kernel(rhs):
         raise ValueError(
             "A quantized `rhs` is read in the kernel only in the formats "
-            f"{KERNEL_FORMATS} and without `transpose_rhs` (got {fmt!r}"
-            f"{', transposed' if transpose_rhs else ''}): dequantize it first."
+            f"{KERNEL_FORMATS} (got {fmt!r}): dequantize it first."
         )
+
+    def weight_tile(tk, tn):
+        """The rows and columns of the weight's own `[K, N]` in a visit's tile."""
+        return (tn, tk) if transpose_rhs else (tk, tn)
+
     # The kernel's operands: the rows, the weights as stored, and the VMEM tiles
-    # each visit multiplies (a quantized weight's dequantized there, `[tk, tn]`).
+    # each visit multiplies (a quantized weight's dequantized there).
     kn = False
     if fmt == "mxfp4":  # `[G, N, K / 2]` and `[G, N, K / 32]`, or swapped (`kn`)
         values, mx_scales, kn = mxfp4_operands(rhs)
         weights = [values, mx_scales]
     elif fmt is not None:  # values `[G, K, N]`, float32 scales `[G, R, N]`
-        scales = column_scales(rhs, k, n)
+        scales = column_scales(rhs, *rhs.shape[1:])
         weights = [rhs.values, scales]
     else:
         weights = [rhs]
@@ -314,13 +325,15 @@ def grouped_matmul(
         if fmt is None:
             stored = [((tk, tn), rhs.dtype)]
         elif fmt == "mxfp4":
-            pair = [(tk // 2, tn), (tk // MXFP4_BLOCK, tn)]
+            wk, wn = weight_tile(tk, tn)
+            pair = [(wk // 2, wn), (wk // MXFP4_BLOCK, wn)]
             if not kn:
                 pair = [shape[::-1] for shape in pair]
             stored = [(shape, jnp.int8) for shape in pair]
         else:
-            stored = [((tk, tn), jnp.int8), ((scales.shape[1], tn), jnp.float32)]
-        tile = [] if fmt is None else [((tk, tn), dtype)]
+            wk, wn = weight_tile(tk, tn)
+            stored = [((wk, wn), jnp.int8), ((scales.shape[1], wn), jnp.float32)]
+        tile = [] if fmt is None else [(weight_tile(tk, tn), dtype)]
         return [
             ((tm, tk), dtype),
             *stored,
@@ -339,7 +352,9 @@ def grouped_matmul(
         dtype,
         blocks,
         scratches=scratches,
-        whole_k=fmt == "mxfp4",  # each row's scale bytes whole
+        # (MXFP4: each weight row's bytes and scale bytes whole.)
+        whole_k=fmt == "mxfp4" and not transpose_rhs,
+        whole_n=fmt == "mxfp4" and transpose_rhs,
     )
     overhang = overhang_rows and m >= tm
     if not overhang:
@@ -350,34 +365,36 @@ def grouped_matmul(
     num_k = k // tk
     contract = (1, 1 if transpose_rhs else 0)
 
-    def dequantize(kk, w_refs, tile):
-        """The visit's weight tile into `tile` (`[tk, tn]`), 128 rows (MXFP4: 128
-        columns, or 256 rows where it is stored transposed) at a time: the
-        temporaries of a block stay small."""
+    def dequantize(j, kk, w_refs, tile):
+        """The visit's weight tile into `tile` (`[wk, wn]` of the weight's own
+        `[K, N]`), 128 rows (MXFP4: 128 columns, or 256 rows where it is stored
+        transposed) at a time: the temporaries of a block stay small."""
         v, sc = w_refs
+        wk, wn = weight_tile(tk, tn)
         if kn:
-            for r0 in range(0, tk // 2, 128):
-                size = min(128, tk // 2 - r0)
+            for r0 in range(0, wk // 2, 128):
+                size = min(128, wk // 2 - r0)
                 rows = _mxfp4_rows(v[pl.ds(r0, size), :], sc[...], r0)
                 tile[pl.ds(2 * r0, 2 * size), :] = rows.astype(dtype)
             return
         if fmt == "mxfp4":
-            for c0 in range(0, tn, 128):
-                cols = pl.ds(c0, min(128, tn - c0))
+            for c0 in range(0, wn, 128):
+                cols = pl.ds(c0, min(128, wn - c0))
                 tile[:, cols] = _mxfp4_columns(v[cols, :], sc[cols, :]).astype(dtype)
             return
-        for r0 in range(0, tk, FP8_BLOCK[0]):
-            rows = pl.ds(r0, min(FP8_BLOCK[0], tk - r0))
+        first = j if transpose_rhs else kk  # the tile's first row of `K`, in tiles
+        for r0 in range(0, wk, FP8_BLOCK[0]):
+            rows = pl.ds(r0, min(FP8_BLOCK[0], wk - r0))
             if fmt == "int8":
                 scale = sc[...]
             else:  # the columns' scales in this 128-row block of `K`
-                block = kk * (tk // FP8_BLOCK[0]) + r0 // FP8_BLOCK[0]
+                block = first * (wk // FP8_BLOCK[0]) + r0 // FP8_BLOCK[0]
                 scale = sc[pl.ds(block, 1), :]
             tile[rows, :] = dequantize_rows(fmt, dtype, v[rows, :], scale)
 
     def kernel(offsets, groups, row_tiles, lhs, *refs):
         w_refs, (out, acc, *tile_refs) = refs[: len(weights)], refs[len(weights) :]
-        v, kk = pl.program_id(1), pl.program_id(2)
+        j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         group, tile = groups[v], row_tiles[v]
         lo, hi = _rows(offsets, group, tile, tm)
         first = (v == 0) | (row_tiles[jnp.maximum(v - 1, 0)] != tile)
@@ -404,7 +421,7 @@ def grouped_matmul(
 
             @pl.when((hi > lo) & stale)
             def _():
-                dequantize(kk, w_refs, tile_now)
+                dequantize(j, kk, w_refs, tile_now)
                 held[0] = group
 
         last = kk == pl.num_programs(2) - 1
@@ -450,27 +467,30 @@ def grouped_matmul(
         return index
 
     def scale_map(j, v, kk, offsets, groups, row_tiles):  # int8's and FP8's
-        return jnp.minimum(groups[v], g - 1), 0, j
+        return jnp.minimum(groups[v], g - 1), 0, kk if transpose_rhs else j
 
     def out_map(j, v, kk, offsets, groups, row_tiles):
         return row_tiles[v], j
 
     shapes = blocks(tm, tk, tn)
     if fmt == "mxfp4":
+        # (The weight's `K` is whole: its block index is 0, the grid axis of its
+        # `N` the other one.)
         weight_specs = [
-            pl.BlockSpec((None, *shape), weight_map(not kn)) for shape, _ in shapes[1:3]
+            pl.BlockSpec((None, *shape), weight_map((not kn) != transpose_rhs))
+            for shape, _ in shapes[1:3]
         ]
     elif fmt is not None:
         weight_specs = [
-            pl.BlockSpec((None, tk, tn), weight_map(False)),
-            pl.BlockSpec((None, scales.shape[1], tn), scale_map),
+            pl.BlockSpec((None, *shapes[1][0]), weight_map(transpose_rhs)),
+            pl.BlockSpec((None, *shapes[2][0]), scale_map),
         ]
     else:
         rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
         weight_specs = [pl.BlockSpec(rhs_block, weight_map(transpose_rhs))]
     scratch = [pltpu.VMEM((tm, tn), jnp.float32)]
     if fmt is not None:
-        scratch += [pltpu.VMEM((tk, tn), dtype), pltpu.SMEM((1,), jnp.int32)]
+        scratch += [pltpu.VMEM(weight_tile(tk, tn), dtype), pltpu.SMEM((1,), jnp.int32)]
     call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m if overhang else mp, n), dtype),
@@ -627,8 +647,8 @@ class _GroupedProducts(AbstractProducts):
     has_effects: ClassVar[bool] = False
 
     def _gmm(self, a, b, group_sizes, transpose):
-        if is_quantized(b) and (transpose or not in_kernel(b)):
-            b = as_float(b, a.dtype)  # (the input's gradient: dequantized whole)
+        if is_quantized(b) and not in_kernel(b):
+            b = as_float(b, a.dtype)
         return grouped_matmul(
             a,
             b if is_quantized(b) else b.astype(a.dtype),
@@ -660,8 +680,6 @@ class _GroupedProducts(AbstractProducts):
         )
 
     def backward(self, a, b, group_sizes, d_out, want):
-        if is_quantized(b):
-            b = as_float(b, a.dtype)
         d_a = self.gmm_t(d_out, b, group_sizes) if want[0] else None
         # The weights' gradient written in their dtype from the float32 accumulator.
         d_b = self.tgmm(a, d_out, group_sizes, b.dtype) if want[1] else None

@@ -1,6 +1,6 @@
 """`PallasTPUGMM`: the TPU's grouped matmul. For many rows (training, prefill)
 the library's own grouped kernels (`moe_eqx._gmm.grouped_tpu`, `_TrainingProducts`;
-quantized weights read as stored by the forward);
+quantized weights read as stored, forward and the input's gradient);
 for few rows (decode steps) a Pallas TPU kernel of its own,
 which reads each touched expert's weight once, quantized weights as they are stored
 (the rest of this module).
@@ -367,9 +367,9 @@ class PallasTPUGMM(AbstractGMMBackend):
     The kernel reads only the experts that have rows, and quantized experts
     ([`moe_eqx.QuantizedArray`][]: FP8, MXFP4, int8) as stored, dequantizing each
     weight tile in VMEM: no float copy of the experts is made. For many rows the
-    own grouped kernel's forward reads them as stored too (each tile dequantized
-    once per group and column tile); the input's gradient there dequantizes them
-    whole. MXFP4 weights with a scale byte outside `[2, 254]` (subnormal or
+    own grouped kernel reads them as stored too, in the forward and for the
+    input's gradient (each tile dequantized once per group and output tile).
+    MXFP4 weights with a scale byte outside `[2, 254]` (subnormal or
     infinite scales, in no trained checkpoint) are dequantized exactly instead: by
     `GatheredGMM` (few rows) or one expert at a time before the many-row kernels;
     biased quantized experts and the chunked fallback's accumulating FFN take the
