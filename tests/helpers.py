@@ -243,3 +243,27 @@ def every_code_weight(fmt, k, n, key, parts=1):
         floats = jnp.exp(jr.normal(key, scales_shape) * 8)
         scales = jax.lax.bitcast_convert_type(floats, jnp.uint32)
     return me.QuantizedArray(values, scales, fmt, jnp.float32, parts)
+
+
+def kernel_operand_sources(hlo: str, operand_type: str) -> list[str]:
+    """For each operand of a `tpu_custom_call` in compiled HLO text whose type
+    matches the regular expression `operand_type` (e.g. `s8\\[64,704,2048\\]`), the
+    opcode of the instruction its bytes come from, through any `bitcast`s
+    (`parameter`: the call's argument as it lies; `copy` or `fusion`: a copy made
+    in the program)."""
+    import re
+
+    defined = {}  # instruction name -> (opcode, first operand)
+    for m in re.finditer(r"(%[\w.\-]+) = [^=]*?\} ([\w\-]+)\((%[\w.\-]+)?", hlo):
+        defined[m[1]] = (m[2], m[3])
+    sources = []
+    for line in hlo.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        args = line.split("custom-call(", 1)[1]
+        for name in re.findall(rf"{operand_type}\{{[^}}]*\}} (%[\w.\-]+)", args):
+            opcode, source = defined.get(name, ("unknown", None))
+            while opcode == "bitcast" and source is not None:
+                opcode, source = defined.get(source, ("unknown", None))
+            sources.append(opcode)
+    return sources

@@ -76,8 +76,7 @@ def test_equals_dequantizing_first(case, tk, dtype):
     np.testing.assert_array_equal(ours, first)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("k", [256, 448, 704])
+@pytest.mark.parametrize(("k", "dtype"), [(448, "float32"), (704, "bfloat16")])
 def test_mxfp4_transposed_equals_dequantizing_first(k, dtype, mxfp4_transposed):
     """MXFP4 bytes read in their transposed orientation (`[G, K / 2, N]`, as a TPU
     lays out `K / 2 = 704`; dequantized 256 rows at a time, the last piece short
@@ -139,11 +138,11 @@ def test_every_code_dequantizes_exactly(fmt, n, parts, request):
     assert asked is None or asked
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    ("case", "tn"),
-    [("int8", 128), ("int8", K), ("fp8", 128), ("fp8-parts", K), ("mxfp4", K)]
-    + [("mxfp4-kn", K)],
+    ("case", "tn", "dtype"),
+    [("int8", 128, "float32"), ("int8", K, "bfloat16"), ("fp8", 128, "float32")]
+    + [("fp8-parts", K, "bfloat16"), ("mxfp4", K, "float32")]
+    + [("mxfp4-kn", K, "bfloat16")],
 )
 def test_input_gradient_product_equals_dequantizing_first(case, tn, dtype, request):
     """The input's gradient's product (`transpose_rhs`: rows times each group's
@@ -289,6 +288,35 @@ def test_prefill_with_edge_scales_takes_the_exact_path(byte):
     assert np.all(np.isfinite(np.asarray(grad)))
     want = jax.grad(loss, argnums=1)(floats, x)
     np.testing.assert_allclose(grad, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_mxfp4_edge_check_passes_no_dequantized_experts_to_the_backward():
+    """Under reverse mode the scale-byte check's `cond` returns its branches'
+    residuals, the untaken branch's as zeros built in every step: the exact
+    branch is rematerialised, so none of them is a float array of an expert
+    weight's shape or of the rows' products (before: both weights dequantized and
+    both products' rows, 1.3 GB of zeros at 4096 tokens of a DeepSeek-V2-Lite-like
+    layer)."""
+    g, d, f, rows = 64, 2048, 1408, 4096 * 6
+    w1 = jax.eval_shape(lambda: quantize(jnp.zeros((g, d, 2 * f)), "mxfp4"))
+    w2 = jax.eval_shape(lambda: quantize(jnp.zeros((g, f, d)), "mxfp4"))
+    x = jax.ShapeDtypeStruct((rows, d), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+    backend = PallasTPUGMM()
+
+    def value_and_grad(x, w1, w2, s):
+        def loss(x):
+            return jnp.sum(backend.ffn(x, w1, w2, s).astype(jnp.float32))
+
+        return jax.value_and_grad(loss)(x)
+
+    jaxpr = jax.make_jaxpr(value_and_grad)(x, w1, w2, sizes).jaxpr
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert conds
+    shapes = {(g, d, 2 * f), (g, f, d), (rows, 2 * f), (rows, f)}
+    for eqn in conds:
+        for v in eqn.outvars:
+            assert not (v.aval.shape in shapes and v.aval.dtype == jnp.bfloat16), v.aval
 
 
 def test_mxfp4_prefill_holds_no_float32_copy_of_the_experts():

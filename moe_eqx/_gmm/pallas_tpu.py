@@ -450,6 +450,10 @@ class PallasTPUGMM(AbstractGMMBackend):
             byte = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
             edge = edge | jnp.any((byte < lo) | (byte > hi))
 
+        # (Rematerialised: its residuals would be outputs of the `cond`, zeros
+        # of the dequantized experts' and the rows' shapes built in every step
+        # where it is not taken.)
+        @jax.checkpoint
         def exact(fast, x, w_gate_up, w_down, group_sizes):
             if many:  # the kernels on each weight dequantized an expert at a time
                 whole = dataclasses.replace(self, max_rows=0)
