@@ -250,20 +250,23 @@ def kernel_operand_sources(hlo: str, operand_type: str) -> list[str]:
     matches the regular expression `operand_type` (e.g. `s8\\[64,704,2048\\]`), the
     opcode of the instruction its bytes come from, through any `bitcast`s
     (`parameter`: the call's argument as it lies; `copy` or `fusion`: a copy made
-    in the program)."""
+    in the program). Operands may be written with their types or without (as
+    `Compiled.as_text()` writes them)."""
     import re
 
-    defined = {}  # instruction name -> (opcode, first operand)
-    for m in re.finditer(r"(%[\w.\-]+) = [^=]*?\} ([\w\-]+)\((%[\w.\-]+)?", hlo):
-        defined[m[1]] = (m[2], m[3])
+    defined = {}  # instruction name -> (type, opcode, operand names)
+    for m in re.finditer(r"(%[\w.\-]+) = (.*?) ([\w\-]+)\((.*)", hlo):
+        defined[m[1]] = (m[2], m[3], re.findall(r"%[\w.\-]+", m[4]))
     sources = []
     for line in hlo.splitlines():
         if 'custom_call_target="tpu_custom_call"' not in line:
             continue
-        args = line.split("custom-call(", 1)[1]
-        for name in re.findall(rf"{operand_type}\{{[^}}]*\}} (%[\w.\-]+)", args):
-            opcode, source = defined.get(name, ("unknown", None))
-            while opcode == "bitcast" and source is not None:
-                opcode, source = defined.get(source, ("unknown", None))
+        args = line.split("custom-call(", 1)[1].split("), custom_call_target", 1)[0]
+        for name in re.findall(r"%[\w.\-]+", args):
+            kind, opcode, operands = defined.get(name, ("", "unknown", []))
+            if not re.match(operand_type, kind):
+                continue
+            while opcode == "bitcast" and operands:
+                _, opcode, operands = defined.get(operands[0], ("", "unknown", []))
             sources.append(opcode)
     return sources

@@ -247,17 +247,19 @@ def test_every_code_dequantizes_exactly(fmt, n, parts, path, dtype, request):
     np.testing.assert_array_equal(got[mask], want[mask])
 
 
-# Lines of the chip's compiled HLO (abridged) before and after MXFP4 bytes laid out
+# Lines of the chip's compiled HLO (abridged; `Compiled.as_text()` writes operands
+# without their types, a profile with them) before and after MXFP4 bytes laid out
 # with `N` minor-most were read transposed: the down projection's bytes copied into
 # row-major for the kernel, then a bitcast of the argument.
 _COPIED = """
   %p_v.1 = s8[64,2048,704]{1,2,0:T(32,128)(4,1)} parameter(3)
-  %copy.38 = s8[64,2048,704]{2,1,0:T(32,128)(4,1)S(1)} copy(s8[64,2048,704]{1,2,0:T(32,128)(4,1)} %p_v.1)
-  %k.3 = bf16[16,2048]{1,0} custom-call(bf16[16,704]{1,0} %slice.10, s8[64,2048,704]{2,1,0:T(32,128)(4,1)S(1)} %copy.38), custom_call_target="tpu_custom_call"
+  %slice.10 = bf16[16,704]{1,0} slice(%p_x.1), slice={[0:16:1], [0:1408:2]}
+  %copy.38 = s8[64,2048,704]{2,1,0:T(32,128)(4,1)S(1)} copy(%p_v.1)
+  %k.3 = bf16[16,2048]{1,0} custom-call(%slice.10, %copy.38), custom_call_target="tpu_custom_call"
 """
 _READ = """
   %p_v.1 = s8[64,2048,704]{1,2,0:T(32,128)(4,1)} parameter(3)
-  %bitcast.78 = s8[64,704,2048]{2,1,0:T(32,128)(4,1)} bitcast(%p_v.1)
+  %bitcast.78 = s8[64,704,2048]{2,1,0:T(32,128)(4,1)} bitcast(s8[64,2048,704]{1,2,0:T(32,128)(4,1)} %p_v.1)
   %k.3 = bf16[16,2048]{1,0} custom-call(bf16[16,704]{1,0} %slice.10, s8[64,704,2048]{2,1,0:T(32,128)(4,1)} %bitcast.78), custom_call_target="tpu_custom_call"
 """
 
@@ -265,7 +267,7 @@ _READ = """
 def test_kernel_operand_sources_follows_bitcasts_to_the_argument():
     """The check `tests/test_tpu.py` makes of a compiled program: a kernel operand
     that is a copy of an argument is told from one that is the argument itself
-    (through a bitcast)."""
+    (through a bitcast), its operands written with their types or without."""
     pattern = r"s8\[64,(?:704,2048|2048,704)\]"
     assert kernel_operand_sources(_COPIED, pattern) == ["copy"]
     assert kernel_operand_sources(_READ, pattern) == ["parameter"]

@@ -14,9 +14,9 @@ group): they are zeroed in the kernel, so rows past `sum(group_sizes)` come out 
 without a pass over the whole output afterwards.
 
 Quantized weights (`moe_eqx._gmm.quantized_tpu`: int8, FP8, MXFP4) are read by
-`grouped_matmul` as stored: each visit's weight tile is dequantized into VMEM once
-per group and column tile (a group's visits follow each other, so the next reuses
-it), exactly as `QuantizedArray.dequantize` does, and multiplied as a float tile:
+`grouped_matmul` as stored, in either orientation of its product: each visit's
+weight tile is dequantized into VMEM once per group and output tile (a group's
+visits follow each other, so the next reuses it), exactly as `QuantizedArray.dequantize` does, and multiplied as a float tile:
 prefill reads a quarter to a half of the float weights' bytes and makes no float
 copy of them.
 
@@ -192,40 +192,32 @@ def _metadata(group_sizes, m: int, tm: int, visit_empty_groups: bool):
         )
 
 
-def _mxfp4_columns(values: Array, scales: Array) -> Array:
-    """Columns of an MXFP4 weight dequantized, `[K, c]` bfloat16, from their rows
-    of stored bytes `values` `[c, K / 2]` and scale bytes `scales` `[c, K / 32]`
-    (normal scales: `[2, 254]`).
+def _mxfp4_tile(values: Array, scales: Array, kn: bool, first: int = 0) -> Array:
+    """Part of an MXFP4 weight dequantized to bfloat16, `[K, c]` columns from their
+    rows of stored bytes `values` `[c, K / 2]` and scale bytes `scales`
+    `[c, K / 32]`; or (`kn`, the transposed orientation) rows `2 first :
+    2 (first + r)`, `[2 r, c]`, from the bytes `values` `[r, c]` (rows
+    `first : first + r` of `[K / 2, c]`) and all of the columns' scale bytes
+    `scales` `[K / 32, c]` (normal scales: `[2, 254]`).
 
     Each value is a code of two significant bits times a power of two, exact in
     bfloat16 (infinite where it overflows, as in float32), so its bfloat16 bits are
     the top half of its float32 bits. A byte's two values (rows `2 j` and
     `2 j + 1` of the weight) go into the two halves of one 32-bit word, the words
-    are transposed to `[K / 2, c]`, and a bitcast to bfloat16 unpacks each word
-    into two consecutive rows: the weight in its own row order, so that the rows
-    it multiplies are read as they are (no even / odd split of them)."""
-    scale = mxfp4_half_scales(
-        scales, values.shape[1], lambda a, b: _product(a, b, (1, 0))
-    )
-    low, high = fp4_pair(values.astype(jnp.int32), scale)
-    return pltpu.bitcast(bfloat16_pairs(low, high).T, jnp.bfloat16)
-
-
-def _mxfp4_rows(values: Array, scales: Array, first: int) -> Array:
-    """Rows `2 first : 2 (first + r)` of an MXFP4 weight dequantized, `[2 r, c]`
-    bfloat16, from the bytes `values` `[r, c]` (rows `first : first + r` of the
-    transposed orientation's `[K / 2, c]`) and all of the columns' scale bytes
-    `scales` `[K / 32, c]`: as `_mxfp4_columns`, with no transpose (the bytes
-    already lie along the rows)."""
+    are laid along the weight's rows (transposed to `[K / 2, c]`, unless `kn`: the
+    bytes already lie that way), and a bitcast to bfloat16 unpacks each word into
+    two consecutive rows: the weight in its own row order, so that the rows it
+    multiplies are read as they are (no even / odd split of them)."""
     scale = mxfp4_half_scales(
         scales,
-        values.shape[0],
+        values.shape[0 if kn else 1],
         lambda a, b: _product(a, b, (1, 0)),
-        rows_first=True,
+        rows_first=kn,
         first=first,
     )
     low, high = fp4_pair(values.astype(jnp.int32), scale)
-    return pltpu.bitcast(bfloat16_pairs(low, high), jnp.bfloat16)
+    words = bfloat16_pairs(low, high)
+    return pltpu.bitcast(words if kn else words.T, jnp.bfloat16)
 
 
 def _schedule(group_sizes, m: int, tm: int):
@@ -374,13 +366,14 @@ def grouped_matmul(
         if kn:
             for r0 in range(0, wk // 2, 128):
                 size = min(128, wk // 2 - r0)
-                rows = _mxfp4_rows(v[pl.ds(r0, size), :], sc[...], r0)
+                rows = _mxfp4_tile(v[pl.ds(r0, size), :], sc[...], True, r0)
                 tile[pl.ds(2 * r0, 2 * size), :] = rows.astype(dtype)
             return
         if fmt == "mxfp4":
             for c0 in range(0, wn, 128):
                 cols = pl.ds(c0, min(128, wn - c0))
-                tile[:, cols] = _mxfp4_columns(v[cols, :], sc[cols, :]).astype(dtype)
+                columns = _mxfp4_tile(v[cols, :], sc[cols, :], False)
+                tile[:, cols] = columns.astype(dtype)
             return
         first = j if transpose_rhs else kk  # the tile's first row of `K`, in tiles
         for r0 in range(0, wk, FP8_BLOCK[0]):
@@ -406,9 +399,9 @@ def grouped_matmul(
         if fmt is None:
             (tile_now,) = w_refs
         else:
-            # Dequantized once per group and column tile: consecutive visits of
+            # Dequantized once per group and output tile: consecutive visits of
             # one group (its row tiles, in order) reuse the tile. `held` is the
-            # group whose tile is in VMEM (none at a column tile's first visit).
+            # group whose tile is in VMEM (none at an output tile's first visit).
             tile_now, held = tile_refs
 
             @pl.when((v == 0) & (kk == 0))

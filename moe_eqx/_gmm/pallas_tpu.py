@@ -425,7 +425,8 @@ class PallasTPUGMM(AbstractGMMBackend):
         many = x.shape[0] > self.max_rows
         # Quantized experts in a format the kernels read: each weight tile
         # dequantized in VMEM, by the decode kernel or (many rows) the own grouped
-        # kernel's forward; float experts for many rows: two calls of this backend.
+        # kernels (forward and the input's gradient); float experts for many rows:
+        # two calls of this backend.
         own = grad_acc is None and all(in_kernel(w) for w in weights)
         quantized = any(is_quantized(w) for w in weights)
         if not own or (many and (self.fallback is not None or not quantized)):
