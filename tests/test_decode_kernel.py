@@ -32,10 +32,12 @@ def test_kernel_reads_the_stored_bytes_themselves(fmt):
     conversion on the way (a bitcast, even `uint8` to `int8`) was a copy of every
     expert's weight in each decode step on a TPU (docs/measured.md, "TPU")."""
     w = quantize(jr.normal(jr.key(1), (G, K, N)), fmt)
-    _, arrays, _ = _weight_operands(w, K, N, N)
+    ids = jnp.array([4, 1, 1], jnp.int32)
+    _, arrays, blocks = _weight_operands(w, K, N, N, ids)
     assert arrays[0] is w.values and w.values.dtype == jnp.int8
-    if fmt == "mxfp4":
-        assert arrays[1] is w.scales and w.scales.dtype == jnp.int8
+    if fmt == "mxfp4":  # the touched experts' scale bytes, by slot
+        assert arrays[1].dtype == jnp.int8 and blocks[1][0] == "slot"
+        np.testing.assert_array_equal(arrays[1], w.scales[ids])
 
 
 def test_mxfp4_transposed_operands_are_the_stored_bytes_swapped(mxfp4_transposed):
@@ -44,11 +46,12 @@ def test_mxfp4_transposed_operands_are_the_stored_bytes_swapped(mxfp4_transposed
     conversion), which is the bytes as they lie there."""
     asked = mxfp4_transposed
     w = quantize(jr.normal(jr.key(1), (G, K, N)), "mxfp4")
-    path, arrays, blocks = _weight_operands(w, K, N, 32)
+    ids = jnp.array([6, 2], jnp.int32)
+    path, arrays, blocks = _weight_operands(w, K, N, 32, ids)
     assert path == "mxfp4_kn" and asked == [w.values.shape]
     np.testing.assert_array_equal(arrays[0], jnp.swapaxes(w.values, 1, 2))
-    np.testing.assert_array_equal(arrays[1], jnp.swapaxes(w.scales, 1, 2))
-    assert blocks == ((None, K // 2, None), (None, K // 32, None))
+    np.testing.assert_array_equal(arrays[1], jnp.swapaxes(w.scales[ids], 1, 2))
+    assert blocks == ((None, K // 2, None), ("slot", K // 32, None))
 
 
 @pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
@@ -182,6 +185,32 @@ def test_mxfp4_edge_scales_take_the_exact_path(byte):
     g = jax.grad(loss, argnums=1)(layer, x)
     assert np.all(np.isfinite(np.asarray(g)))
     _close(g, jax.grad(loss, argnums=1)(floats, x), 1e-5)
+
+
+@pytest.mark.parametrize("where", ["touched", "untouched"])
+def test_mxfp4_edge_scales_are_checked_where_the_kernel_reads_them(where):
+    """Few rows read only the touched experts' scale bytes, and the check covers
+    exactly those: an edge byte (a subnormal scale, which the kernel's float
+    scaling gets wrong) in one of the two touched experts of eight takes the
+    exact path; in an untouched expert it changes nothing either way."""
+    backend = me.PallasTPUGMM(interpret=True)
+    w_gate_up = quantize(jr.normal(jr.key(1), (G, K, N)), "mxfp4")
+    w_down = quantize(jr.normal(jr.key(2), (G, N // 2, K)), "mxfp4")
+    sizes = jnp.array([0, 0, 2, 0, 0, 1, 0, 0], jnp.int32)
+    expert = 5 if where == "touched" else 3
+    scales = jax.lax.bitcast_convert_type(w_gate_up.scales, jnp.uint8)
+    scales = scales.at[expert, :, :].set(0)
+    w_gate_up = eqx.tree_at(
+        lambda w: w.scales, w_gate_up, jax.lax.bitcast_convert_type(scales, jnp.int8)
+    )
+    # An edge expert's row large, so that its weights' tiny values show.
+    x = jr.normal(jr.key(3), (3, K)).at[2].multiply(1e30 if expert == 5 else 1.0)
+    got = backend.ffn(x, w_gate_up, w_down, sizes)
+    want = me.RaggedDotGMM().ffn(
+        x, w_gate_up.dequantize(jnp.float32), w_down.dequantize(jnp.float32), sizes
+    )
+    assert np.all(np.isfinite(np.asarray(want)))
+    _close(got, want, 1e-5)
 
 
 @pytest.mark.lowering_only

@@ -305,7 +305,8 @@ def grouped_matmul(
     # each visit multiplies (a quantized weight's dequantized there).
     kn = False
     if fmt == "mxfp4":  # `[G, N, K / 2]` and `[G, N, K / 32]`, or swapped (`kn`)
-        values, mx_scales, kn = mxfp4_operands(rhs)
+        values, kn = mxfp4_operands(rhs)
+        mx_scales = jnp.swapaxes(rhs.scales, 1, 2) if kn else rhs.scales
         weights = [values, mx_scales]
     elif fmt is not None:  # values `[G, K, N]`, float32 scales `[G, R, N]`
         scales = column_scales(rhs, *rhs.shape[1:])

@@ -63,6 +63,8 @@ from .ragged_dot import _RaggedDotProducts
 # VMEM a weight tile may take with its dequantizing temporaries (int32 codes, float32
 # values, the cast copy, the double-buffered input), under the default scoped limit.
 _TILE_BUDGET = 8 * 2**20
+# A weight block's leading entry where its array is indexed by touched slot.
+SLOT = "slot"
 
 
 def _tile_n(n: int, k: int, fmt: str | None, itemsize: int) -> int:
@@ -163,20 +165,37 @@ def _touched(group_sizes: Array, slots: int) -> tuple[Array, Array]:
     return ids, count.reshape(1)
 
 
-def _weight_operands(w, k: int, n: int, tn: int):
+def _touched_scales(w: QuantizedArray, ids: Array) -> Array:
+    """The scale bytes of an MXFP4 weight's touched experts (`ids`, `_touched`),
+    `[slots, N, K / 32]`: what the kernel reads of them, and what the layer's
+    check of the scale bytes covers. Gathered, they are written in the kernel's
+    layout: the whole array in its own (on a TPU, unlike the values' and
+    unlike the kernel's: `[64, 2048, 44]` lies `K / 32` major) would be a copy
+    of every expert's scales in each step."""
+    return jnp.take(w.scales, ids, axis=0, mode="clip")
+
+
+def _weight_operands(w, k: int, n: int, tn: int, ids: Array | None = None):
     """`(fmt, arrays, blocks)` of the kernel's weight inputs: each array's leading
-    axis is the group; in each block shape the first `None` is the group's, a
-    second the `tn` output columns of a grid step, and a size the whole axis."""
+    axis is the group (or, in a block whose first entry is `SLOT`, the touched
+    group's slot: MXFP4's scales, gathered by `ids`); in each block shape the
+    first `None` is the group's, a second the `tn` output columns of a grid step,
+    and a size the whole axis."""
     if not is_quantized(w):
         return None, (w,), ((None, k, None),)
     # The stored bytes as they are, `int8` (a bitcast, even of `uint8` to `int8`,
     # is a copy of the whole weight on a TPU when it feeds a kernel).
-    if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[G, N, K / 32]`, or swapped
-        values, scales, kn = mxfp4_operands(w)
+    if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[slots, N, K / 32]`, or swapped
+        values, kn = mxfp4_operands(w)
+        if ids is None:
+            ids = jnp.arange(w.shape[0], dtype=jnp.int32)
+        scales = _touched_scales(w, ids)
         if kn:
-            blocks = ((None, k // 2, None), (None, k // 32, None))
+            scales = jnp.swapaxes(scales, 1, 2)
+            blocks = ((None, k // 2, None), (SLOT, k // 32, None))
             return "mxfp4_kn", (values, scales), blocks
-        return "mxfp4", (values, scales), ((None, None, k // 2), (None, None, k // 32))
+        blocks = ((None, None, k // 2), (SLOT, None, k // 32))
+        return "mxfp4", (values, scales), blocks
     block = FP8_BLOCK[1]
     if w.fmt == "float8_e4m3fn" and tn % block == 0 and (n // w.parts) % block == 0:
         # Each expert's block scales whole, `[G, column blocks, row blocks]` (the
@@ -240,16 +259,19 @@ def decode_gmm(
     def whole(shape):
         return pl.BlockSpec(shape, lambda j, u, ids, count: (0, 0))
 
-    fmt, arrays, blocks = _weight_operands(rhs, k, n, tn)
+    fmt, arrays, blocks = _weight_operands(rhs, k, n, tn, ids)
 
     def weight_spec(block):
         lead, *rest = block
-        shape = (lead, *(tn if d is None else d for d in rest))
+        shape = (None, *(tn if d is None else d for d in rest))
         tiled = tuple(d is None for d in rest)
-        return pl.BlockSpec(
-            shape,
-            lambda j, u, ids, count: (ids[u], *(j if t else 0 for t in tiled)),
-        )
+
+        def index(j, u, ids, count):
+            # A padded step's slot is the last touched one's: no new block read.
+            group = jnp.minimum(u, jnp.maximum(count[0] - 1, 0)) if lead else ids[u]
+            return (group, *(j if t else 0 for t in tiled))
+
+        return pl.BlockSpec(shape, index)
 
     in_specs = [whole(x.shape) for x in xs] + [whole((mp, 1))]
     in_specs += [weight_spec(block) for block in blocks]
@@ -445,10 +467,16 @@ class PallasTPUGMM(AbstractGMMBackend):
         # Other scale bytes (in no trained checkpoint) need the exact integer
         # construction of `_quant`: below, one expert at a time (few rows: each
         # row's expert; many: each weight dequantized an expert at a time).
+        # Checked: the bytes the kernels read (few rows: the touched experts',
+        # as the decode kernel takes them; many: all).
         lo, hi = NORMAL_SCALE_BYTES
         edge = jnp.zeros((), bool)
+        if not many:
+            slots = min(group_sizes.shape[0], x.shape[0])
+            ids, _ = _touched(group_sizes.astype(jnp.int32), slots)
         for w in mxfp4:
-            byte = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+            scales = w.scales if many else _touched_scales(w, ids)
+            byte = jax.lax.bitcast_convert_type(scales, jnp.uint8)
             edge = edge | jnp.any((byte < lo) | (byte > hi))
 
         # (Rematerialised: its residuals would be outputs of the `cond`, zeros

@@ -127,19 +127,20 @@ def stores_transposed(shape: tuple[int, ...], dtype) -> bool:
     return _default_minor_axis(tuple(shape), jnp.dtype(dtype).name) == len(shape) - 2
 
 
-def mxfp4_operands(w: QuantizedArray) -> tuple[Array, Array, bool]:
-    """`(values, scales, kn)`: an MXFP4 weight's stored bytes as a kernel reads
-    them, `[G, N, K / 2]` and `[G, N, K / 32]` (`kn` false), or both with their
-    last two axes swapped, `[G, K / 2, N]` and `[G, K / 32, N]` (`kn` true), where
-    the values arrive in a layout with `N` minor-most (`stores_transposed`): the
-    swapped view is then the bytes as they lie, and a kernel reading it row-major
-    makes no copy of them (the stored orientation would be one in every call).
-    The scales follow the values (a copy of them alone, a sixteenth of the bytes,
-    where their own layout differs)."""
-    values, scales = w.values, w.scales
+def mxfp4_operands(w: QuantizedArray) -> tuple[Array, bool]:
+    """`(values, kn)`: an MXFP4 weight's stored value bytes as a kernel reads
+    them, `[G, N, K / 2]` (`kn` false), or with their last two axes swapped,
+    `[G, K / 2, N]` (`kn` true), where they arrive in a layout with `N`
+    minor-most (`stores_transposed`): the swapped view is then the bytes as they
+    lie, and a kernel reading it row-major makes no copy of them (the stored
+    orientation would be one in every call). A kernel reads the scales in the
+    same orientation (the many-row kernel: `jnp.swapaxes(w.scales, -1, -2)`, a
+    copy of them alone, a sixteenth of the bytes, where their own layout
+    differs; the decode kernel: its touched experts' only)."""
+    values = w.values
     if stores_transposed(values.shape, values.dtype):
-        return jnp.swapaxes(values, -1, -2), jnp.swapaxes(scales, -1, -2), True
-    return values, scales, False
+        return jnp.swapaxes(values, -1, -2), True
+    return values, False
 
 
 def column_scales(w: QuantizedArray, k: int, n: int) -> Array:
