@@ -164,46 +164,20 @@ def _free_compiled_programs():
 @pytest.fixture
 def mxfp4_transposed(monkeypatch):
     """Makes the TPU kernels read MXFP4 weights in their transposed orientation,
-    `[G, K / 2, N]` and `[G, K / 32, N]` (as where a TPU lays the stored bytes out
-    with `N` minor-most), in place of this platform's layout. Yields the list of
-    shapes asked about, which a test checks is not empty (the orientation was
-    chosen). JAX's caches are cleared before and after, so that no trace of
-    either orientation is reused by the other."""
+    `[G, K / 2, N]` (as where a TPU lays the stored bytes out with `N` minor-most),
+    in place of this platform's layout. Yields the list of shapes asked about,
+    which a test checks is not empty (the orientation was chosen). JAX's caches
+    are cleared before and after, so that no trace of either orientation is
+    reused by the other."""
     from moe_eqx._gmm import quantized_tpu
 
     asked = []
 
     def transposed(shape, dtype):
         asked.append(tuple(shape))
-        order = list(range(len(shape)))
-        if len(shape) >= 2:
-            order[-2:] = order[-1], order[-2]
-        return tuple(order)
+        return True
 
     jax.clear_caches()
-    monkeypatch.setattr(quantized_tpu, "default_major_to_minor", transposed)
+    monkeypatch.setattr(quantized_tpu, "stores_transposed", transposed)
     yield asked
-    jax.clear_caches()
-
-
-@pytest.fixture
-def mxfp4_layouts(monkeypatch):
-    """Sets the platform's layouts of arrays by shape: call it with a dict from a
-    shape to its axes, major to minor (others row-major), as a TPU lays out an
-    MXFP4 weight's bytes and scales each its own way. Returns the list of shapes
-    asked about; JAX's caches are cleared before and after."""
-    from moe_eqx._gmm import quantized_tpu
-
-    asked = []
-
-    def set_layouts(orders):
-        def layout(shape, dtype):
-            asked.append(tuple(shape))
-            return tuple(orders.get(tuple(shape), range(len(shape))))
-
-        jax.clear_caches()
-        monkeypatch.setattr(quantized_tpu, "default_major_to_minor", layout)
-        return asked
-
-    yield set_layouts
     jax.clear_caches()

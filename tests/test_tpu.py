@@ -10,7 +10,6 @@ layer closed over (the call that once aborted the TPU compiler).
 """
 
 import functools as ft
-import re
 
 import equinox as eqx
 import jax
@@ -152,10 +151,8 @@ def test_mxfp4_arguments_are_not_copied(tokens):
     the down projection's (`[64, 2048, 704]`, which the chip lays out with `N`
     minor-most) through a bitcast of its transposed view, the up projection's
     (`K / 2 = 1024`, row-major) as they are: no copy of them precedes a kernel.
-    At decode sizes the decode kernel's scale bytes, the touched experts'
-    gathered from the bytes as they lie, are not copied either (whole or
-    gathered; the many-row kernel still copies them into its layout, a
-    sixteenth of the values' bytes)."""
+    (Their scale bytes, a sixteenth of the size, are still copied into the
+    kernels' layout: docs/measured.md, "TPU".)"""
     cfg = me.MoEConfig(d_model=2048, d_ff=1408, num_experts=64, top_k=6)
 
     def build():
@@ -179,11 +176,6 @@ def test_mxfp4_arguments_are_not_copied(tokens):
     up = kernel_operand_sources(text, r"s8\[64,(?:2816,1024|1024,2816)\]")
     assert down and up, "no kernel reads the stored bytes"
     assert set(down) | set(up) == {"parameter"}, (down, up)
-    if tokens <= 8:  # the decode kernel; the gathered bytes are `[slots, ...]`
-        scales = r"s8\[\d+,(?:2816,64|64,2816|2048,44|44,2048)\]"
-        assert kernel_operand_sources(text, scales), "no kernel reads the scales"
-        copies = re.findall(rf"%copy[\w.\-]* = {scales}", text)
-        assert not copies, copies
 
 
 @pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4"])

@@ -211,7 +211,7 @@ def _mxfp4_tile(values: Array, scales: Array, kn: bool, first: int = 0) -> Array
     scale = mxfp4_half_scales(
         scales,
         values.shape[0 if kn else 1],
-        _product,
+        lambda a, b: _product(a, b, (1, 0)),
         rows_first=kn,
         first=first,
     )

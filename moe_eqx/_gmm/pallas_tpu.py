@@ -46,7 +46,6 @@ from .._quant import (
     is_quantized,
 )
 from .._rules import match_varying
-from . import quantized_tpu
 from ._base import AbstractGMMBackend, GradAcc, gmm_ffn, group_ids, two_products
 from ._products import AbstractProducts, gmm
 from .gathered import GatheredGMM, _expert_matrix
@@ -122,17 +121,13 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
             part = term if part is None else part + term
         return part
     # MXFP4: `v` holds the weight's bytes (byte `j` of a column: rows `2 j` and
-    # `2 j + 1`), `[K / 2, tn]` ("mxfp4_kn", "mxfp4_kn_values") or `W^T`'s
-    # `[tn, K / 2]`, `s` its scale bytes, `[K / 32, tn]` ("mxfp4_kn",
-    # "mxfp4_kn_scales") or `[tn, K / 32]`; the rows' even and odd columns come
+    # `2 j + 1`), `[K / 2, tn]` ("mxfp4_kn") or `W^T`'s `[tn, K / 2]`, `s` its
+    # scale bytes in the same orientation; the rows' even and odd columns come
     # apart (`x_refs`), so each half of a byte meets its own.
     (x_even, x_odd), (v, s) = x_refs, w_refs
-    kn = fmt in ("mxfp4_kn", "mxfp4_kn_values")
+    kn = fmt == "mxfp4_kn"
     width = v.shape[0 if kn else 1]
-    scales_kn = fmt in ("mxfp4_kn", "mxfp4_kn_scales")
-    scale = mxfp4_half_scales(
-        s[...], width, _product, rows_first=kn, scales_rows_first=scales_kn
-    )
+    scale = mxfp4_half_scales(s[...], width, _dot, rows_first=kn)
     low, high = fp4_pair(v[...].astype(jnp.int32), scale)
     return _dot(x_even[...], low.astype(dtype), not kn) + _dot(
         x_odd[...], high.astype(dtype), not kn
@@ -170,33 +165,14 @@ def _touched(group_sizes: Array, slots: int) -> tuple[Array, Array]:
     return ids, count.reshape(1)
 
 
-def _touched_scales(w: QuantizedArray, ids: Array) -> tuple[Array, bool]:
-    """`(scales, kn)`: the scale bytes of an MXFP4 weight's touched experts (`ids`,
-    `_touched`), `[slots, N, K / 32]`, or `[slots, K / 32, N]` (`kn`) where the
-    platform lays the stored scales out with `N` minor-most: what the kernel reads
-    of them, and what the layer's check of the scale bytes covers. They are
-    gathered from the bytes as they lie (a TPU lays `[64, 2048, 44]` out with
-    `K / 32` major, `[64, 2816, 64]` with `N` minor-most), so that neither the
-    whole array nor the gathered part is copied into another layout: a copy of
-    every expert's scales in each step took a third of a one-token step."""
-    order = quantized_tpu.default_major_to_minor(
-        tuple(w.scales.shape), w.scales.dtype.name
-    )
-    lying = jnp.transpose(w.scales, order)  # the bytes as they lie
-    taken = jnp.take(lying, ids, axis=order.index(0), mode="clip")
-    kn = order[-1] == 1
-    want = (0, 2, 1) if kn else (0, 1, 2)
-    return jnp.transpose(taken, [order.index(a) for a in want]), kn
-
-
-# The MXFP4 kernels' names by the orientations of the values and of the scales
-# (`kn`: `[K / 2, N]`, `[K / 32, N]`; else `[N, K / 2]`, `[N, K / 32]`).
-_MXFP4_PATHS = {
-    (False, False): "mxfp4",
-    (True, True): "mxfp4_kn",
-    (False, True): "mxfp4_kn_scales",
-    (True, False): "mxfp4_kn_values",
-}
+def _touched_scales(w: QuantizedArray, ids: Array) -> Array:
+    """The scale bytes of an MXFP4 weight's touched experts (`ids`, `_touched`),
+    `[slots, N, K / 32]`: what the kernel reads of them, and what the layer's
+    check of the scale bytes covers. Gathered, they are written in the kernel's
+    layout: the whole array in its own (on a TPU, unlike the values' and
+    unlike the kernel's: `[64, 2048, 44]` lies `K / 32` major) would be a copy
+    of every expert's scales in each step."""
+    return jnp.take(w.scales, ids, axis=0, mode="clip")
 
 
 def _weight_operands(w, k: int, n: int, tn: int, ids: Array | None = None):
@@ -213,11 +189,13 @@ def _weight_operands(w, k: int, n: int, tn: int, ids: Array | None = None):
         values, kn = mxfp4_operands(w)
         if ids is None:
             ids = jnp.arange(w.shape[0], dtype=jnp.int32)
-        scales, scales_kn = _touched_scales(w, ids)
-        value_block = (None, k // 2, None) if kn else (None, None, k // 2)
-        scale_block = (SLOT, k // 32, None) if scales_kn else (SLOT, None, k // 32)
-        path = _MXFP4_PATHS[kn, scales_kn]
-        return path, (values, scales), (value_block, scale_block)
+        scales = _touched_scales(w, ids)
+        if kn:
+            scales = jnp.swapaxes(scales, 1, 2)
+            blocks = ((None, k // 2, None), (SLOT, k // 32, None))
+            return "mxfp4_kn", (values, scales), blocks
+        blocks = ((None, None, k // 2), (SLOT, None, k // 32))
+        return "mxfp4", (values, scales), blocks
     block = FP8_BLOCK[1]
     if w.fmt == "float8_e4m3fn" and tn % block == 0 and (n // w.parts) % block == 0:
         # Each expert's block scales whole, `[G, column blocks, row blocks]` (the
@@ -497,7 +475,7 @@ class PallasTPUGMM(AbstractGMMBackend):
             slots = min(group_sizes.shape[0], x.shape[0])
             ids, _ = _touched(group_sizes.astype(jnp.int32), slots)
         for w in mxfp4:
-            scales = w.scales if many else _touched_scales(w, ids)[0]
+            scales = w.scales if many else _touched_scales(w, ids)
             byte = jax.lax.bitcast_convert_type(scales, jnp.uint8)
             edge = edge | jnp.any((byte < lo) | (byte > hi))
 

@@ -71,45 +71,27 @@ def fp4_pair(b: Array, scale: Array) -> tuple[Array, Array]:
 
 
 def mxfp4_half_scales(
-    s: Array,
-    width: int,
-    product,
-    *,
-    rows_first: bool = False,
-    scales_rows_first: bool | None = None,
-    first: int = 0,
+    s: Array, width: int, product, *, rows_first: bool = False, first: int = 0
 ) -> Array:
     """Half of each MXFP4 block's scale, `2 ** (byte - 128)` (a normal float32 for
-    the bytes the kernels take), spread over the value bytes of its block: over
-    the `width = K / 2` value bytes of each row, `[rows, K / 2]`; with
-    `rows_first`, over the value bytes `first : first + width` of each column,
-    `[width, columns]` (the transposed orientation, `mxfp4_operands`). The scale
-    bytes `s` (`int8`) are `[rows, K / 32]`, or `[K / 32, rows]` with
-    `scales_rows_first` (by default as `rows_first`: the values' orientation).
-    Products (`product(a, b, (axis of a, axis of b))`, a kernel's contraction with
-    float32 accumulation) with 0/1 matrices, exact (a power of two times one,
-    summed with zeros); where the scales lie across the values, the one turning
-    them is a product with the identity, a transpose of them on the matrix unit."""
-    if scales_rows_first is None:
-        scales_rows_first = rows_first
+    the bytes the kernels take), spread over the value bytes of its block: for
+    scale bytes `s` `[rows, K / 32]` (`int8`) over the `width = K / 2` value bytes
+    of their rows, `[rows, K / 2]`; with `rows_first`, `s` `[K / 32, columns]` over
+    the value bytes `first : first + width` of each column, `[width, columns]` (the
+    transposed orientation, `mxfp4_operands`). A product
+    (by `product(a, b)`, a kernel's matrix product) with a 0/1 matrix, exact (a
+    power of two times one, summed with zeros)."""
     exponent = ((s.astype(jnp.int32) & 0xFF) - 1) << 23
     scale = jax.lax.bitcast_convert_type(exponent, jnp.float32).astype(jnp.bfloat16)
     half = MXFP4_BLOCK // 2
-    blocks = scale.shape[0 if scales_rows_first else 1]
+    blocks = scale.shape[0 if rows_first else 1]
     shape = (width, blocks) if rows_first else (blocks, width)
     byte = jax.lax.broadcasted_iota(jnp.int32, shape, 0 if rows_first else 1) + first
     block = jax.lax.broadcasted_iota(jnp.int32, shape, 1 if rows_first else 0)
     # (`>>`, not `//`: Mosaic lowers no integer floor division.)
     spread = jnp.where((byte >> (half.bit_length() - 1)) == block, 1.0, 0.0)
     spread = spread.astype(jnp.bfloat16)
-    if rows_first:  # [width, columns], from scales `[K / 32, c]` or `[c, K / 32]`
-        return product(spread, scale, (1, 0 if scales_rows_first else 1))
-    if scales_rows_first:  # `[K / 32, rows]` turned to `[rows, K / 32]`
-        lines = scale.shape[1]
-        eye = jax.lax.broadcasted_iota(jnp.int32, (lines, lines), 0)
-        eye = eye == jax.lax.broadcasted_iota(jnp.int32, (lines, lines), 1)
-        scale = product(eye.astype(jnp.bfloat16), scale, (1, 1)).astype(jnp.bfloat16)
-    return product(scale, spread, (1, 0))
+    return product(spread, scale) if rows_first else product(scale, spread)
 
 
 def bfloat16_pairs(low: Array, high: Array) -> Array:
@@ -125,16 +107,13 @@ def bfloat16_pairs(low: Array, high: Array) -> Array:
 
 
 @ft.lru_cache(maxsize=1024)
-def default_major_to_minor(shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
-    """The axes of the default platform's own layout of an array of `shape` and
-    `dtype` (the layout a call's array arguments arrive in), major to minor
-    (row-major where the platform or JAX version cannot say)."""
+def _default_minor_axis(shape: tuple[int, ...], dtype: str) -> int:
     device = jax.devices()[0]
     try:
         layout = device.client.get_default_layout(jnp.dtype(dtype), shape, device)
-        return tuple(Layout.from_pjrt_layout(layout).major_to_minor)
+        return Layout.from_pjrt_layout(layout).major_to_minor[-1]
     except Exception:  # a platform or version without the query: row-major
-        return tuple(range(len(shape)))
+        return len(shape) - 1
 
 
 def stores_transposed(shape: tuple[int, ...], dtype) -> bool:
@@ -145,8 +124,7 @@ def stores_transposed(shape: tuple[int, ...], dtype) -> bool:
     bytes with `K / 2 = 704`, say); row-major elsewhere."""
     if len(shape) < 2:
         return False
-    order = default_major_to_minor(tuple(shape), jnp.dtype(dtype).name)
-    return order[-1] == len(shape) - 2
+    return _default_minor_axis(tuple(shape), jnp.dtype(dtype).name) == len(shape) - 2
 
 
 def mxfp4_operands(w: QuantizedArray) -> tuple[Array, bool]:
