@@ -85,6 +85,19 @@ def test_no_rows_and_one_row():
     _close(decode_gmm(lhs, rhs, sizes, interpret=True), lhs @ rhs[G - 1], 1e-5)
 
 
+@pytest.mark.parametrize("fmt", [None, "mxfp4"])
+def test_ffn_of_no_rows(fmt):
+    """The two products of no rows (a shard with an empty buffer): no grid step,
+    and MXFP4's check of its touched experts' scale bytes has none to read."""
+    w_gate_up, w_down = jr.normal(jr.key(1), (G, K, N)), jr.normal(jr.key(2), (G, K, K))
+    if fmt is not None:
+        w_gate_up, w_down = quantize(w_gate_up, fmt), quantize(w_down, fmt)
+    backend = me.PallasTPUGMM(interpret=True)
+    sizes = jnp.zeros((G,), jnp.int32)
+    out = backend.ffn(jnp.zeros((0, K)), w_gate_up, w_down, sizes)
+    assert out.shape == (0, K)
+
+
 def test_derivatives_match_ragged_dot():
     backend = me.PallasTPUGMM(interpret=True)
     ref = me.RaggedDotGMM()

@@ -157,6 +157,8 @@ def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
 def _touched(group_sizes: Array, slots: int) -> tuple[Array, Array]:
     """The ids of the groups with rows, in order, padded to `slots` by repeating the
     last one; and how many there are."""
+    if slots == 0:  # no rows: no group is touched
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((1,), jnp.int32)
     nonempty = group_sizes > 0
     order = jnp.argsort(~nonempty, stable=True)[:slots].astype(jnp.int32)
     count = jnp.minimum(jnp.sum(nonempty.astype(jnp.int32)), slots)
