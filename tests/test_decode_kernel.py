@@ -167,6 +167,33 @@ def test_quantized_layer_matches_dequantized(fmt, request):
     assert asked is None or asked
 
 
+@pytest.mark.parametrize("on_overflow", ["drop", "fallback"])
+def test_mxfp4_layer_on_a_mesh_checks_each_shards_touched_scales(on_overflow):
+    """Eight tokens on four shards (each shard's few rows on the decode kernel, its
+    touched experts its own): a subnormal scale in one expert that a token picks
+    takes the exact path on its shard; against the dequantized layer on the same
+    mesh, capped and with the fallback compiled in."""
+    layer = me.quantize_experts(
+        _layer(exchange="dense", on_overflow=on_overflow), "mxfp4"
+    )
+    x = jr.normal(jr.key(9), (8, K))
+    mesh = cpu_mesh(4)
+    _, stats = layer(x, mesh=mesh)
+    expert = int(np.argmax(np.asarray(stats.expert_counts)))  # a picked expert
+    w = layer.experts.w_gate_up
+    scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8).at[expert].set(0)
+    w = eqx.tree_at(
+        lambda w: w.scales, w, jax.lax.bitcast_convert_type(scales, jnp.int8)
+    )
+    layer = eqx.tree_at(lambda l: l.experts.w_gate_up, layer, w)
+    floats = me.dequantize_experts(layer)
+    y, stats = eqx.filter_jit(lambda l, x: l(x, mesh=mesh))(layer, x)
+    stats.check()
+    want = floats(x, mesh=mesh)[0]
+    assert np.all(np.isfinite(np.asarray(want)))
+    _close(y, want, 1e-5)
+
+
 @pytest.mark.parametrize("byte", [0, 1, 255])
 def test_mxfp4_edge_scales_take_the_exact_path(byte):
     """A scale byte outside [2, 254] (a subnormal or infinite scale): the kernel's
