@@ -170,10 +170,11 @@ def _touched(group_sizes: Array, slots: int) -> tuple[Array, Array]:
 def _touched_scales(w: QuantizedArray, ids: Array) -> Array:
     """The scale bytes of an MXFP4 weight's touched experts (`ids`, `_touched`),
     `[slots, N, K / 32]`: what the kernel reads of them, and what the layer's
-    check of the scale bytes covers. Gathered, they are written in the kernel's
-    layout: the whole array in its own (on a TPU, unlike the values' and
-    unlike the kernel's: `[64, 2048, 44]` lies `K / 32` major) would be a copy
-    of every expert's scales in each step."""
+    check of the scale bytes covers. The whole array, which a TPU lays out
+    unlike the kernel reads it (`[64, 2816, 64]` with `N` minor-most,
+    `[64, 2048, 44]` with `K / 32` major), was copied into the kernel's layout
+    in every step; the gathered part costs a fraction of that at decode sizes
+    (docs/measured.md, "TPU")."""
     return jnp.take(w.scales, ids, axis=0, mode="clip")
 
 
