@@ -303,7 +303,7 @@ def test_every_code_dequantizes_exactly(fmt, n, parts, path, dtype, request):
     dt = jnp.dtype(dtype)
     k = 512
     w = every_code_weight(fmt, k, n, jr.key(11), parts)
-    assert _weight_operands(w, k, n, 128)[0] == path
+    assert _weight_operands(w, k, n, 128, jnp.zeros((1,), jnp.int32))[0] == path
     want = np.asarray(w.dequantize(dt)[0], np.float32)
     eye = jnp.eye(k, dtype=dt)
     sizes = jnp.array([k], jnp.int32)

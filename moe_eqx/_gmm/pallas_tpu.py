@@ -154,9 +154,11 @@ def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
         out[...] = acc[...].astype(out.dtype)
 
 
-def _touched(group_sizes: Array, slots: int) -> tuple[Array, Array]:
-    """The ids of the groups with rows, in order, padded to `slots` by repeating the
-    last one; and how many there are."""
+def _touched(group_sizes: Array, rows: int) -> tuple[Array, Array]:
+    """The ids of the groups with rows among `rows` rows, in order, padded to
+    `min(G, rows)` slots (the most there can be) by repeating the last one; and
+    how many there are."""
+    slots = min(group_sizes.shape[0], rows)
     if slots == 0:  # no rows: no group is touched
         return jnp.zeros((0,), jnp.int32), jnp.zeros((1,), jnp.int32)
     nonempty = group_sizes > 0
@@ -178,7 +180,7 @@ def _touched_scales(w: QuantizedArray, ids: Array) -> Array:
     return jnp.take(w.scales, ids, axis=0, mode="clip")
 
 
-def _weight_operands(w, k: int, n: int, tn: int, ids: Array | None = None):
+def _weight_operands(w, k: int, n: int, tn: int, ids: Array):
     """`(fmt, arrays, blocks)` of the kernel's weight inputs: each array's leading
     axis is the group (or, in a block whose first entry is `SLOT`, the touched
     group's slot: MXFP4's scales, gathered by `ids`); in each block shape the
@@ -190,8 +192,6 @@ def _weight_operands(w, k: int, n: int, tn: int, ids: Array | None = None):
     # is a copy of the whole weight on a TPU when it feeds a kernel).
     if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[slots, N, K / 32]`, or swapped
         values, kn = mxfp4_operands(w)
-        if ids is None:
-            ids = jnp.arange(w.shape[0], dtype=jnp.int32)
         scales = _touched_scales(w, ids)
         if kn:
             scales = jnp.swapaxes(scales, 1, 2)
@@ -250,10 +250,10 @@ def decode_gmm(
         raise ValueError(f"`block_n` ({tn}) must divide the {n} output columns.")
     rt = _row_tile(dtype)
     mp = -(-m // rt) * rt
-    slots = min(g, m)
     lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
     gid = jnp.pad(group_ids(group_sizes, m), (0, mp - m), constant_values=g)
-    ids, count = _touched(group_sizes, slots)
+    ids, count = _touched(group_sizes, m)
+    slots = ids.shape[0]
     if fmt == "mxfp4":
         xs = (lhs[:, 0::2], lhs[:, 1::2])
     else:
@@ -271,7 +271,8 @@ def decode_gmm(
 
         def index(j, u, ids, count):
             # A padded step's slot is the last touched one's: no new block read.
-            group = jnp.minimum(u, jnp.maximum(count[0] - 1, 0)) if lead else ids[u]
+            last = jnp.maximum(count[0] - 1, 0)
+            group = jnp.minimum(u, last) if lead == SLOT else ids[u]
             return (group, *(j if t else 0 for t in tiled))
 
         return pl.BlockSpec(shape, index)
@@ -475,8 +476,7 @@ class PallasTPUGMM(AbstractGMMBackend):
         lo, hi = NORMAL_SCALE_BYTES
         edge = jnp.zeros((), bool)
         if not many:
-            slots = min(group_sizes.shape[0], x.shape[0])
-            ids, _ = _touched(group_sizes.astype(jnp.int32), slots)
+            ids, _ = _touched(group_sizes.astype(jnp.int32), x.shape[0])
         for w in mxfp4:
             scales = w.scales if many else _touched_scales(w, ids)
             byte = jax.lax.bitcast_convert_type(scales, jnp.uint8)
