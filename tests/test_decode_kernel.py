@@ -30,28 +30,43 @@ def _close(a, b, tol):
 def test_kernel_reads_the_stored_bytes_themselves(fmt):
     """The kernel's weight operands are the stored `int8` bytes themselves: any
     conversion on the way (a bitcast, even `uint8` to `int8`) was a copy of every
-    expert's weight in each decode step on a TPU (docs/measured.md, "TPU")."""
+    expert's weight in each decode step on a TPU (docs/measured.md, "TPU").
+    MXFP4's scales go in by slot, built from the touched experts' alone."""
     w = quantize(jr.normal(jr.key(1), (G, K, N)), fmt)
     ids = jnp.array([4, 1, 1], jnp.int32)
     _, arrays, blocks = _weight_operands(w, K, N, N, ids)
     assert arrays[0] is w.values and w.values.dtype == jnp.int8
-    if fmt == "mxfp4":  # the touched experts' scale bytes, by slot
-        assert arrays[1].dtype == jnp.int8 and blocks[1][0] == "slot"
-        np.testing.assert_array_equal(arrays[1], w.scales[ids])
+    if fmt == "mxfp4":
+        assert blocks[1][0] == "slot" and arrays[1].shape[0] == ids.shape[0]
+        bytes_ = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+        for expert, same in ((0, True), (4, False)):  # untouched, touched
+            changed = bytes_.at[expert].set(bytes_[expert] ^ 1)
+            changed = jax.lax.bitcast_convert_type(changed, jnp.int8)
+            w2 = eqx.tree_at(lambda w: w.scales, w, changed)
+            other = _weight_operands(w2, K, N, N, ids)[1][1]
+            assert np.array_equal(other, arrays[1]) == same, expert
 
 
 def test_mxfp4_transposed_operands_are_the_stored_bytes_swapped(mxfp4_transposed):
     """Where the platform lays MXFP4 bytes out with `N` minor-most, the kernel's
     operands are the stored arrays with their last two axes swapped (no other
-    conversion), which is the bytes as they lie there."""
+    conversion), which is the bytes as they lie there; the touched experts'
+    scales in the same orientation (as bytes where `K` is not whole words of the
+    word kernel)."""
     asked = mxfp4_transposed
     w = quantize(jr.normal(jr.key(1), (G, K, N)), "mxfp4")
     ids = jnp.array([6, 2], jnp.int32)
     path, arrays, blocks = _weight_operands(w, K, N, 32, ids)
-    assert path == "mxfp4_kn" and asked == [w.values.shape]
+    assert path == "mxfp4_kn_words" and asked == [w.values.shape]
     np.testing.assert_array_equal(arrays[0], jnp.swapaxes(w.values, 1, 2))
-    np.testing.assert_array_equal(arrays[1], jnp.swapaxes(w.scales[ids], 1, 2))
+    assert arrays[1].shape == (2, K // 32, N)
     assert blocks == ((None, K // 2, None), ("slot", K // 32, None))
+    k = 96  # three blocks of 32 rows: not whole words of eight
+    w = quantize(jr.normal(jr.key(1), (G, k, N)), "mxfp4")
+    path, arrays, blocks = _weight_operands(w, k, N, 32, ids)
+    assert path == "mxfp4_kn"
+    np.testing.assert_array_equal(arrays[1], jnp.swapaxes(w.scales[ids], 1, 2))
+    assert blocks == ((None, k // 2, None), ("slot", k // 32, None))
 
 
 @pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
@@ -227,6 +242,27 @@ def test_mxfp4_edge_scales_take_the_exact_path(byte):
     _close(g, jax.grad(loss, argnums=1)(floats, x), 1e-5)
 
 
+def test_mxfp4_scales_that_overflow_take_the_exact_path_for_few_rows():
+    """Scale bytes 253 and 254 overflow some codes to infinity, which the decode
+    kernel's exponent arithmetic cannot form (it would give NaN): few rows take
+    the exact path for them. Every code of the touched expert is 6 (infinite at
+    byte 253), the down projection all ones, the row positive: the exact FFN is
+    +inf everywhere."""
+    backend = me.PallasTPUGMM(interpret=True)
+    w_gate_up = quantize(jnp.ones((G, K, N)), "mxfp4")
+    w_down = quantize(jnp.ones((G, N // 2, K)), "mxfp4")
+    values = jnp.full_like(w_gate_up.values, 0x77)
+    scales = jax.lax.bitcast_convert_type(w_gate_up.scales, jnp.uint8).at[5].set(253)
+    w_gate_up = eqx.tree_at(
+        lambda w: (w.values, w.scales),
+        w_gate_up,
+        (values, jax.lax.bitcast_convert_type(scales, jnp.int8)),
+    )
+    sizes = jnp.array([0, 0, 0, 0, 0, 1, 0, 0], jnp.int32)
+    got = backend.ffn(jnp.ones((1, K)), w_gate_up, w_down, sizes)
+    assert np.all(np.isposinf(np.asarray(got)))
+
+
 @pytest.mark.parametrize("where", ["touched", "untouched"])
 def test_mxfp4_edge_scales_are_checked_where_the_kernel_reads_them(where):
     """Few rows read only the touched experts' scale bytes, and the check covers
@@ -281,33 +317,38 @@ def test_lowers_for_tpu_at_a_model_shape(fmt, request):
 
 
 # FP8 in parts whose width is whole blocks (the kernel spreads the block scales
-# itself) and is not (a float32 scale per column goes in).
+# itself) and is not (a float32 scale per column goes in); MXFP4 on the word
+# kernel (row-major: steps of 256 columns or all; transposed: `K` whole words of
+# eight) and on the one for other shapes. (fmt, k, n, block, parts, path)
 _LAYOUTS = [
-    ("int8", 256, 1, "int8"),
-    ("float8_e4m3fn", 256, 1, "fp8_blocks"),
-    ("float8_e4m3fn", 256, 2, "fp8_blocks"),
-    ("float8_e4m3fn", 384, 2, "float8_e4m3fn"),
-    ("mxfp4", 256, 1, "mxfp4"),
-    ("mxfp4", 256, 1, "mxfp4_kn"),  # read in the transposed orientation
+    ("int8", 512, 256, 128, 1, "int8"),
+    ("float8_e4m3fn", 512, 256, 128, 1, "fp8_blocks"),
+    ("float8_e4m3fn", 512, 256, 128, 2, "fp8_blocks"),
+    ("float8_e4m3fn", 512, 384, 128, 2, "float8_e4m3fn"),
+    ("mxfp4", 512, 512, 256, 1, "mxfp4_words"),
+    ("mxfp4", 512, 256, 256, 1, "mxfp4_words"),
+    ("mxfp4", 512, 256, 128, 1, "mxfp4"),
+    ("mxfp4", 512, 256, 128, 1, "mxfp4_kn_words"),  # read transposed
+    ("mxfp4", 480, 256, 128, 1, "mxfp4_kn"),
 ]
 
 
-@pytest.mark.parametrize(("fmt", "n", "parts", "path"), _LAYOUTS)
+@pytest.mark.parametrize(("fmt", "k", "n", "block", "parts", "path"), _LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_code_dequantizes_exactly(fmt, n, parts, path, dtype, request):
+def test_every_code_dequantizes_exactly(fmt, k, n, block, parts, path, dtype, request):
     """Rows of the identity times the kernel's dequantized tile give the tile back:
     it equals `QuantizedArray.dequantize` exactly for every stored byte (NaN where
-    it is NaN), over several grid steps of 128 columns."""
-    if path == "mxfp4_kn":
+    it is NaN; MXFP4 with every scale byte of finite values), over several grid
+    steps."""
+    if path.startswith("mxfp4_kn"):
         request.getfixturevalue("mxfp4_transposed")
     dt = jnp.dtype(dtype)
-    k = 512
     w = every_code_weight(fmt, k, n, jr.key(11), parts)
-    assert _weight_operands(w, k, n, 128, jnp.zeros((1,), jnp.int32))[0] == path
+    assert _weight_operands(w, k, n, block, jnp.zeros((1,), jnp.int32))[0] == path
     want = np.asarray(w.dequantize(dt)[0], np.float32)
     eye = jnp.eye(k, dtype=dt)
     sizes = jnp.array([k], jnp.int32)
-    got = decode_gmm(eye, w, sizes, block_n=128, interpret=True)
+    got = decode_gmm(eye, w, sizes, block_n=block, interpret=True)
     got = np.asarray(got, np.float32)
     assert np.isnan(want).any() == (fmt == "float8_e4m3fn")
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))

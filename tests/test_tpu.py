@@ -201,20 +201,34 @@ def test_decode_kernel_matches_ragged_dot(fmt):
     _close(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "mxfp4"])
+# (fmt, k, n, block): MXFP4 on the word kernel, row-major (steps of 256 columns)
+# and transposed (`K / 2 = 704`, laid out with `N` minor-most), and on the kernel
+# for other shapes, both orientations (`K = 1440`: not whole words of eight).
+_EVERY_CODE = [
+    ("int8", 512, 256, 128, "int8"),
+    ("float8_e4m3fn", 512, 256, 128, "fp8_blocks"),
+    ("mxfp4", 512, 512, 256, "mxfp4_words"),
+    ("mxfp4", 1408, 256, 128, "mxfp4_kn_words"),
+    ("mxfp4", 512, 256, 128, "mxfp4"),
+    ("mxfp4", 1440, 256, 128, "mxfp4_kn"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "k", "n", "block", "path"), _EVERY_CODE)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_kernel_dequantizes_every_code_exactly(fmt, dtype):
+def test_decode_kernel_dequantizes_every_code_exactly(fmt, k, n, block, path, dtype):
     """Every stored byte through the compiled kernel (rows of the identity times
     its tile) equals `QuantizedArray.dequantize` on the chip: FP8's subnormal codes
-    are built without a float32 subnormal (which the chip would flush to zero)."""
-    from moe_eqx._gmm.pallas_tpu import decode_gmm
+    are built without a float32 subnormal (which the chip would flush to zero);
+    MXFP4's bfloat16 bits built as whole words, in both orientations."""
+    from moe_eqx._gmm.pallas_tpu import _weight_operands, decode_gmm
 
     dt = jnp.dtype(dtype)
-    k, n = 512, 256
     w = every_code_weight(fmt, k, n, jr.key(11))
+    assert _weight_operands(w, k, n, block, jnp.zeros((1,), jnp.int32))[0] == path
     want = np.asarray(jax.jit(lambda w: w.dequantize(dt))(w)[0], np.float32)
     sizes = jnp.array([k], jnp.int32)
-    fn = jax.jit(ft.partial(decode_gmm, block_n=n // 2))  # two steps
+    fn = jax.jit(ft.partial(decode_gmm, block_n=block))  # several steps
     got = np.asarray(fn(jnp.eye(k, dtype=dt), w, sizes), np.float32)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     mask = ~np.isnan(want)

@@ -51,8 +51,10 @@ from ._products import AbstractProducts, gmm
 from .gathered import GatheredGMM, _expert_matrix
 from .grouped_tpu import _GroupedProducts, _product, _row_tile
 from .quantized_tpu import (
+    DECODE_SCALE_BYTES,
     column_scales,
     dequantize_rows,
+    fp4_bfloat16_words,
     fp4_pair,
     in_kernel,
     mxfp4_half_scales,
@@ -120,10 +122,13 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
             term = _dot(x[:, lo:hi], tile)
             part = term if part is None else part + term
         return part
-    # MXFP4: `v` holds the weight's bytes (byte `j` of a column: rows `2 j` and
-    # `2 j + 1`), `[K / 2, tn]` ("mxfp4_kn") or `W^T`'s `[tn, K / 2]`, `s` its
-    # scale bytes in the same orientation; the rows' even and odd columns come
-    # apart (`x_refs`), so each half of a byte meets its own.
+    if fmt.endswith("_words"):
+        return _fp4_words_product(fmt == "mxfp4_kn_words", dtype, x_refs, w_refs)
+    # MXFP4 (shapes the word kernel does not take): `v` holds the weight's bytes
+    # (byte `j` of a column: rows `2 j` and `2 j + 1`), `[K / 2, tn]` ("mxfp4_kn")
+    # or `W^T`'s `[tn, K / 2]`, `s` its scale bytes in the same orientation; the
+    # rows' even and odd columns come apart (`x_refs`), so each half of a byte
+    # meets its own.
     (x_even, x_odd), (v, s) = x_refs, w_refs
     kn = fmt == "mxfp4_kn"
     width = v.shape[0 if kn else 1]
@@ -131,6 +136,62 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
     low, high = fp4_pair(v[...].astype(jnp.int32), scale)
     return _dot(x_even[...], low.astype(dtype), not kn) + _dot(
         x_odd[...], high.astype(dtype), not kn
+    )
+
+
+def _spread(shape, axis: int, shift: int) -> Array:
+    """A 0/1 bfloat16 matrix: 1 where the index along `axis`, shifted right by
+    `shift`, is the other index (each of a block's rows or columns from it)."""
+    other = jax.lax.broadcasted_iota(jnp.int32, shape, 1 - axis)
+    index = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    return jnp.where((index >> shift) == other, 1.0, 0.0).astype(jnp.bfloat16)
+
+
+def _fp4_words_product(kn, dtype, x_refs, w_refs):
+    """MXFP4 tiles as whole words (`fp4_bfloat16_words`): the bytes' int32 words
+    (`pltpu.bitcast`, four bytes of consecutive rows each) give four bfloat16
+    matrices, each of a fixed subset of the codes, and the rows' matching columns
+    (`x_refs`) meet them.
+
+    - `"mxfp4_kn_words"`: `v` `[K / 2, tn]`, words `[K / 8, tn]` (a word: rows
+      `8 i` to `8 i + 7` of a column, one 32-row block); matrix `s` holds weight
+      rows `s::4`, against `x[:, s::4]`. `c`: `(byte - 1) * 2 ** 7` per block and
+      column, `[K / 32, tn]`, spread over each block's four words (one matrix
+      product, exact).
+    - `"mxfp4_words"`: `v` `[tn, K / 2]` (`W^T`), words `[tn / 4, K / 2]` (a word:
+      four columns at two rows); matrix `2 p + h` holds columns `n = p::2` at rows
+      `h::2`, against `x[:, h::2]`, giving the step's columns `p::2` (two parts,
+      interleaved outside the kernel). `c`: for each `p` the low and the high
+      half's `(byte - 1)`, times `2 ** 7` and `2 ** 23`, `[4, tn / 4, K / 32]`,
+      spread over each block's 16 bytes and summed (exact: the halves' bits do
+      not overlap and fit float32's 24).
+
+    Returns the step's parts, `[rows, tn]` (`"mxfp4_kn_words"`) or two `[rows, tn /
+    2]`, float32."""
+    v, c = w_refs
+    words = pltpu.bitcast(v[...], jnp.int32)
+
+    def weight(bits):
+        w = pltpu.bitcast(bits, jnp.bfloat16)
+        return w if dtype == jnp.bfloat16 else w.astype(dtype)
+
+    if kn:
+        spread = _spread((words.shape[0], c.shape[0]), 0, 2)
+        scale = _dot(spread, c[...]).astype(jnp.int32)
+        parts = fp4_bfloat16_words(words, [scale] * 4, shared=True)
+        terms = [_dot(x[...], weight(b)) for x, b in zip(x_refs, parts, strict=True)]
+        return (terms[0] + terms[1] + terms[2] + terms[3],)
+    spread = _spread((c.shape[-1], words.shape[1]), 1, 4)
+    scales = [
+        (_dot(c[2 * p], spread) + _dot(c[2 * p + 1], spread)).astype(jnp.int32)
+        for p in (0, 1)
+    ]
+    parts = fp4_bfloat16_words(words, [scales[s // 2] for s in range(4)], shared=False)
+    x_even, x_odd = x_refs
+    return tuple(
+        _dot(x_even[...], weight(parts[2 * p]), True)
+        + _dot(x_odd[...], weight(parts[2 * p + 1]), True)
+        for p in (0, 1)
     )
 
 
@@ -146,8 +207,9 @@ def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
 
     @pl.when(u < count[0])
     def _():
-        part = _tile_product(fmt, dtype, k, j, x_refs, w_refs)
-        acc[...] += jnp.where(gid[...] == ids[u], part, 0.0)
+        parts = _tile_product(fmt, dtype, k, j, x_refs, w_refs)
+        for p, part in enumerate(parts if isinstance(parts, tuple) else (parts,)):
+            acc[p] += jnp.where(gid[...] == ids[u], part, 0.0)
 
     @pl.when(u == pl.num_programs(1) - 1)
     def _():
@@ -180,18 +242,51 @@ def _touched_scales(w: QuantizedArray, ids: Array) -> Array:
     return jnp.take(w.scales, ids, axis=0, mode="clip")
 
 
+def _words_fit(kn: bool, k: int, n: int, tn: int) -> bool:
+    """Whether the MXFP4 word kernel (`_fp4_words_product`) takes a `[K, tn]`
+    tile: whole 32-bit sublane tiles of words (`K / 8`, or `tn / 4`, a multiple
+    of 8) and, transposed, halves of the step's columns that are whole lane tiles
+    or the whole axis."""
+    if kn:
+        return k % 64 == 0
+    return tn % 32 == 0 and (tn % 256 == 0 or tn == n)
+
+
+def _scale_terms(w: QuantizedArray, ids: Array, kn: bool) -> Array:
+    """The touched experts' MXFP4 scales as the word kernel takes them, bfloat16
+    (exact: integers below 2 ** 8 times powers of two): `(byte - 1) * 2 ** 7`,
+    `[slots, K / 32, N]` (`kn`); or for the columns `n = 4 i + p` and `4 i + 2 +
+    p` of each `p` in 0, 1 (a word's low and high half) `(byte - 1)` times `2 **
+    7` and `2 ** 23`, `[slots, 4, N / 4, K / 32]`."""
+    byte = _touched_scales(w, ids).astype(jnp.int32) & 0xFF
+    less = (byte - 1).astype(jnp.float32)
+    if kn:
+        return jnp.swapaxes(less * 2.0**7, 1, 2).astype(jnp.bfloat16)
+    slots, n, blocks = byte.shape
+    four = less.reshape(slots, n // 4, 4, blocks)
+    terms = [four[:, :, q] * 2.0 ** (7 if q < 2 else 23) for q in (0, 2, 1, 3)]
+    return jnp.stack(terms, axis=1).astype(jnp.bfloat16)
+
+
 def _weight_operands(w, k: int, n: int, tn: int, ids: Array):
     """`(fmt, arrays, blocks)` of the kernel's weight inputs: each array's leading
     axis is the group (or, in a block whose first entry is `SLOT`, the touched
     group's slot: MXFP4's scales, gathered by `ids`); in each block shape the
-    first `None` is the group's, a second the `tn` output columns of a grid step,
-    and a size the whole axis."""
+    first `None` is the group's, a later `None` the `tn` output columns of a grid
+    step (`(None, d)`: `tn / d` of them), and a size the whole axis."""
     if not is_quantized(w):
         return None, (w,), ((None, k, None),)
     # The stored bytes as they are, `int8` (a bitcast, even of `uint8` to `int8`,
     # is a copy of the whole weight on a TPU when it feeds a kernel).
     if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[slots, N, K / 32]`, or swapped
         values, kn = mxfp4_operands(w)
+        if _words_fit(kn, k, n, tn):
+            scales = _scale_terms(w, ids, kn)
+            if kn:
+                blocks = ((None, k // 2, None), (SLOT, k // 32, None))
+                return "mxfp4_kn_words", (values, scales), blocks
+            blocks = ((None, None, k // 2), (SLOT, 4, (None, 4), k // 32))
+            return "mxfp4_words", (values, scales), blocks
         scales = _touched_scales(w, ids)
         if kn:
             scales = jnp.swapaxes(scales, 1, 2)
@@ -254,20 +349,26 @@ def decode_gmm(
     gid = jnp.pad(group_ids(group_sizes, m), (0, mp - m), constant_values=g)
     ids, count = _touched(group_sizes, m)
     slots = ids.shape[0]
-    if fmt == "mxfp4":
+    fmt, arrays, blocks = _weight_operands(rhs, k, n, tn, ids)
+    if fmt == "mxfp4_kn_words":
+        xs = tuple(lhs[:, s::4] for s in range(4))
+    elif fmt is not None and fmt.startswith("mxfp4"):
         xs = (lhs[:, 0::2], lhs[:, 1::2])
     else:
         xs = (lhs,)
+    parts = 2 if fmt == "mxfp4_words" else 1  # the step's columns `p::parts`
 
     def whole(shape):
         return pl.BlockSpec(shape, lambda j, u, ids, count: (0, 0))
 
-    fmt, arrays, blocks = _weight_operands(rhs, k, n, tn, ids)
-
     def weight_spec(block):
         lead, *rest = block
-        shape = (None, *(tn if d is None else d for d in rest))
-        tiled = tuple(d is None for d in rest)
+        tiled = tuple(d is None or isinstance(d, tuple) for d in rest)
+
+        def size(d):
+            return tn if d is None else tn // d[1] if isinstance(d, tuple) else d
+
+        shape = (None, *(size(d) for d in rest))
 
         def index(j, u, ids, count):
             # A padded step's slot is the last touched one's: no new block read.
@@ -281,13 +382,15 @@ def decode_gmm(
     in_specs += [weight_spec(block) for block in blocks]
     call = pl.pallas_call(
         ft.partial(_kernel, fmt, dtype, k, len(xs)),
-        out_shape=jax.ShapeDtypeStruct((mp, n), dtype),
+        out_shape=jax.ShapeDtypeStruct((parts, mp, n // parts), dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(n // tn, slots),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((mp, tn), lambda j, u, ids, count: (0, j)),
-            scratch_shapes=[pltpu.VMEM((mp, tn), jnp.float32)],
+            out_specs=pl.BlockSpec(
+                (parts, mp, tn // parts), lambda j, u, ids, count: (0, 0, j)
+            ),
+            scratch_shapes=[pltpu.VMEM((parts, mp, tn // parts), jnp.float32)],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary")
@@ -295,7 +398,8 @@ def decode_gmm(
         interpret=interpret,
     )
     out = call(ids, count, *xs, gid[:, None], *arrays)
-    return out[:m]
+    # Column `j tn + parts r + p` is part `p`'s column `j tn / parts + r`.
+    return jnp.moveaxis(out, 0, -1).reshape(mp, n)[:m]
 
 
 class _DecodeProducts(AbstractProducts):
@@ -396,7 +500,8 @@ class PallasTPUGMM(AbstractGMMBackend):
     own grouped kernel reads them as stored too, in the forward and for the
     input's gradient (each tile dequantized once per group and output tile).
     MXFP4 weights with a scale byte outside `[2, 254]` (subnormal or
-    infinite scales, in no trained checkpoint) are dequantized exactly instead: by
+    infinite scales, in no trained checkpoint; for few rows `[2, 252]`, whose
+    codes are all normal bfloat16 values) are dequantized exactly instead: by
     `GatheredGMM` (few rows) or one expert at a time before the many-row kernels;
     biased quantized experts and the chunked fallback's accumulating FFN take the
     products for many rows, dequantized whole (or `fallback`).
@@ -473,7 +578,7 @@ class PallasTPUGMM(AbstractGMMBackend):
         # row's expert; many: each weight dequantized an expert at a time).
         # Checked: the bytes the kernels read (few rows: the touched experts',
         # as the decode kernel takes them; many: all).
-        lo, hi = NORMAL_SCALE_BYTES
+        lo, hi = NORMAL_SCALE_BYTES if many else DECODE_SCALE_BYTES
         edge = jnp.zeros((), bool)
         if not many:
             ids, _ = _touched(group_sizes.astype(jnp.int32), x.shape[0])

@@ -22,6 +22,14 @@ from .._quant import MXFP4_BLOCK, QuantizedArray, is_quantized
 from .mosaic_gpu.quantized import kernel_operands
 
 _INT_MIN = -(2**31)  # the float32 sign bit, as an int32
+
+
+def _int32(bits: int) -> int:
+    return int(np.array(bits, np.uint32).view(np.int32))
+
+
+_NIBBLE_TOPS = _int32(0x88888888)  # the top bit of each 4-bit field of a word
+_HALF_TOPS = _int32(0x80008000)  # the top bit of each 16-bit half
 # FP4 E2M1 magnitudes (codes 0..7) times two, one per nibble: 0 1 2 3 4 6 8 12.
 _FP4_TWICE = int(np.array(0xC8643210, np.uint32).view(np.int32))
 
@@ -104,6 +112,48 @@ def bfloat16_pairs(low: Array, high: Array) -> Array:
         return jax.lax.bitcast_convert_type(x, jnp.int32)
 
     return ((bits(low) >> 16) & 0xFFFF) | (bits(high) & -(1 << 16))
+
+
+def fp4_bfloat16_words(
+    words: Array, scales: list[Array], *, shared: bool
+) -> list[Array]:
+    """The bfloat16 bits of MXFP4 values, two to an int32 word, built by integer
+    operations on whole words (no float arithmetic, eight codes per input word):
+    the dequantization of the decode kernel.
+
+    `words` (int32) hold eight FP4 E2M1 codes each, code `t` in bits `4 t` to
+    `4 t + 3`. Returns four arrays of words: word `s` holds code `s` in its low
+    half and code `s + 4` in its high half, each times its block's scale `2 **
+    (byte - 127)`. `scales[s]` gives, for word `s`, `(byte - 1) << 7` of each
+    half's block (`shared`: one value, in the low half, for both halves).
+
+    A code of magnitude `c = 2 e + m >= 2` is `2 ** (e - 1) (1 + m / 2)`: its
+    bits are `(c << 6) + ((byte - 1) << 7)` (exponent field `e - 1 + byte`, the
+    mantissa's top bit `m`); magnitude 1 (0.5, E2M1's subnormal) is the scale's
+    bits alone; magnitude 0 is zero. Exact for scale bytes in `[2, 252]`, where
+    every value is a normal bfloat16 (`DECODE_SCALE_BYTES`)."""
+    srl = jax.lax.shift_right_logical
+    magnitude = words & 0x77777777
+    # Each field's top bit: magnitude at least 1, at least 2 (no carry leaves a
+    # field: 7 + 7 < 16).
+    nonzero = (magnitude + 0x77777777) & _NIBBLE_TOPS
+    normal = (magnitude + 0x66666666) & _NIBBLE_TOPS
+    magnitude = magnitude - srl(nonzero ^ normal, 3)  # 1 -> 0
+    signs = words & _NIBBLE_TOPS
+    out = []
+    for s, scale in enumerate(scales):
+        on = srl(nonzero, 4 * s + 3) & 0x00010001  # 1 in each nonzero half
+        # (A value below 2 ** 16 times 0/1 halves stays in each half.)
+        scale = scale * on if shared else (on * 0x7F80) & scale
+        bits = (srl(magnitude, 4 * s) & 0x00070007) << 6
+        out.append((bits + scale) | ((signs << (12 - 4 * s)) & _HALF_TOPS))
+    return out
+
+
+# The MXFP4 scale bytes `fp4_bfloat16_words` takes: every code times `2 ** (byte -
+# 127)` a normal bfloat16 (a byte of 253 or 254 overflows some codes to infinity,
+# which its exponent arithmetic cannot form).
+DECODE_SCALE_BYTES = (2, 252)
 
 
 @ft.lru_cache(maxsize=1024)
