@@ -155,16 +155,16 @@ def _fp4_words_product(kn, dtype, x_refs, w_refs):
 
     - `"mxfp4_kn_words"`: `v` `[K / 2, tn]`, words `[K / 8, tn]` (a word: rows
       `8 i` to `8 i + 7` of a column, one 32-row block); matrix `s` holds weight
-      rows `s::4`, against `x[:, s::4]`. `c`: `(byte - 1) * 2 ** 7` per block and
-      column, `[K / 32, tn]`, spread over each block's four words (one matrix
+      rows `s::4`, against `x[:, s::4]`. `c`: the scale bytes, `[K / 32, tn]`;
+      `(byte - 1) * 2 ** 7` spread over each block's four words (one matrix
       product, exact).
     - `"mxfp4_words"`: `v` `[tn, K / 2]` (`W^T`), words `[tn / 4, K / 2]` (a word:
       four columns at two rows); matrix `2 p + h` holds columns `n = p::2` at rows
       `h::2`, against `x[:, h::2]`, giving the step's columns `p::2` (two parts,
       interleaved outside the kernel). `c`: for each `p` the low and the high
-      half's `(byte - 1)`, times `2 ** 7` and `2 ** 23`, `[4, tn / 4, K / 32]`,
-      spread over each block's 16 bytes and summed (exact: the halves' bits do
-      not overlap and fit float32's 24).
+      halves' scale bytes, `[4, tn / 4, K / 32]`; `(byte - 1)` times `2 ** 7`
+      and `2 ** 23`, spread over each block's 16 bytes and summed (exact: the
+      halves' bits do not overlap and fit float32's 24).
 
     Returns the step's parts, `[rows, tn]` (`"mxfp4_kn_words"`) or two `[rows, tn /
     2]`, float32."""
@@ -175,15 +175,27 @@ def _fp4_words_product(kn, dtype, x_refs, w_refs):
         w = pltpu.bitcast(bits, jnp.bfloat16)
         return w if dtype == jnp.bfloat16 else w.astype(dtype)
 
+    def less(byte, times):  # `(byte - 1) * times`, exact in bfloat16
+        value = ((byte.astype(jnp.int32) & 0xFF) - 1).astype(jnp.float32)
+        return (value * times).astype(jnp.bfloat16)
+
     if kn:
         spread = _spread((words.shape[0], c.shape[0]), 0, 2)
-        scale = _dot(spread, c[...]).astype(jnp.int32)
+        scale = _dot(spread, less(c[...], 2.0**7)).astype(jnp.int32)
         parts = fp4_bfloat16_words(words, [scale] * 4, shared=True)
         terms = [_dot(x[...], weight(b)) for x, b in zip(x_refs, parts, strict=True)]
         return (terms[0] + terms[1] + terms[2] + terms[3],)
-    spread = _spread((c.shape[-1], words.shape[1]), 1, 4)
+    # One product spreads all four (a step's `tn` rows of scales, stacked).
+    quarter = c.shape[1]
+    stacked = jnp.concatenate(
+        [less(c[q], 2.0 ** (7 if q % 2 == 0 else 23)) for q in range(4)], axis=0
+    )
+    spread = _dot(stacked, _spread((c.shape[2], words.shape[1]), 1, 4))
     scales = [
-        (_dot(c[2 * p], spread) + _dot(c[2 * p + 1], spread)).astype(jnp.int32)
+        (
+            spread[2 * p * quarter : (2 * p + 1) * quarter]
+            + spread[(2 * p + 1) * quarter : (2 * p + 2) * quarter]
+        ).astype(jnp.int32)
         for p in (0, 1)
     ]
     parts = fp4_bfloat16_words(words, [scales[s // 2] for s in range(4)], shared=False)
@@ -244,28 +256,26 @@ def _touched_scales(w: QuantizedArray, ids: Array) -> Array:
 
 def _words_fit(kn: bool, k: int, n: int, tn: int) -> bool:
     """Whether the MXFP4 word kernel (`_fp4_words_product`) takes a `[K, tn]`
-    tile: whole 32-bit sublane tiles of words (`K / 8`, or `tn / 4`, a multiple
-    of 8) and, transposed, halves of the step's columns that are whole lane tiles
-    or the whole axis."""
+    tile: whole 32-bit sublane tiles of words (`K / 8` a multiple of 8) or,
+    transposed, whole bfloat16 ones of its scales (`tn / 4` a multiple of 16) and
+    halves of the step's columns that are whole lane tiles or the whole axis."""
     if kn:
         return k % 64 == 0
-    return tn % 32 == 0 and (tn % 256 == 0 or tn == n)
+    return tn % 64 == 0 and (tn % 256 == 0 or tn == n)
 
 
 def _scale_terms(w: QuantizedArray, ids: Array, kn: bool) -> Array:
-    """The touched experts' MXFP4 scales as the word kernel takes them, bfloat16
-    (exact: integers below 2 ** 8 times powers of two): `(byte - 1) * 2 ** 7`,
-    `[slots, K / 32, N]` (`kn`); or for the columns `n = 4 i + p` and `4 i + 2 +
-    p` of each `p` in 0, 1 (a word's low and high half) `(byte - 1)` times `2 **
-    7` and `2 ** 23`, `[slots, 4, N / 4, K / 32]`."""
-    byte = _touched_scales(w, ids).astype(jnp.int32) & 0xFF
-    less = (byte - 1).astype(jnp.float32)
+    """The touched experts' MXFP4 scale bytes as the word kernel takes them:
+    `[slots, K / 32, N]` (`kn`), or for the columns `n = 4 i + q`, `q` in 0, 2,
+    1, 3 (for each `p` in 0, 1 the low and high halves' columns `4 i + p`, `4 i
+    + 2 + p`), `[slots, 4, N / 4, K / 32]`: the gathered bytes reordered (one
+    copy of them, which their relayout for the kernel is anyway)."""
+    byte = _touched_scales(w, ids)
     if kn:
-        return jnp.swapaxes(less * 2.0**7, 1, 2).astype(jnp.bfloat16)
+        return jnp.swapaxes(byte, 1, 2)
     slots, n, blocks = byte.shape
-    four = less.reshape(slots, n // 4, 4, blocks)
-    terms = [four[:, :, q] * 2.0 ** (7 if q < 2 else 23) for q in (0, 2, 1, 3)]
-    return jnp.stack(terms, axis=1).astype(jnp.bfloat16)
+    four = byte.reshape(slots, n // 4, 4, blocks)[:, :, jnp.array([0, 2, 1, 3])]
+    return jnp.swapaxes(four, 1, 2)
 
 
 def _weight_operands(w, k: int, n: int, tn: int, ids: Array):

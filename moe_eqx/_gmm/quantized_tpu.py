@@ -145,7 +145,10 @@ def fp4_bfloat16_words(
         on = srl(nonzero, 4 * s + 3) & 0x00010001  # 1 in each nonzero half
         # (A value below 2 ** 16 times 0/1 halves stays in each half.)
         scale = scale * on if shared else (on * 0x7F80) & scale
-        bits = (srl(magnitude, 4 * s) & 0x00070007) << 6
+        # The halves' magnitudes moved to bits 6 to 8 (one shift each way).
+        move = 6 - 4 * s
+        bits = magnitude << move if move >= 0 else srl(magnitude, -move)
+        bits = bits & 0x01C001C0
         out.append((bits + scale) | ((signs << (12 - 4 * s)) & _HALF_TOPS))
     return out
 
