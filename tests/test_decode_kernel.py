@@ -13,6 +13,8 @@ from helpers import every_code_weight, kernel_operand_sources, mesh as cpu_mesh
 
 import moe_eqx as me
 from moe_eqx._gmm.pallas_tpu import _weight_operands, decode_gmm
+from moe_eqx._gmm.quantized_tpu import fp4_bfloat16_words
+from moe_eqx._quant import fp4_value
 from moe_eqx.internal import quantize
 
 G, K, N = 8, 64, 128
@@ -31,7 +33,7 @@ def test_kernel_reads_the_stored_bytes_themselves(fmt):
     """The kernel's weight operands are the stored `int8` bytes themselves: any
     conversion on the way (a bitcast, even `uint8` to `int8`) was a copy of every
     expert's weight in each decode step on a TPU (docs/measured.md, "TPU").
-    MXFP4's scales go in by slot, built from the touched experts' alone."""
+    MXFP4's scales go in by slot: the touched experts' alone."""
     w = quantize(jr.normal(jr.key(1), (G, K, N)), fmt)
     ids = jnp.array([4, 1, 1], jnp.int32)
     _, arrays, blocks = _weight_operands(w, K, N, N, ids)
@@ -50,16 +52,16 @@ def test_kernel_reads_the_stored_bytes_themselves(fmt):
 def test_mxfp4_transposed_operands_are_the_stored_bytes_swapped(mxfp4_transposed):
     """Where the platform lays MXFP4 bytes out with `N` minor-most, the kernel's
     operands are the stored arrays with their last two axes swapped (no other
-    conversion), which is the bytes as they lie there; the touched experts'
-    scales in the same orientation (as bytes where `K` is not whole words of the
-    word kernel)."""
+    conversion), which is the bytes as they lie there, and the touched experts'
+    scale bytes in the same orientation: on the word kernel, and off it where `K`
+    is not whole words of eight rows."""
     asked = mxfp4_transposed
     w = quantize(jr.normal(jr.key(1), (G, K, N)), "mxfp4")
     ids = jnp.array([6, 2], jnp.int32)
     path, arrays, blocks = _weight_operands(w, K, N, 32, ids)
     assert path == "mxfp4_kn_words" and asked == [w.values.shape]
     np.testing.assert_array_equal(arrays[0], jnp.swapaxes(w.values, 1, 2))
-    assert arrays[1].shape == (2, K // 32, N)
+    np.testing.assert_array_equal(arrays[1], jnp.swapaxes(w.scales[ids], 1, 2))
     assert blocks == ((None, K // 2, None), ("slot", K // 32, None))
     k = 96  # three blocks of 32 rows: not whole words of eight
     w = quantize(jr.normal(jr.key(1), (G, k, N)), "mxfp4")
@@ -67,6 +69,26 @@ def test_mxfp4_transposed_operands_are_the_stored_bytes_swapped(mxfp4_transposed
     assert path == "mxfp4_kn"
     np.testing.assert_array_equal(arrays[1], jnp.swapaxes(w.scales[ids], 1, 2))
     assert blocks == ((None, k // 2, None), ("slot", k // 32, None))
+
+
+def test_fp4_words_are_every_code_at_every_scale_exactly():
+    """The word kernel's bfloat16 bits (`fp4_bfloat16_words`) are
+    `QuantizedArray.dequantize`'s values bit for bit (-0.0 too) for every pair of
+    codes in a word's halves at every scale byte it takes, `[2, 252]`."""
+    byte = np.arange(2, 253, dtype=np.int32)[:, None]
+    pairs = np.arange(256, dtype=np.int32)[None, :]  # code s, code s + 4
+    words = np.zeros((byte.shape[0], 256), np.int32)
+    for s in range(4):  # every pair in every position
+        words |= ((pairs & 0xF) << (4 * s)) | ((pairs >> 4) << (4 * s + 16))
+    words = jnp.asarray(words)
+    scale = jnp.asarray(np.broadcast_to((byte - 1) << 7, words.shape))
+    for s, bits in enumerate(fp4_bfloat16_words(words, scale)):
+        got = np.asarray(bits).view(np.uint32)
+        for half, codes in ((0, pairs & 0xF), (1, pairs >> 4)):
+            value = np.asarray(fp4_value(jnp.asarray(codes)), np.float64)
+            want = (value * 2.0 ** (byte - 127.0)).astype(jnp.bfloat16)
+            half_bits = ((got >> (16 * half)) & 0xFFFF).astype(np.uint16)
+            np.testing.assert_array_equal(half_bits, want.view(np.uint16), (s, half))
 
 
 @pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
@@ -317,16 +339,14 @@ def test_lowers_for_tpu_at_a_model_shape(fmt, request):
 
 
 # FP8 in parts whose width is whole blocks (the kernel spreads the block scales
-# itself) and is not (a float32 scale per column goes in); MXFP4 on the word
-# kernel (row-major: steps of 256 columns or all; transposed: `K` whole words of
-# eight) and on the one for other shapes. (fmt, k, n, block, parts, path)
+# itself) and is not (a float32 scale per column goes in); MXFP4 row-major, and
+# transposed on the word kernel (`K` whole words of eight) and off it.
+# (fmt, k, n, block, parts, path)
 _LAYOUTS = [
     ("int8", 512, 256, 128, 1, "int8"),
     ("float8_e4m3fn", 512, 256, 128, 1, "fp8_blocks"),
     ("float8_e4m3fn", 512, 256, 128, 2, "fp8_blocks"),
     ("float8_e4m3fn", 512, 384, 128, 2, "float8_e4m3fn"),
-    ("mxfp4", 512, 512, 256, 1, "mxfp4_words"),
-    ("mxfp4", 512, 256, 256, 1, "mxfp4_words"),
     ("mxfp4", 512, 256, 128, 1, "mxfp4"),
     ("mxfp4", 512, 256, 128, 1, "mxfp4_kn_words"),  # read transposed
     ("mxfp4", 480, 256, 128, 1, "mxfp4_kn"),

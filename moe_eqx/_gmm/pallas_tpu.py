@@ -122,9 +122,9 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
             term = _dot(x[:, lo:hi], tile)
             part = term if part is None else part + term
         return part
-    if fmt.endswith("_words"):
-        return _fp4_words_product(fmt == "mxfp4_kn_words", dtype, x_refs, w_refs)
-    # MXFP4 (shapes the word kernel does not take): `v` holds the weight's bytes
+    if fmt == "mxfp4_kn_words":
+        return _fp4_words_product(dtype, x_refs, w_refs)
+    # MXFP4 (the word kernel's shapes aside): `v` holds the weight's bytes
     # (byte `j` of a column: rows `2 j` and `2 j + 1`), `[K / 2, tn]` ("mxfp4_kn")
     # or `W^T`'s `[tn, K / 2]`, `s` its scale bytes in the same orientation; the
     # rows' even and odd columns come apart (`x_refs`), so each half of a byte
@@ -139,72 +139,28 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
     )
 
 
-def _spread(shape, axis: int, shift: int) -> Array:
-    """A 0/1 bfloat16 matrix: 1 where the index along `axis`, shifted right by
-    `shift`, is the other index (each of a block's rows or columns from it)."""
-    other = jax.lax.broadcasted_iota(jnp.int32, shape, 1 - axis)
-    index = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-    return jnp.where((index >> shift) == other, 1.0, 0.0).astype(jnp.bfloat16)
-
-
-def _fp4_words_product(kn, dtype, x_refs, w_refs):
-    """MXFP4 tiles as whole words (`fp4_bfloat16_words`): the bytes' int32 words
-    (`pltpu.bitcast`, four bytes of consecutive rows each) give four bfloat16
-    matrices, each of a fixed subset of the codes, and the rows' matching columns
-    (`x_refs`) meet them.
-
-    - `"mxfp4_kn_words"`: `v` `[K / 2, tn]`, words `[K / 8, tn]` (a word: rows
-      `8 i` to `8 i + 7` of a column, one 32-row block); matrix `s` holds weight
-      rows `s::4`, against `x[:, s::4]`. `c`: the scale bytes, `[K / 32, tn]`;
-      `(byte - 1) * 2 ** 7` spread over each block's four words (one matrix
-      product, exact).
-    - `"mxfp4_words"`: `v` `[tn, K / 2]` (`W^T`), words `[tn / 4, K / 2]` (a word:
-      four columns at two rows); matrix `2 p + h` holds columns `n = p::2` at rows
-      `h::2`, against `x[:, h::2]`, giving the step's columns `p::2` (two parts,
-      interleaved outside the kernel). `c`: for each `p` the low and the high
-      halves' scale bytes, `[4, tn / 4, K / 32]`; `(byte - 1)` times `2 ** 7`
-      and `2 ** 23`, spread over each block's 16 bytes and summed (exact: the
-      halves' bits do not overlap and fit float32's 24).
-
-    Returns the step's parts, `[rows, tn]` (`"mxfp4_kn_words"`) or two `[rows, tn /
-    2]`, float32."""
+def _fp4_words_product(dtype, x_refs, w_refs):
+    """An MXFP4 tile read transposed (`"mxfp4_kn_words"`) as whole words
+    (`fp4_bfloat16_words`): `v` `[K / 2, tn]`, its int32 words `[K / 8, tn]`
+    (`pltpu.bitcast`; a word: rows `8 i` to `8 i + 7` of a column, within one
+    32-row block) give four bfloat16 matrices, matrix `s` the weight's rows
+    `s::4`, against the rows' columns `x[:, s::4]` (`x_refs`). `c`: the scale
+    bytes, `[K / 32, tn]`; `(byte - 1) * 2 ** 7` spread over each block's four
+    words by one matrix product (exact). Returns `[rows, tn]` float32."""
     v, c = w_refs
     words = pltpu.bitcast(v[...], jnp.int32)
-
-    def weight(bits):
+    less = ((c[...].astype(jnp.int32) & 0xFF) - 1).astype(jnp.float32)
+    shape = (words.shape[0], c.shape[0])  # word row `i` from block row `i // 4`
+    block = jax.lax.broadcasted_iota(jnp.int32, shape, 0) >> 2
+    spread = block == jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    spread = jnp.where(spread, 1.0, 0.0).astype(jnp.bfloat16)
+    scale = _dot(spread, (less * 2.0**7).astype(jnp.bfloat16)).astype(jnp.int32)
+    total = None
+    for x, bits in zip(x_refs, fp4_bfloat16_words(words, scale), strict=True):
         w = pltpu.bitcast(bits, jnp.bfloat16)
-        return w if dtype == jnp.bfloat16 else w.astype(dtype)
-
-    def less(byte, times):  # `(byte - 1) * times`, exact in bfloat16
-        value = ((byte.astype(jnp.int32) & 0xFF) - 1).astype(jnp.float32)
-        return (value * times).astype(jnp.bfloat16)
-
-    if kn:
-        spread = _spread((words.shape[0], c.shape[0]), 0, 2)
-        scale = _dot(spread, less(c[...], 2.0**7)).astype(jnp.int32)
-        parts = fp4_bfloat16_words(words, [scale] * 4, shared=True)
-        terms = [_dot(x[...], weight(b)) for x, b in zip(x_refs, parts, strict=True)]
-        return (terms[0] + terms[1] + terms[2] + terms[3],)
-    # One product spreads all four (a step's `tn` rows of scales, stacked).
-    quarter = c.shape[1]
-    stacked = jnp.concatenate(
-        [less(c[q], 2.0 ** (7 if q % 2 == 0 else 23)) for q in range(4)], axis=0
-    )
-    spread = _dot(stacked, _spread((c.shape[2], words.shape[1]), 1, 4))
-    scales = [
-        (
-            spread[2 * p * quarter : (2 * p + 1) * quarter]
-            + spread[(2 * p + 1) * quarter : (2 * p + 2) * quarter]
-        ).astype(jnp.int32)
-        for p in (0, 1)
-    ]
-    parts = fp4_bfloat16_words(words, [scales[s // 2] for s in range(4)], shared=False)
-    x_even, x_odd = x_refs
-    return tuple(
-        _dot(x_even[...], weight(parts[2 * p]), True)
-        + _dot(x_odd[...], weight(parts[2 * p + 1]), True)
-        for p in (0, 1)
-    )
+        term = _dot(x[...], w if dtype == jnp.bfloat16 else w.astype(dtype))
+        total = term if total is None else total + term
+    return total
 
 
 def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
@@ -219,9 +175,8 @@ def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
 
     @pl.when(u < count[0])
     def _():
-        parts = _tile_product(fmt, dtype, k, j, x_refs, w_refs)
-        for p, part in enumerate(parts if isinstance(parts, tuple) else (parts,)):
-            acc[p] += jnp.where(gid[...] == ids[u], part, 0.0)
+        part = _tile_product(fmt, dtype, k, j, x_refs, w_refs)
+        acc[...] += jnp.where(gid[...] == ids[u], part, 0.0)
 
     @pl.when(u == pl.num_programs(1) - 1)
     def _():
@@ -254,54 +209,33 @@ def _touched_scales(w: QuantizedArray, ids: Array) -> Array:
     return jnp.take(w.scales, ids, axis=0, mode="clip")
 
 
-def _words_fit(kn: bool, k: int, n: int, tn: int) -> bool:
-    """Whether the MXFP4 word kernel (`_fp4_words_product`) takes a `[K, tn]`
-    tile: whole 32-bit sublane tiles of words (`K / 8` a multiple of 8) or,
-    transposed, whole bfloat16 ones of its scales (`tn / 4` a multiple of 16) and
-    halves of the step's columns that are whole lane tiles or the whole axis."""
-    if kn:
-        return k % 64 == 0
-    return tn % 64 == 0 and (tn % 256 == 0 or tn == n)
-
-
-def _scale_terms(w: QuantizedArray, ids: Array, kn: bool) -> Array:
-    """The touched experts' MXFP4 scale bytes as the word kernel takes them:
-    `[slots, K / 32, N]` (`kn`), or for the columns `n = 4 i + q`, `q` in 0, 2,
-    1, 3 (for each `p` in 0, 1 the low and high halves' columns `4 i + p`, `4 i
-    + 2 + p`), `[slots, 4, N / 4, K / 32]`: the gathered bytes reordered (one
-    copy of them, which their relayout for the kernel is anyway)."""
-    byte = _touched_scales(w, ids)
-    if kn:
-        return jnp.swapaxes(byte, 1, 2)
-    slots, n, blocks = byte.shape
-    four = byte.reshape(slots, n // 4, 4, blocks)[:, :, jnp.array([0, 2, 1, 3])]
-    return jnp.swapaxes(four, 1, 2)
+def _words_fit(kn: bool, k: int) -> bool:
+    """Whether the MXFP4 word kernel (`_fp4_words_product`) takes a weight: read
+    transposed (`mxfp4_operands`), whose words are whole 32-bit sublane tiles
+    (`K / 8` a multiple of 8). (Row-major, its four matrices need the scales'
+    rows reordered per word: measured on the chip, that cost more than the
+    faster kernel saved; docs/measured.md, "TPU".)"""
+    return kn and k % 64 == 0
 
 
 def _weight_operands(w, k: int, n: int, tn: int, ids: Array):
     """`(fmt, arrays, blocks)` of the kernel's weight inputs: each array's leading
     axis is the group (or, in a block whose first entry is `SLOT`, the touched
     group's slot: MXFP4's scales, gathered by `ids`); in each block shape the
-    first `None` is the group's, a later `None` the `tn` output columns of a grid
-    step (`(None, d)`: `tn / d` of them), and a size the whole axis."""
+    first `None` is the group's, a second the `tn` output columns of a grid step,
+    and a size the whole axis."""
     if not is_quantized(w):
         return None, (w,), ((None, k, None),)
     # The stored bytes as they are, `int8` (a bitcast, even of `uint8` to `int8`,
     # is a copy of the whole weight on a TPU when it feeds a kernel).
     if w.fmt == "mxfp4":  # `[G, N, K / 2]` and `[slots, N, K / 32]`, or swapped
         values, kn = mxfp4_operands(w)
-        if _words_fit(kn, k, n, tn):
-            scales = _scale_terms(w, ids, kn)
-            if kn:
-                blocks = ((None, k // 2, None), (SLOT, k // 32, None))
-                return "mxfp4_kn_words", (values, scales), blocks
-            blocks = ((None, None, k // 2), (SLOT, 4, (None, 4), k // 32))
-            return "mxfp4_words", (values, scales), blocks
         scales = _touched_scales(w, ids)
         if kn:
             scales = jnp.swapaxes(scales, 1, 2)
             blocks = ((None, k // 2, None), (SLOT, k // 32, None))
-            return "mxfp4_kn", (values, scales), blocks
+            words = "_words" if _words_fit(kn, k) else ""
+            return "mxfp4_kn" + words, (values, scales), blocks
         blocks = ((None, None, k // 2), (SLOT, None, k // 32))
         return "mxfp4", (values, scales), blocks
     block = FP8_BLOCK[1]
@@ -366,19 +300,14 @@ def decode_gmm(
         xs = (lhs[:, 0::2], lhs[:, 1::2])
     else:
         xs = (lhs,)
-    parts = 2 if fmt == "mxfp4_words" else 1  # the step's columns `p::parts`
 
     def whole(shape):
         return pl.BlockSpec(shape, lambda j, u, ids, count: (0, 0))
 
     def weight_spec(block):
         lead, *rest = block
-        tiled = tuple(d is None or isinstance(d, tuple) for d in rest)
-
-        def size(d):
-            return tn if d is None else tn // d[1] if isinstance(d, tuple) else d
-
-        shape = (None, *(size(d) for d in rest))
+        shape = (None, *(tn if d is None else d for d in rest))
+        tiled = tuple(d is None for d in rest)
 
         def index(j, u, ids, count):
             # A padded step's slot is the last touched one's: no new block read.
@@ -392,15 +321,13 @@ def decode_gmm(
     in_specs += [weight_spec(block) for block in blocks]
     call = pl.pallas_call(
         ft.partial(_kernel, fmt, dtype, k, len(xs)),
-        out_shape=jax.ShapeDtypeStruct((parts, mp, n // parts), dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, n), dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(n // tn, slots),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec(
-                (parts, mp, tn // parts), lambda j, u, ids, count: (0, 0, j)
-            ),
-            scratch_shapes=[pltpu.VMEM((parts, mp, tn // parts), jnp.float32)],
+            out_specs=pl.BlockSpec((mp, tn), lambda j, u, ids, count: (0, j)),
+            scratch_shapes=[pltpu.VMEM((mp, tn), jnp.float32)],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary")
@@ -408,8 +335,7 @@ def decode_gmm(
         interpret=interpret,
     )
     out = call(ids, count, *xs, gid[:, None], *arrays)
-    # Column `j tn + parts r + p` is part `p`'s column `j tn / parts + r`.
-    return jnp.moveaxis(out, 0, -1).reshape(mp, n)[:m]
+    return out[:m]
 
 
 class _DecodeProducts(AbstractProducts):
