@@ -17,8 +17,10 @@ select each step's weight block. All `M` rows (a few dozen) stay in VMEM; each s
 multiplies all of them by its expert's tile and keeps the rows of that expert, so an
 expert's weight passes through the matrix unit once. Each format's tile is
 dequantized exactly as [`moe_eqx.QuantizedArray.dequantize`][] does (float32
-arithmetic, one rounding to the activations' dtype), then multiplied with float32
-accumulation: the same computation as dequantizing first.
+arithmetic, one rounding to the activations' dtype; MXFP4 read transposed: the
+same values' bfloat16 bits built by integer operations on whole words,
+`quantized_tpu.fp4_bfloat16_words`), then multiplied with float32 accumulation: the
+same computation as dequantizing first.
 
 Derivatives: the kernel is the forward product of `moe_eqx._gmm._products`; its
 transposes (`d_lhs`, `d_rhs`) are `lax.ragged_dot` products on the same weights
