@@ -203,21 +203,11 @@ def _touched(group_sizes: Array, rows: int) -> tuple[Array, Array]:
 def _touched_scales(w: QuantizedArray, ids: Array) -> Array:
     """The scale bytes of an MXFP4 weight's touched experts (`ids`, `_touched`),
     `[slots, N, K / 32]`: what the kernel reads of them, and what the layer's
-    check of the scale bytes covers. The whole array, which a TPU lays out
-    unlike the kernel reads it (`[64, 2816, 64]` with `N` minor-most,
-    `[64, 2048, 44]` with `K / 32` major), was copied into the kernel's layout
-    in every step; the gathered part costs a fraction of that at decode sizes
-    (docs/measured.md, "TPU")."""
+    check of the scale bytes covers. Gathered, not whole: a TPU lays the whole
+    array out unlike the kernel reads it (`[64, 2816, 64]` with `N`
+    minor-most, `[64, 2048, 44]` with `K / 32` major), so it would be copied
+    into the kernel's layout in every step (docs/measured.md, "TPU")."""
     return jnp.take(w.scales, ids, axis=0, mode="clip")
-
-
-def _words_fit(kn: bool, k: int) -> bool:
-    """Whether the MXFP4 word kernel (`_fp4_words_product`) takes a weight: read
-    transposed (`mxfp4_operands`), whose words are whole 32-bit sublane tiles
-    (`K / 8` a multiple of 8). (Row-major, its four matrices need the scales'
-    rows reordered per word: measured on the chip, that cost more than the
-    faster kernel saved; docs/measured.md, "TPU".)"""
-    return kn and k % 64 == 0
 
 
 def _weight_operands(w, k: int, n: int, tn: int, ids: Array):
@@ -236,7 +226,11 @@ def _weight_operands(w, k: int, n: int, tn: int, ids: Array):
         if kn:
             scales = jnp.swapaxes(scales, 1, 2)
             blocks = ((None, k // 2, None), (SLOT, k // 32, None))
-            words = "_words" if _words_fit(kn, k) else ""
+            # The word kernel where its words are whole 32-bit sublane tiles
+            # (`K / 8` a multiple of 8). Row-major bytes stay on the byte kernel:
+            # a word there holds four columns, whose scale rows it would need
+            # reordered (docs/measured.md, "TPU").
+            words = "_words" if k % 64 == 0 else ""
             return "mxfp4_kn" + words, (values, scales), blocks
         blocks = ((None, None, k // 2), (SLOT, None, k // 32))
         return "mxfp4", (values, scales), blocks

@@ -21,17 +21,17 @@ from jaxtyping import Array
 from .._quant import MXFP4_BLOCK, QuantizedArray, is_quantized
 from .mosaic_gpu.quantized import kernel_operands
 
-_INT_MIN = -(2**31)  # the float32 sign bit, as an int32
-
 
 def _int32(bits: int) -> int:
+    """A 32-bit pattern as the int32 that holds it."""
     return int(np.array(bits, np.uint32).view(np.int32))
 
 
+_INT_MIN = -(2**31)  # the float32 sign bit, as an int32
 _NIBBLE_TOPS = _int32(0x88888888)  # the top bit of each 4-bit field of a word
 _HALF_TOPS = _int32(0x80008000)  # the top bit of each 16-bit half
 # FP4 E2M1 magnitudes (codes 0..7) times two, one per nibble: 0 1 2 3 4 6 8 12.
-_FP4_TWICE = int(np.array(0xC8643210, np.uint32).view(np.int32))
+_FP4_TWICE = _int32(0xC8643210)
 
 # The formats the kernels read in place; a weight in another (a user's own) is
 # dequantized first.
