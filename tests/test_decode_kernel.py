@@ -71,6 +71,25 @@ def test_mxfp4_transposed_operands_are_the_stored_bytes_swapped(mxfp4_transposed
     assert blocks == ((None, k // 2, None), ("slot", k // 32, None))
 
 
+def test_mxfp4_row_major_scales_are_read_as_they_lie(tpu_layouts):
+    """Row-major MXFP4 bytes on the word kernel take the touched experts' scale
+    bytes in the orientation a TPU lays them out in (`N` minor-most where `K / 32`
+    is not whole lanes): the gathered bytes' swapped view, no other conversion;
+    row-major where they are row-major."""
+    ids = jnp.array([6, 2], jnp.int32)
+    w = quantize(jr.normal(jr.key(1), (G, 512, 512)), "mxfp4")
+    path, arrays, blocks = _weight_operands(w, 512, 512, 256, ids)
+    assert path == "mxfp4_words_scales_kn" and w.scales.shape in tpu_layouts
+    assert arrays[0] is w.values
+    np.testing.assert_array_equal(arrays[1], jnp.swapaxes(w.scales[ids], 1, 2))
+    assert blocks == ((None, None, 256), ("slot", 16, None))
+    w = quantize(jr.normal(jr.key(1), (G, 4096, 512)), "mxfp4")  # `K / 32 = 128`
+    path, arrays, blocks = _weight_operands(w, 4096, 512, 256, ids)
+    assert path == "mxfp4_words"
+    np.testing.assert_array_equal(arrays[1], w.scales[ids])
+    assert blocks == ((None, None, 2048), ("slot", None, 128))
+
+
 def test_fp4_words_are_every_code_at_every_scale_exactly():
     """The word kernel's bfloat16 bits (`fp4_bfloat16_words`) are
     `QuantizedArray.dequantize`'s values bit for bit (-0.0 too) for every pair of
@@ -81,14 +100,22 @@ def test_fp4_words_are_every_code_at_every_scale_exactly():
     for s in range(4):  # every pair in every position
         words |= ((pairs & 0xF) << (4 * s)) | ((pairs >> 4) << (4 * s + 16))
     words = jnp.asarray(words)
-    scale = jnp.asarray(np.broadcast_to((byte - 1) << 7, words.shape))
-    for s, bits in enumerate(fp4_bfloat16_words(words, scale)):
-        got = np.asarray(bits).view(np.uint32)
-        for half, codes in ((0, pairs & 0xF), (1, pairs >> 4)):
-            value = np.asarray(fp4_value(jnp.asarray(codes)), np.float64)
-            want = (value * 2.0 ** (byte - 127.0)).astype(jnp.bfloat16)
-            half_bits = ((got >> (16 * half)) & 0xFFFF).astype(np.uint16)
-            np.testing.assert_array_equal(half_bits, want.view(np.uint16), (s, half))
+    shared = jnp.asarray(np.broadcast_to((byte - 1) << 7, words.shape))
+    # Each half's own scale: the high half's byte another (`(byte + 96) % 251 +
+    # 2`, over the whole range).
+    other = (byte + 96) % 251 + 2
+    own = jnp.asarray(np.broadcast_to((byte - 1) << 7 | (other - 1) << 23, words.shape))
+    for halves, scale, high in ((False, shared, byte), (True, own, other)):
+        out = fp4_bfloat16_words(words, [scale] * 4, halves=halves)
+        for s, bits in enumerate(out):
+            got = np.asarray(bits).view(np.uint32)
+            for half, codes, b in ((0, pairs & 0xF, byte), (1, pairs >> 4, high)):
+                value = np.asarray(fp4_value(jnp.asarray(codes)), np.float64)
+                want = (value * 2.0 ** (b - 127.0)).astype(jnp.bfloat16)
+                half_bits = ((got >> (16 * half)) & 0xFFFF).astype(np.uint16)
+                np.testing.assert_array_equal(
+                    half_bits, want.view(np.uint16), (halves, s, half)
+                )
 
 
 @pytest.mark.parametrize("fmt", [None, "int8", "float8_e4m3fn", "mxfp4", "mxfp4-kn"])
@@ -347,7 +374,9 @@ _LAYOUTS = [
     ("float8_e4m3fn", 512, 256, 128, 1, "fp8_blocks"),
     ("float8_e4m3fn", 512, 256, 128, 2, "fp8_blocks"),
     ("float8_e4m3fn", 512, 384, 128, 2, "float8_e4m3fn"),
-    ("mxfp4", 512, 256, 128, 1, "mxfp4"),
+    ("mxfp4", 512, 256, 128, 1, "mxfp4"),  # half a step's columns not whole lanes
+    ("mxfp4", 512, 512, 256, 1, "mxfp4_words"),
+    ("mxfp4", 512, 512, 256, 1, "mxfp4_words_scales_kn"),  # scales as a TPU lays them
     ("mxfp4", 512, 256, 128, 1, "mxfp4_kn_words"),  # read transposed
     ("mxfp4", 480, 256, 128, 1, "mxfp4_kn"),
 ]
@@ -362,6 +391,8 @@ def test_every_code_dequantizes_exactly(fmt, k, n, block, parts, path, dtype, re
     steps."""
     if path.startswith("mxfp4_kn"):
         request.getfixturevalue("mxfp4_transposed")
+    elif path == "mxfp4_words_scales_kn":
+        request.getfixturevalue("tpu_layouts")
     dt = jnp.dtype(dtype)
     w = every_code_weight(fmt, k, n, jr.key(11), parts)
     assert _weight_operands(w, k, n, block, jnp.zeros((1,), jnp.int32))[0] == path

@@ -17,8 +17,8 @@ select each step's weight block. All `M` rows (a few dozen) stay in VMEM; each s
 multiplies all of them by its expert's tile and keeps the rows of that expert, so an
 expert's weight passes through the matrix unit once. Each format's tile is
 dequantized exactly as [`moe_eqx.QuantizedArray.dequantize`][] does (float32
-arithmetic, one rounding to the activations' dtype; MXFP4 read transposed: the
-same values' bfloat16 bits built by integer operations on whole words,
+arithmetic, one rounding to the activations' dtype; MXFP4 where its tile is whole
+words: the same values' bfloat16 bits built by integer operations on whole words,
 `quantized_tpu.fp4_bfloat16_words`), then multiplied with float32 accumulation: the
 same computation as dequantizing first.
 
@@ -61,6 +61,7 @@ from .quantized_tpu import (
     in_kernel,
     mxfp4_half_scales,
     mxfp4_operands,
+    scales_transposed,
 )
 from .ragged_dot import _RaggedDotProducts
 
@@ -124,8 +125,8 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
             term = _dot(x[:, lo:hi], tile)
             part = term if part is None else part + term
         return part
-    if fmt == "mxfp4_kn_words":
-        return _fp4_words_product(dtype, x_refs, w_refs)
+    if "_words" in fmt:
+        return _fp4_words_product(fmt, dtype, x_refs, w_refs)
     # MXFP4 (the word kernel's shapes aside): `v` holds the weight's bytes
     # (byte `j` of a column: rows `2 j` and `2 j + 1`), `[K / 2, tn]` ("mxfp4_kn")
     # or `W^T`'s `[tn, K / 2]`, `s` its scale bytes in the same orientation; the
@@ -141,28 +142,117 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
     )
 
 
-def _fp4_words_product(dtype, x_refs, w_refs):
-    """An MXFP4 tile read transposed (`"mxfp4_kn_words"`) as whole words
-    (`fp4_bfloat16_words`): `v` `[K / 2, tn]`, its int32 words `[K / 8, tn]`
-    (`pltpu.bitcast`; a word: rows `8 i` to `8 i + 7` of a column, within one
-    32-row block) give four bfloat16 matrices, matrix `s` the weight's rows
-    `s::4`, against the rows' columns `x[:, s::4]` (`x_refs`). `c`: the scale
-    bytes, `[K / 32, tn]`; `(byte - 1) * 2 ** 7` spread over each block's four
-    words by one matrix product (exact). Returns `[rows, tn]` float32."""
+def _spread(shape, axis: int, shift: int) -> Array:
+    """A 0/1 bfloat16 matrix of `shape`: one where the index along `axis`, shifted
+    right by `shift`, is the index along the other axis (each of the other's
+    entries spread over `2 ** shift` of `axis`'s)."""
+    index = jax.lax.broadcasted_iota(jnp.int32, shape, axis) >> shift
+    other = jax.lax.broadcasted_iota(jnp.int32, shape, 1 - axis)
+    return jnp.where(index == other, 1.0, 0.0).astype(jnp.bfloat16)
+
+
+def _fp4_words_product(fmt, dtype, x_refs, w_refs):
+    """MXFP4 tiles as whole words (`fp4_bfloat16_words`): the bytes' int32 words
+    (`pltpu.bitcast`, four bytes of consecutive rows each) give four bfloat16
+    matrices, each of a fixed subset of the codes, and the rows' matching columns
+    (`x_refs`) meet them. The scale bytes `c` are the touched experts' as
+    gathered, in the values' orientation; `(byte - 1)` times a power of two is
+    spread over each block's values by one matrix product with a 0/1 matrix
+    (exact: a value of eight bits times a power of two, summed with zeros).
+
+    - `"mxfp4_kn_words"`: `v` `[K / 2, tn]`, words `[K / 8, tn]` (a word: rows
+      `8 i` to `8 i + 7` of a column, one 32-row block); matrix `s` holds weight
+      rows `s::4`, against `x[:, s::4]`. `c` `[K / 32, tn]`: `(byte - 1) * 2 ** 7`
+      spread over each block's four words.
+    - `"mxfp4_words"`: `v` `[tn, K / 2]` (`W^T`), words `[tn / 4, K / 2]` (a word:
+      the bytes of columns `4 i` to `4 i + 3` at two rows); matrix `2 p + h` holds
+      columns `p::2` at rows `h::2`, against `x[:, h::2]`, giving the step's
+      columns `p::2` (two parts, interleaved outside the kernel). `c` `[tn, K /
+      32]`, whose words (`pltpu.bitcast`) hold the same four columns' scale bytes
+      as the values' words do their values; or, `"mxfp4_words_scales_kn"`, `[K /
+      32, tn]` (as a TPU lays them out where `K / 32` is not whole lanes), whose
+      bytes a product with a 0/1 matrix picks. For each `p` the low half's byte
+      (column `4 i + p`) times `2 ** 7` and the high half's (`4 i + 2 + p`) times
+      `2 ** 23`, spread over each block's 16 bytes and summed (the halves' bits
+      do not overlap and fit float32's 24).
+
+    Returns the step's parts, `[rows, tn]` (`"mxfp4_kn_words"`) or two `[rows, tn /
+    2]`, float32."""
     v, c = w_refs
     words = pltpu.bitcast(v[...], jnp.int32)
-    less = ((c[...].astype(jnp.int32) & 0xFF) - 1).astype(jnp.float32)
-    shape = (words.shape[0], c.shape[0])  # word row `i` from block row `i // 4`
-    block = jax.lax.broadcasted_iota(jnp.int32, shape, 0) >> 2
-    spread = block == jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    spread = jnp.where(spread, 1.0, 0.0).astype(jnp.bfloat16)
-    scale = _dot(spread, (less * 2.0**7).astype(jnp.bfloat16)).astype(jnp.int32)
-    total = None
-    for x, bits in zip(x_refs, fp4_bfloat16_words(words, scale), strict=True):
+
+    def weight(bits):
         w = pltpu.bitcast(bits, jnp.bfloat16)
-        term = _dot(x[...], w if dtype == jnp.bfloat16 else w.astype(dtype))
-        total = term if total is None else total + term
-    return total
+        return w if dtype == jnp.bfloat16 else w.astype(dtype)
+
+    def less(byte, times):  # `(byte - 1) * times`, exact in bfloat16
+        value = ((byte.astype(jnp.int32) & 0xFF) - 1).astype(jnp.float32)
+        return (value * times).astype(jnp.bfloat16)
+
+    if fmt == "mxfp4_kn_words":
+        spread = _spread((words.shape[0], c.shape[0]), 0, 2)
+        scale = _dot(spread, less(c[...], 2.0**7)).astype(jnp.int32)
+        parts = fp4_bfloat16_words(words, [scale] * 4, halves=False)
+        terms = [_dot(x[...], weight(b)) for x, b in zip(x_refs, parts, strict=True)]
+        return (terms[0] + terms[1] + terms[2] + terms[3],)
+    # For `p` in 0, 1: the low half's column `4 i + p` times `2 ** 7`, the high
+    # half's `4 i + 2 + p` times `2 ** 23`, stacked: `q` in 0, 2, 1, 3.
+    quarter = words.shape[0]
+    if fmt == "mxfp4_words":
+        # `c` `[tn, K / 32]`: byte `q` of word `i` is column `4 i + q`'s.
+        scale_words = pltpu.bitcast(c[...], jnp.int32)
+        srl = jax.lax.shift_right_logical
+        stacked = jnp.concatenate(
+            [
+                less(srl(scale_words, 8 * q), 2.0 ** (23 if q >= 2 else 7))
+                for q in (0, 2, 1, 3)
+            ],
+            axis=0,
+        )
+    else:  # `c` `[K / 32, tn]` (as a TPU lays them out): chosen by a product
+        shape = (quarter, 4 * quarter)
+        row = jax.lax.broadcasted_iota(jnp.int32, shape, 0) * 4
+        column = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        select = jnp.concatenate(
+            [
+                jnp.where(column == row + q, 2.0 ** (23 if q >= 2 else 7), 0.0)
+                for q in (0, 2, 1, 3)
+            ],
+            axis=0,
+        ).astype(jnp.bfloat16)
+        stacked = _dot(select, less(c[...], 1.0), True).astype(jnp.bfloat16)
+    # For each `p`, its low and high halves' side by side, `[tn / 4, 2 K / 32]`
+    # (products with `[I 0]` and `[0 I]`, exact), so that one product with a
+    # spread stacked twice sums them as it spreads them: half the spread's
+    # output of spreading each alone.
+    blocks = stacked.shape[1]  # `K / 32`
+    shape = (blocks, 2 * blocks)
+    row = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    column = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    place = [jnp.where(column == row + h * blocks, 1.0, 0.0) for h in (0, 1)]
+    place = [e.astype(jnp.bfloat16) for e in place]
+    pairs = jnp.concatenate(
+        [
+            _dot(stacked[2 * p * quarter : (2 * p + 1) * quarter], place[0])
+            + _dot(stacked[(2 * p + 1) * quarter : (2 * p + 2) * quarter], place[1])
+            for p in (0, 1)
+        ],
+        axis=0,
+    ).astype(jnp.bfloat16)
+    shape = (2 * blocks, words.shape[1])
+    block = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    block = jnp.where(block >= blocks, block - blocks, block)
+    byte = jax.lax.broadcasted_iota(jnp.int32, shape, 1) >> 4
+    twice = jnp.where(byte == block, 1.0, 0.0).astype(jnp.bfloat16)
+    spread = _dot(pairs, twice)
+    scales = [spread[p * quarter : (p + 1) * quarter].astype(jnp.int32) for p in (0, 1)]
+    parts = fp4_bfloat16_words(words, [scales[s // 2] for s in range(4)], halves=True)
+    x_even, x_odd = x_refs
+    return tuple(
+        _dot(x_even[...], weight(parts[2 * p]), True)
+        + _dot(x_odd[...], weight(parts[2 * p + 1]), True)
+        for p in (0, 1)
+    )
 
 
 def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
@@ -177,8 +267,9 @@ def _kernel(fmt, dtype, k, num_x, ids, count, *refs):
 
     @pl.when(u < count[0])
     def _():
-        part = _tile_product(fmt, dtype, k, j, x_refs, w_refs)
-        acc[...] += jnp.where(gid[...] == ids[u], part, 0.0)
+        parts = _tile_product(fmt, dtype, k, j, x_refs, w_refs)
+        for p, part in enumerate(parts if isinstance(parts, tuple) else (parts,)):
+            acc[p] += jnp.where(gid[...] == ids[u], part, 0.0)
 
     @pl.when(u == pl.num_programs(1) - 1)
     def _():
@@ -227,13 +318,20 @@ def _weight_operands(w, k: int, n: int, tn: int, ids: Array):
             scales = jnp.swapaxes(scales, 1, 2)
             blocks = ((None, k // 2, None), (SLOT, k // 32, None))
             # The word kernel where its words are whole 32-bit sublane tiles
-            # (`K / 8` a multiple of 8). Row-major bytes stay on the byte kernel:
-            # a word there holds four columns, whose scale rows it would need
-            # reordered (docs/measured.md, "TPU").
+            # (`K / 8` a multiple of 8).
             words = "_words" if k % 64 == 0 else ""
             return "mxfp4_kn" + words, (values, scales), blocks
         blocks = ((None, None, k // 2), (SLOT, None, k // 32))
-        return "mxfp4", (values, scales), blocks
+        # The word kernel where its scales' rows per word make whole bfloat16
+        # sublane tiles (`tn / 4` a multiple of 16) and each half of the step's
+        # columns is whole lane tiles or the whole axis.
+        if not (tn % 64 == 0 and (tn % 256 == 0 or tn == n)):
+            return "mxfp4", (values, scales), blocks
+        if scales_transposed(w):  # as they lie: no copy into another layout
+            blocks = ((None, None, k // 2), (SLOT, k // 32, None))
+            scales = jnp.swapaxes(scales, 1, 2)
+            return "mxfp4_words_scales_kn", (values, scales), blocks
+        return "mxfp4_words", (values, scales), blocks
     block = FP8_BLOCK[1]
     if w.fmt == "float8_e4m3fn" and tn % block == 0 and (n // w.parts) % block == 0:
         # Each expert's block scales whole, `[G, column blocks, row blocks]` (the
@@ -296,6 +394,8 @@ def decode_gmm(
         xs = (lhs[:, 0::2], lhs[:, 1::2])
     else:
         xs = (lhs,)
+    # The step's columns `p::parts`.
+    parts = 2 if fmt is not None and fmt.startswith("mxfp4_words") else 1
 
     def whole(shape):
         return pl.BlockSpec(shape, lambda j, u, ids, count: (0, 0))
@@ -317,13 +417,15 @@ def decode_gmm(
     in_specs += [weight_spec(block) for block in blocks]
     call = pl.pallas_call(
         ft.partial(_kernel, fmt, dtype, k, len(xs)),
-        out_shape=jax.ShapeDtypeStruct((mp, n), dtype),
+        out_shape=jax.ShapeDtypeStruct((parts, mp, n // parts), dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(n // tn, slots),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((mp, tn), lambda j, u, ids, count: (0, j)),
-            scratch_shapes=[pltpu.VMEM((mp, tn), jnp.float32)],
+            out_specs=pl.BlockSpec(
+                (parts, mp, tn // parts), lambda j, u, ids, count: (0, 0, j)
+            ),
+            scratch_shapes=[pltpu.VMEM((parts, mp, tn // parts), jnp.float32)],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary")
@@ -331,7 +433,8 @@ def decode_gmm(
         interpret=interpret,
     )
     out = call(ids, count, *xs, gid[:, None], *arrays)
-    return out[:m]
+    # Column `j tn + parts r + p` is part `p`'s column `j tn / parts + r`.
+    return jnp.moveaxis(out, 0, -1).reshape(mp, n)[:m]
 
 
 class _DecodeProducts(AbstractProducts):

@@ -114,16 +114,19 @@ def bfloat16_pairs(low: Array, high: Array) -> Array:
     return ((bits(low) >> 16) & 0xFFFF) | (bits(high) & -(1 << 16))
 
 
-def fp4_bfloat16_words(words: Array, scale: Array) -> list[Array]:
+def fp4_bfloat16_words(
+    words: Array, scales: list[Array], *, halves: bool
+) -> list[Array]:
     """The bfloat16 bits of MXFP4 values, two to an int32 word, built by integer
     operations on whole words (no float arithmetic, eight codes per input word):
     the dequantization of the decode kernel.
 
     `words` (int32) hold eight FP4 E2M1 codes each, code `t` in bits `4 t` to
-    `4 t + 3`, all of one block; `scale` (int32, as `words`) is `(byte - 1) << 7`
-    for the block's scale byte. Returns four arrays of words: word `s` holds code
-    `s` in its low half and code `s + 4` in its high half, each times `2 ** (byte
-    - 127)`.
+    `4 t + 3`. Returns four arrays of words: word `s` holds code `s` in its low
+    half and code `s + 4` in its high half, each times its block's scale `2 **
+    (byte - 127)`. `scales[s]` (int32, as `words`) gives word `s`'s
+    `(byte - 1) << 7`: one value for both halves (`halves` false), or each half's
+    own in that half (`halves`: `(low - 1) << 7 | (high - 1) << 23`).
 
     A code of magnitude `c = 2 e + m >= 2` is `2 ** (e - 1) (1 + m / 2)`: its
     bits are `(c << 6) + ((byte - 1) << 7)` (exponent field `e - 1 + byte`, the
@@ -139,14 +142,16 @@ def fp4_bfloat16_words(words: Array, scale: Array) -> list[Array]:
     magnitude = magnitude - srl(nonzero ^ normal, 3)  # 1 -> 0
     signs = words & _NIBBLE_TOPS
     out = []
-    for s in range(4):
-        # The scale in each nonzero half (below 2 ** 16 times 0/1 halves).
-        scaled = scale * (srl(nonzero, 4 * s + 3) & 0x00010001)
+    for s, scale in enumerate(scales):
+        on = srl(nonzero, 4 * s + 3) & 0x00010001  # 1 in each nonzero half
+        # (One value below 2 ** 16 times 0/1 halves stays in each half; each
+        # half's own is kept by a mask of its bits 7 to 14.)
+        scale = (on * 0x7F80) & scale if halves else scale * on
         # The halves' magnitudes moved to bits 6 to 8 (one shift each way).
         move = 6 - 4 * s
         bits = magnitude << move if move >= 0 else srl(magnitude, -move)
         bits = bits & 0x01C001C0
-        out.append((bits + scaled) | ((signs << (12 - 4 * s)) & _HALF_TOPS))
+        out.append((bits + scale) | ((signs << (12 - 4 * s)) & _HALF_TOPS))
     return out
 
 
@@ -191,6 +196,14 @@ def mxfp4_operands(w: QuantizedArray) -> tuple[Array, bool]:
     if stores_transposed(values.shape, values.dtype):
         return jnp.swapaxes(values, -1, -2), True
     return values, False
+
+
+def scales_transposed(w: QuantizedArray) -> bool:
+    """Whether an MXFP4 weight's scale bytes `[G, N, K / 32]` arrive in a layout with
+    `N` minor-most (`stores_transposed`), as on a TPU where `K / 32` is not a
+    multiple of 128: a kernel reading their swapped view then reads them as they
+    lie."""
+    return stores_transposed(w.scales.shape, w.scales.dtype)
 
 
 def column_scales(w: QuantizedArray, k: int, n: int) -> Array:
