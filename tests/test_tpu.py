@@ -151,8 +151,8 @@ def test_mxfp4_arguments_are_not_copied(tokens):
     the down projection's (`[64, 2048, 704]`, which the chip lays out with `N`
     minor-most) through a bitcast of its transposed view, the up projection's
     (`K / 2 = 1024`, row-major) as they are: no copy of them precedes a kernel.
-    The up projection's touched scale bytes go in as gathered, in the layout the
-    chip gives them (`N` minor-most). (The down projection's whole scale array,
+    At decode sizes the up projection's touched scale bytes go in as gathered, in
+    the layout the chip gives them (`N` minor-most). (The down projection's whole scale array,
     a sixteenth of its bytes, is still copied into another layout before its
     gather: docs/measured.md, "TPU".)"""
     cfg = me.MoEConfig(d_model=2048, d_ff=1408, num_experts=64, top_k=6)
@@ -178,9 +178,9 @@ def test_mxfp4_arguments_are_not_copied(tokens):
     up = kernel_operand_sources(text, r"s8\[64,(?:2816,1024|1024,2816)\]")
     assert down and up, "no kernel reads the stored bytes"
     assert set(down) | set(up) == {"parameter"}, (down, up)
-    # The up projection's touched scale bytes straight from their gather.
-    scales = kernel_operand_sources(text, r"s8\[\d+,(?:2816,64|64,2816)\]")
-    assert scales and "copy" not in scales, scales
+    if tokens <= 8:  # the decode kernel: the touched scale bytes as gathered
+        scales = kernel_operand_sources(text, r"s8\[\d+,(?:2816,64|64,2816)\]")
+        assert scales and "copy" not in scales, scales
 
 
 @pytest.mark.parametrize(

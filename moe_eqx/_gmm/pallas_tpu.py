@@ -151,6 +151,22 @@ def _spread(shape, axis: int, shift: int) -> Array:
     return jnp.where(index == other, 1.0, 0.0).astype(jnp.bfloat16)
 
 
+def _select_scales(tn: int) -> Array:
+    """For `"mxfp4_words_scales_kn"`: the `[tn, tn]` bfloat16 matrix whose product
+    with a step's scale values `[K / 32, tn]` (transposed) stacks, for `q` in 0,
+    2, 1, 3, column `4 i + q`'s as row `i` of block `q`, times `2 ** 7` (`q` 0,
+    1: the low halves') or `2 ** 23` (the high halves'). Built once, outside the
+    kernel."""
+    quarter = tn // 4
+    row = jnp.arange(quarter)[:, None] * 4
+    column = jnp.arange(tn)[None, :]
+    blocks = [
+        jnp.where(column == row + q, 2.0 ** (23 if q >= 2 else 7), 0.0)
+        for q in (0, 2, 1, 3)
+    ]
+    return jnp.concatenate(blocks, axis=0).astype(jnp.bfloat16)
+
+
 def _fp4_words_product(fmt, dtype, x_refs, w_refs):
     """MXFP4 tiles as whole words (`fp4_bfloat16_words`): the bytes' int32 words
     (`pltpu.bitcast`, four bytes of consecutive rows each) give four bfloat16
@@ -190,11 +206,12 @@ def _fp4_words_product(fmt, dtype, x_refs, w_refs):
         return (value * times).astype(jnp.bfloat16)
 
     if fmt == "mxfp4_kn_words":
-        spread = _spread((words.shape[0], c.shape[0]), 0, 2)
-        scale = _dot(spread, less(c[...], 2.0**7)).astype(jnp.int32)
+        *xs, spread = x_refs
+        scale = _dot(spread[...], less(c[...], 2.0**7)).astype(jnp.int32)
         parts = fp4_bfloat16_words(words, [scale] * 4, halves=False)
-        terms = [_dot(x[...], weight(b)) for x, b in zip(x_refs, parts, strict=True)]
+        terms = [_dot(x[...], weight(b)) for x, b in zip(xs, parts, strict=True)]
         return (terms[0] + terms[1] + terms[2] + terms[3],)
+    x_even, x_odd, spread, *select = x_refs
     # For `p` in 0, 1: the low half's column `4 i + p` times `2 ** 7`, the high
     # half's `4 i + 2 + p` times `2 ** 23`, stacked: `q` in 0, 2, 1, 3.
     quarter = words.shape[0]
@@ -210,44 +227,17 @@ def _fp4_words_product(fmt, dtype, x_refs, w_refs):
             axis=0,
         )
     else:  # `c` `[K / 32, tn]` (as a TPU lays them out): chosen by a product
-        shape = (quarter, 4 * quarter)
-        row = jax.lax.broadcasted_iota(jnp.int32, shape, 0) * 4
-        column = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-        select = jnp.concatenate(
-            [
-                jnp.where(column == row + q, 2.0 ** (23 if q >= 2 else 7), 0.0)
-                for q in (0, 2, 1, 3)
-            ],
-            axis=0,
-        ).astype(jnp.bfloat16)
-        stacked = _dot(select, less(c[...], 1.0), True).astype(jnp.bfloat16)
-    # For each `p`, its low and high halves' side by side, `[tn / 4, 2 K / 32]`
-    # (products with `[I 0]` and `[0 I]`, exact), so that one product with a
-    # spread stacked twice sums them as it spreads them: half the spread's
-    # output of spreading each alone.
-    blocks = stacked.shape[1]  # `K / 32`
-    shape = (blocks, 2 * blocks)
-    row = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-    column = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    place = [jnp.where(column == row + h * blocks, 1.0, 0.0) for h in (0, 1)]
-    place = [e.astype(jnp.bfloat16) for e in place]
-    pairs = jnp.concatenate(
-        [
-            _dot(stacked[2 * p * quarter : (2 * p + 1) * quarter], place[0])
-            + _dot(stacked[(2 * p + 1) * quarter : (2 * p + 2) * quarter], place[1])
-            for p in (0, 1)
-        ],
-        axis=0,
-    ).astype(jnp.bfloat16)
-    shape = (2 * blocks, words.shape[1])
-    block = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-    block = jnp.where(block >= blocks, block - blocks, block)
-    byte = jax.lax.broadcasted_iota(jnp.int32, shape, 1) >> 4
-    twice = jnp.where(byte == block, 1.0, 0.0).astype(jnp.bfloat16)
-    spread = _dot(pairs, twice)
-    scales = [spread[p * quarter : (p + 1) * quarter].astype(jnp.int32) for p in (0, 1)]
+        stacked = _dot(select[0][...], less(c[...], 1.0), True)
+        stacked = stacked.astype(jnp.bfloat16)
+    spread = _dot(stacked, spread[...])
+    scales = [
+        (
+            spread[2 * p * quarter : (2 * p + 1) * quarter]
+            + spread[(2 * p + 1) * quarter : (2 * p + 2) * quarter]
+        ).astype(jnp.int32)
+        for p in (0, 1)
+    ]
     parts = fp4_bfloat16_words(words, [scales[s // 2] for s in range(4)], halves=True)
-    x_even, x_odd = x_refs
     return tuple(
         _dot(x_even[...], weight(parts[2 * p]), True)
         + _dot(x_odd[...], weight(parts[2 * p + 1]), True)
@@ -394,6 +384,14 @@ def decode_gmm(
         xs = (lhs[:, 0::2], lhs[:, 1::2])
     else:
         xs = (lhs,)
+    # The word kernel's constant 0/1 matrices (whole inputs, read once): built in
+    # every grid step they cost more than the products they feed.
+    if fmt == "mxfp4_kn_words":
+        xs += (_spread((k // 8, k // 32), 0, 2),)
+    elif fmt is not None and fmt.startswith("mxfp4_words"):
+        xs += (_spread((k // 32, k // 2), 1, 4),)
+        if fmt == "mxfp4_words_scales_kn":
+            xs += (_select_scales(tn),)
     # The step's columns `p::parts`.
     parts = 2 if fmt is not None and fmt.startswith("mxfp4_words") else 1
 
