@@ -181,23 +181,3 @@ def mxfp4_transposed(monkeypatch):
     monkeypatch.setattr(quantized_tpu, "stores_transposed", transposed)
     yield asked
     jax.clear_caches()
-
-
-@pytest.fixture
-def tpu_layouts(monkeypatch):
-    """Makes the TPU kernels take MXFP4 arrays in the orientation a TPU lays them
-    out in: `N` minor-most where the last axis is not whole 128-lane tiles and the
-    second-to-last is (a `[G, N, K / 32]` scale array with `K / 32 = 16`, say), row-major
-    elsewhere. Yields the shapes asked about."""
-    from moe_eqx._gmm import quantized_tpu
-
-    asked = []
-
-    def transposed(shape, dtype):
-        asked.append(tuple(shape))
-        return len(shape) >= 2 and shape[-1] % 128 != 0 and shape[-2] % 128 == 0
-
-    jax.clear_caches()
-    monkeypatch.setattr(quantized_tpu, "stores_transposed", transposed)
-    yield asked
-    jax.clear_caches()

@@ -71,23 +71,18 @@ def test_mxfp4_transposed_operands_are_the_stored_bytes_swapped(mxfp4_transposed
     assert blocks == ((None, k // 2, None), ("slot", k // 32, None))
 
 
-def test_mxfp4_row_major_scales_are_read_as_they_lie(tpu_layouts):
-    """Row-major MXFP4 bytes on the word kernel take the touched experts' scale
-    bytes in the orientation a TPU lays them out in (`N` minor-most where `K / 32`
-    is not whole lanes): the gathered bytes' swapped view, no other conversion;
-    row-major where they are row-major."""
+def test_mxfp4_row_major_words_take_the_gathered_scale_bytes():
+    """Row-major MXFP4 bytes on the word kernel take the stored bytes themselves and
+    the touched experts' scale bytes as gathered, `[slots, N, K / 32]` (the
+    kernel reads their words in place: no reorder); a step whose half of its
+    columns is not whole lanes stays on the byte kernel."""
     ids = jnp.array([6, 2], jnp.int32)
     w = quantize(jr.normal(jr.key(1), (G, 512, 512)), "mxfp4")
     path, arrays, blocks = _weight_operands(w, 512, 512, 256, ids)
-    assert path == "mxfp4_words_scales_kn" and w.scales.shape in tpu_layouts
-    assert arrays[0] is w.values
-    np.testing.assert_array_equal(arrays[1], jnp.swapaxes(w.scales[ids], 1, 2))
-    assert blocks == ((None, None, 256), ("slot", 16, None))
-    w = quantize(jr.normal(jr.key(1), (G, 4096, 512)), "mxfp4")  # `K / 32 = 128`
-    path, arrays, blocks = _weight_operands(w, 4096, 512, 256, ids)
-    assert path == "mxfp4_words"
+    assert path == "mxfp4_words" and arrays[0] is w.values
     np.testing.assert_array_equal(arrays[1], w.scales[ids])
-    assert blocks == ((None, None, 2048), ("slot", None, 128))
+    assert blocks == ((None, None, 256), ("slot", None, 16))
+    assert _weight_operands(w, 512, 512, 128, ids)[0] == "mxfp4"
 
 
 def test_fp4_words_are_every_code_at_every_scale_exactly():
@@ -376,7 +371,6 @@ _LAYOUTS = [
     ("float8_e4m3fn", 512, 384, 128, 2, "float8_e4m3fn"),
     ("mxfp4", 512, 256, 128, 1, "mxfp4"),  # half a step's columns not whole lanes
     ("mxfp4", 512, 512, 256, 1, "mxfp4_words"),
-    ("mxfp4", 512, 512, 256, 1, "mxfp4_words_scales_kn"),  # scales as a TPU lays them
     ("mxfp4", 512, 256, 128, 1, "mxfp4_kn_words"),  # read transposed
     ("mxfp4", 480, 256, 128, 1, "mxfp4_kn"),
 ]
@@ -391,8 +385,6 @@ def test_every_code_dequantizes_exactly(fmt, k, n, block, parts, path, dtype, re
     steps."""
     if path.startswith("mxfp4_kn"):
         request.getfixturevalue("mxfp4_transposed")
-    elif path == "mxfp4_words_scales_kn":
-        request.getfixturevalue("tpu_layouts")
     dt = jnp.dtype(dtype)
     w = every_code_weight(fmt, k, n, jr.key(11), parts)
     assert _weight_operands(w, k, n, block, jnp.zeros((1,), jnp.int32))[0] == path

@@ -61,7 +61,6 @@ from .quantized_tpu import (
     in_kernel,
     mxfp4_half_scales,
     mxfp4_operands,
-    scales_transposed,
 )
 from .ragged_dot import _RaggedDotProducts
 
@@ -125,7 +124,7 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
             term = _dot(x[:, lo:hi], tile)
             part = term if part is None else part + term
         return part
-    if "_words" in fmt:
+    if fmt.endswith("_words"):
         return _fp4_words_product(fmt, dtype, x_refs, w_refs)
     # MXFP4 (the word kernel's shapes aside): `v` holds the weight's bytes
     # (byte `j` of a column: rows `2 j` and `2 j + 1`), `[K / 2, tn]` ("mxfp4_kn")
@@ -151,22 +150,6 @@ def _spread(shape, axis: int, shift: int) -> Array:
     return jnp.where(index == other, 1.0, 0.0).astype(jnp.bfloat16)
 
 
-def _select_scales(tn: int) -> Array:
-    """For `"mxfp4_words_scales_kn"`: the `[tn, tn]` bfloat16 matrix whose product
-    with a step's scale values `[K / 32, tn]` (transposed) stacks, for `q` in 0,
-    2, 1, 3, column `4 i + q`'s as row `i` of block `q`, times `2 ** 7` (`q` 0,
-    1: the low halves') or `2 ** 23` (the high halves'). Built once, outside the
-    kernel."""
-    quarter = tn // 4
-    row = jnp.arange(quarter)[:, None] * 4
-    column = jnp.arange(tn)[None, :]
-    blocks = [
-        jnp.where(column == row + q, 2.0 ** (23 if q >= 2 else 7), 0.0)
-        for q in (0, 2, 1, 3)
-    ]
-    return jnp.concatenate(blocks, axis=0).astype(jnp.bfloat16)
-
-
 def _fp4_words_product(fmt, dtype, x_refs, w_refs):
     """MXFP4 tiles as whole words (`fp4_bfloat16_words`): the bytes' int32 words
     (`pltpu.bitcast`, four bytes of consecutive rows each) give four bfloat16
@@ -185,9 +168,7 @@ def _fp4_words_product(fmt, dtype, x_refs, w_refs):
       columns `p::2` at rows `h::2`, against `x[:, h::2]`, giving the step's
       columns `p::2` (two parts, interleaved outside the kernel). `c` `[tn, K /
       32]`, whose words (`pltpu.bitcast`) hold the same four columns' scale bytes
-      as the values' words do their values; or, `"mxfp4_words_scales_kn"`, `[K /
-      32, tn]` (as a TPU lays them out where `K / 32` is not whole lanes), whose
-      bytes a product with a 0/1 matrix picks. For each `p` the low half's byte
+      as the values' words do their values. For each `p` the low half's byte
       (column `4 i + p`) times `2 ** 7` and the high half's (`4 i + 2 + p`) times
       `2 ** 23`, spread over each block's 16 bytes and summed (the halves' bits
       do not overlap and fit float32's 24).
@@ -206,30 +187,26 @@ def _fp4_words_product(fmt, dtype, x_refs, w_refs):
         return (value * times).astype(jnp.bfloat16)
 
     if fmt == "mxfp4_kn_words":
-        *xs, spread = x_refs
-        scale = _dot(spread[...], less(c[...], 2.0**7)).astype(jnp.int32)
+        spread = _spread((words.shape[0], c.shape[0]), 0, 2)
+        scale = _dot(spread, less(c[...], 2.0**7)).astype(jnp.int32)
         parts = fp4_bfloat16_words(words, [scale] * 4, halves=False)
-        terms = [_dot(x[...], weight(b)) for x, b in zip(xs, parts, strict=True)]
+        terms = [_dot(x[...], weight(b)) for x, b in zip(x_refs, parts, strict=True)]
         return (terms[0] + terms[1] + terms[2] + terms[3],)
-    x_even, x_odd, spread, *select = x_refs
+    x_even, x_odd = x_refs
     # For `p` in 0, 1: the low half's column `4 i + p` times `2 ** 7`, the high
-    # half's `4 i + 2 + p` times `2 ** 23`, stacked: `q` in 0, 2, 1, 3.
+    # half's `4 i + 2 + p` times `2 ** 23`, stacked: `q` in 0, 2, 1, 3 (byte `q`
+    # of scale word `i` is column `4 i + q`'s).
     quarter = words.shape[0]
-    if fmt == "mxfp4_words":
-        # `c` `[tn, K / 32]`: byte `q` of word `i` is column `4 i + q`'s.
-        scale_words = pltpu.bitcast(c[...], jnp.int32)
-        srl = jax.lax.shift_right_logical
-        stacked = jnp.concatenate(
-            [
-                less(srl(scale_words, 8 * q), 2.0 ** (23 if q >= 2 else 7))
-                for q in (0, 2, 1, 3)
-            ],
-            axis=0,
-        )
-    else:  # `c` `[K / 32, tn]` (as a TPU lays them out): chosen by a product
-        stacked = _dot(select[0][...], less(c[...], 1.0), True)
-        stacked = stacked.astype(jnp.bfloat16)
-    spread = _dot(stacked, spread[...])
+    scale_words = pltpu.bitcast(c[...], jnp.int32)
+    srl = jax.lax.shift_right_logical
+    stacked = jnp.concatenate(
+        [
+            less(srl(scale_words, 8 * q), 2.0 ** (23 if q >= 2 else 7))
+            for q in (0, 2, 1, 3)
+        ],
+        axis=0,
+    )
+    spread = _dot(stacked, _spread((stacked.shape[1], words.shape[1]), 1, 4))
     scales = [
         (
             spread[2 * p * quarter : (2 * p + 1) * quarter]
@@ -317,10 +294,6 @@ def _weight_operands(w, k: int, n: int, tn: int, ids: Array):
         # columns is whole lane tiles or the whole axis.
         if not (tn % 64 == 0 and (tn % 256 == 0 or tn == n)):
             return "mxfp4", (values, scales), blocks
-        if scales_transposed(w):  # as they lie: no copy into another layout
-            blocks = ((None, None, k // 2), (SLOT, k // 32, None))
-            scales = jnp.swapaxes(scales, 1, 2)
-            return "mxfp4_words_scales_kn", (values, scales), blocks
         return "mxfp4_words", (values, scales), blocks
     block = FP8_BLOCK[1]
     if w.fmt == "float8_e4m3fn" and tn % block == 0 and (n // w.parts) % block == 0:
@@ -384,16 +357,8 @@ def decode_gmm(
         xs = (lhs[:, 0::2], lhs[:, 1::2])
     else:
         xs = (lhs,)
-    # The word kernel's constant 0/1 matrices (whole inputs, read once): built in
-    # every grid step they cost more than the products they feed.
-    if fmt == "mxfp4_kn_words":
-        xs += (_spread((k // 8, k // 32), 0, 2),)
-    elif fmt is not None and fmt.startswith("mxfp4_words"):
-        xs += (_spread((k // 32, k // 2), 1, 4),)
-        if fmt == "mxfp4_words_scales_kn":
-            xs += (_select_scales(tn),)
     # The step's columns `p::parts`.
-    parts = 2 if fmt is not None and fmt.startswith("mxfp4_words") else 1
+    parts = 2 if fmt == "mxfp4_words" else 1
 
     def whole(shape):
         return pl.BlockSpec(shape, lambda j, u, ids, count: (0, 0))

@@ -198,14 +198,6 @@ def mxfp4_operands(w: QuantizedArray) -> tuple[Array, bool]:
     return values, False
 
 
-def scales_transposed(w: QuantizedArray) -> bool:
-    """Whether an MXFP4 weight's scale bytes `[G, N, K / 32]` arrive in a layout with
-    `N` minor-most (`stores_transposed`), as on a TPU where `K / 32` is not a
-    multiple of 128: a kernel reading their swapped view then reads them as they
-    lie."""
-    return stores_transposed(w.scales.shape, w.scales.dtype)
-
-
 def column_scales(w: QuantizedArray, k: int, n: int) -> Array:
     """An int8 or FP8 weight's float32 scales, one column per weight column: int8's
     `[G, 1, N]`, FP8's `[G, ceil(K / 128), N]` (one row per 128-row block, each
