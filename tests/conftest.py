@@ -12,22 +12,6 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # runs; the HLO they compile is the same at every backend level.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-
-
-def _jaxlib_version() -> tuple[int, ...]:
-    from importlib.metadata import version
-
-    return tuple(int(p) for p in version("jaxlib").split(".")[:2] if p.isdigit())
-
-
-# XLA:CPU's older emitters compile the same HLO about 14% faster than its fusion
-# emitters (measured on tests/test_second_order.py). The flag exists in jaxlib 0.10
-# and is gone in 0.12, where an unknown flag aborts the process.
-if (
-    _jaxlib_version() < (0, 11)
-    and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
-):
-    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # Default to the CPU only where there is no accelerator: on a GPU (or TPU) machine the
 # GPU tests then run, while every other test still runs on the 8 CPU devices (see the
 # `_cpu_unless_gpu_test` fixture and `helpers.mesh`).
