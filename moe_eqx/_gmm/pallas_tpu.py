@@ -61,6 +61,7 @@ from .quantized_tpu import (
     in_kernel,
     mxfp4_half_scales,
     mxfp4_operands,
+    spread_matrix,
 )
 from .ragged_dot import _RaggedDotProducts
 
@@ -141,15 +142,6 @@ def _tile_product(fmt, dtype, k, j, x_refs, w_refs):
     )
 
 
-def _spread(shape, axis: int, shift: int) -> Array:
-    """A 0/1 bfloat16 matrix of `shape`: one where the index along `axis`, shifted
-    right by `shift`, is the index along the other axis (each of the other's
-    entries spread over `2 ** shift` of `axis`'s)."""
-    index = jax.lax.broadcasted_iota(jnp.int32, shape, axis) >> shift
-    other = jax.lax.broadcasted_iota(jnp.int32, shape, 1 - axis)
-    return jnp.where(index == other, 1.0, 0.0).astype(jnp.bfloat16)
-
-
 def _fp4_words_product(fmt, dtype, x_refs, w_refs):
     """MXFP4 tiles as whole words (`fp4_bfloat16_words`): the bytes' int32 words
     (`pltpu.bitcast`, four bytes of consecutive rows each) give four bfloat16
@@ -173,25 +165,24 @@ def _fp4_words_product(fmt, dtype, x_refs, w_refs):
       `2 ** 23`, spread over each block's 16 bytes and summed (the halves' bits
       do not overlap and fit float32's 24).
 
-    Returns the step's parts, `[rows, tn]` (`"mxfp4_kn_words"`) or two `[rows, tn /
-    2]`, float32."""
+    Returns `[rows, tn]` (`"mxfp4_kn_words"`) or the step's two parts, each `[rows,
+    tn / 2]` (a tuple), float32."""
     v, c = w_refs
     words = pltpu.bitcast(v[...], jnp.int32)
 
     def weight(bits):
-        w = pltpu.bitcast(bits, jnp.bfloat16)
-        return w if dtype == jnp.bfloat16 else w.astype(dtype)
+        return pltpu.bitcast(bits, jnp.bfloat16).astype(dtype)
 
     def less(byte, times):  # `(byte - 1) * times`, exact in bfloat16
         value = ((byte.astype(jnp.int32) & 0xFF) - 1).astype(jnp.float32)
         return (value * times).astype(jnp.bfloat16)
 
     if fmt == "mxfp4_kn_words":
-        spread = _spread((words.shape[0], c.shape[0]), 0, 2)
+        spread = spread_matrix((words.shape[0], c.shape[0]), 0, 2)
         scale = _dot(spread, less(c[...], 2.0**7)).astype(jnp.int32)
         parts = fp4_bfloat16_words(words, [scale] * 4, halves=False)
         terms = [_dot(x[...], weight(b)) for x, b in zip(x_refs, parts, strict=True)]
-        return (terms[0] + terms[1] + terms[2] + terms[3],)
+        return terms[0] + terms[1] + terms[2] + terms[3]
     x_even, x_odd = x_refs
     # For `p` in 0, 1: the low half's column `4 i + p` times `2 ** 7`, the high
     # half's `4 i + 2 + p` times `2 ** 23`, stacked: `q` in 0, 2, 1, 3 (byte `q`
@@ -206,7 +197,7 @@ def _fp4_words_product(fmt, dtype, x_refs, w_refs):
         ],
         axis=0,
     )
-    spread = _dot(stacked, _spread((stacked.shape[1], words.shape[1]), 1, 4))
+    spread = _dot(stacked, spread_matrix((stacked.shape[1], words.shape[1]), 1, 4))
     scales = [
         (
             spread[2 * p * quarter : (2 * p + 1) * quarter]

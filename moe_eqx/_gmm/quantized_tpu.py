@@ -94,12 +94,19 @@ def mxfp4_half_scales(
     half = MXFP4_BLOCK // 2
     blocks = scale.shape[0 if rows_first else 1]
     shape = (width, blocks) if rows_first else (blocks, width)
-    byte = jax.lax.broadcasted_iota(jnp.int32, shape, 0 if rows_first else 1) + first
-    block = jax.lax.broadcasted_iota(jnp.int32, shape, 1 if rows_first else 0)
-    # (`>>`, not `//`: Mosaic lowers no integer floor division.)
-    spread = jnp.where((byte >> (half.bit_length() - 1)) == block, 1.0, 0.0)
-    spread = spread.astype(jnp.bfloat16)
+    axis = 0 if rows_first else 1  # the value bytes'
+    spread = spread_matrix(shape, axis, half.bit_length() - 1, first=first)
     return product(spread, scale) if rows_first else product(scale, spread)
+
+
+def spread_matrix(shape, axis: int, shift: int, *, first=0) -> Array:
+    """A 0/1 bfloat16 matrix of `shape` (2-D) that spreads each entry along the
+    other axis over `2 ** shift` entries along `axis`: one where the index along
+    `axis` (plus `first`), shifted right by `shift`, is the index along the other.
+    (`>>`, not `//`: Mosaic lowers no integer floor division.)"""
+    index = jax.lax.broadcasted_iota(jnp.int32, shape, axis) + first
+    other = jax.lax.broadcasted_iota(jnp.int32, shape, 1 - axis)
+    return jnp.where((index >> shift) == other, 1.0, 0.0).astype(jnp.bfloat16)
 
 
 def bfloat16_pairs(low: Array, high: Array) -> Array:
