@@ -156,13 +156,34 @@ def tokens(key, n, d_model=16):
     return jr.normal(key, (n, d_model), jnp.float32)
 
 
+# XLA's own default emitters, where the session compiles with the older ones
+# (conftest.py): for programs a test inspects once compiled.
+_OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+USERS_OPTIONS = (
+    {"xla_cpu_use_fusion_emitters": True}
+    if _OLDER_EMITTERS in os.environ.get("XLA_FLAGS", "")
+    else None
+)
+
+
+def compile_as_users(lowered):
+    """`lowered.compile()` with XLA:CPU's default emitters, as a user's program
+    compiles (the session's faster older emitters emit some ops, a scatter among
+    them, otherwise): for a test that inspects the compiled program's HLO or
+    memory."""
+    return lowered.compile(USERS_OPTIONS)
+
+
 def demo_env(cache_dir=None) -> dict:
     """Environment for a demo/launcher subprocess, with an optional persistent
     compilation cache (multi-process CPU runs must not use one)."""
     env = dict(os.environ)
     # The demo picks its own device count; don't inherit the test session's 8. The
-    # backend optimisation level is the session's (see conftest.py): compile time.
+    # backend optimisation level and emitters are the session's (see conftest.py):
+    # compile time.
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    if _OLDER_EMITTERS in os.environ.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] += f" {_OLDER_EMITTERS}"
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if cache_dir is not None:

@@ -12,6 +12,7 @@ from helpers import (
     assert_matches_oracle,
     assert_nothing_lost,
     auto_mesh,
+    compile_as_users,
     make_layer,
     mesh,
     tokens,
@@ -339,7 +340,7 @@ def _peaks(key, x, pass_, exchange, **shape):
             )
 
         fn = forward if pass_ == "forward" else step
-        ma = jax.jit(fn).lower(params, x).compile().memory_analysis()
+        ma = compile_as_users(jax.jit(fn).lower(params, x)).memory_analysis()
         peaks[on_overflow] = ma.temp_size_in_bytes + ma.output_size_in_bytes
     return peaks
 

@@ -245,7 +245,7 @@ def _weight_gathers(layer, x, mesh, whole) -> list[str]:
     the shapes `whole` (`"24,160]"`, ...)."""
     params, static = eqx.partition(layer, eqx.is_inexact_array)
     step = jax.jit(jax.grad(lambda p, x: _loss(eqx.combine(p, static), x, mesh)))
-    hlo = step.lower(params, x).compile().as_text()
+    hlo = helpers.compile_as_users(step.lower(params, x)).as_text()
     hlo = re.sub(r"/\*index=\d+\*/", "", hlo)  # a tuple's element comments
     results = re.findall(r"= ([^\n]*?) all-gather(?:-start)?\(", hlo)
     assert results, "expected the rows' all-gathers over the tensor axis"
