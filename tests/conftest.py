@@ -12,8 +12,6 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # runs; the HLO they compile is the same at every backend level.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-
-
 # Default to the CPU only where there is no accelerator: on a GPU (or TPU) machine the
 # GPU tests then run, while every other test still runs on the 8 CPU devices (see the
 # `_cpu_unless_gpu_test` fixture and `helpers.mesh`).
@@ -27,12 +25,11 @@ def _jaxlib_version() -> tuple[int, ...]:
 
 
 # XLA:CPU's older emitters compile the same HLO faster than its fusion emitters
-# (tests/test_activations.py and tests/test_slots.py on two workers: 77 s against
-# 131 s). They emit some ops (a scatter) otherwise, so a test that inspects a compiled
-# program (its HLO, its memory) compiles it with XLA's own default emitters, as users
-# do: `helpers.compile_as_users`. The
-# flag exists in jaxlib 0.10 and is gone in 0.12, where an unknown flag aborts; an
-# accelerator's machine keeps XLA's defaults.
+# (docs/measured.md, "Compile time"). They emit some ops (a scatter) otherwise, so a
+# test that inspects a compiled program (its HLO, its memory) compiles it with XLA's
+# own default emitters, as users do: `helpers.compile_as_users`. The flag exists in
+# jaxlib 0.10 and is gone in 0.12, where an unknown flag aborts; an accelerator's
+# machine keeps XLA's defaults.
 if (
     not HAS_ACCELERATOR
     and _jaxlib_version() < (0, 11)

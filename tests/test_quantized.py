@@ -45,9 +45,9 @@ def test_fp8_round_trip_is_within_half_a_step():
     bound = np.maximum(2.0**-4 * np.abs(w), 2.0**-10 * full) * (1 + 1e-6)
     assert np.all(np.abs(got - w) <= bound)
     blocks = np.abs(w).reshape(2, 1, 200, 1, 136)
-    # To one ulp: XLA:CPU's float32 division is not correctly rounded (one ulp off
-    # in about half of the quotients `x / 448` in jax 0.10 and 0.12 alike), so a
-    # block's scale, and its largest magnitude back from 448 times it, may be too.
+    # To one ulp: XLA:CPU's float32 division is not correctly rounded
+    # (docs/measured.md, "Quantized experts"), so a block's scale, and its largest
+    # magnitude back from 448 times it, may be one ulp off.
     want = np.abs(w[0, :128, :128]).max() / 448
     np.testing.assert_allclose(scale[0, 0, 0], want, rtol=2.0**-22)
     np.testing.assert_allclose(np.abs(got).max(), blocks.max(), rtol=2.0**-22)

@@ -210,9 +210,8 @@ def test_policies_work_on_every_path(getkey, path):
     hidden_bytes = per_shard * 2 * cfg.d_ff * 4
     extra = temporaries["hidden"] - temporaries["nothing"]
     # (XLA:CPU in jax 0.12 compiles the step to the same temporaries whatever the
-    # policy, `everything_saveable` included: 1,549,352 / 1,549,096 / 1,547,752
-    # bytes at EP8, drop, against 2,148,648 / 1,558,120 in jax 0.10, so there they
-    # measure no policy; JAX's own account of the saved arrays above holds on both.)
+    # policy, so there they measure none: docs/measured.md, "Remat names". JAX's own
+    # account of the saved arrays above is checked on both.)
     if _JAX < (0, 11):
         assert extra >= hidden_bytes // 2, (extra, hidden_bytes)
 
