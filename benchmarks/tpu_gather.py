@@ -15,7 +15,16 @@ each value checked against the first row's:
 - `3-D rows, no copy`: the same from values already in that shape (what a
   grouped matmul writing its output that way would give);
 - `DMA kernel`: a Pallas kernel that copies each pair's row (one tile) from HBM by
-  its own DMA and sums them in VMEM.
+  its own DMA and sums them in VMEM;
+- `columns of W`: `k gathers` on each `W`-column slice of the values in turn (a
+  slice of a few tens of MB is one XLA may keep in VMEM, where a row gather runs
+  near the memory's rate); `, barrier`: each slice made an array of its own first.
+
+With `--vectors`, the per-pair single numbers (the routing weights, the sorted
+positions) permuted the same way, `T k` of them: `gather` (`v[order]`, and the
+combine's `k` gathers of `T` by `inverse`), against a `sort` keyed by the inverse
+permutation carrying them; and the inverse permutation itself, a `scatter` (as
+`moe_eqx.internal.inverse_permutation`) against a `sort` of `(order, iota)`.
 
 bfloat16 values, float32 weights; min of 10 after warm-up; `GB/s` counts the bytes
 the pairs' rows hold (`T k d` elements) plus the output's.
@@ -125,6 +134,62 @@ def dma_kernel(v3, w_tok, inverse, t, *, tm, interpret):
     return call(inverse, w_tok, v3).reshape(t, nb * LANES)
 
 
+def column_slices(values, weight, order, inverse, t, width, barrier):
+    parts = []
+    for c in range(0, values.shape[1], width):
+        v = values[:, c : c + width]
+        if barrier:
+            v = jax.lax.optimization_barrier(v)
+        parts.append(_sum_rows(v, weight, order, inverse, t))
+    return jnp.concatenate(parts, axis=1)
+
+
+def vector_rows(name, t, k):
+    """The single-number permutations of `T k` pairs (`--vectors`)."""
+    pairs = t * k
+    key1, key2 = jr.split(jr.key(3))
+    order = jr.permutation(key1, pairs).astype(jnp.int32)
+    inverse = jnp.zeros(pairs, jnp.int32).at[order].set(jnp.arange(pairs))
+    v = jr.uniform(key2, (pairs,), jnp.float32)
+    iota = jnp.arange(pairs, dtype=jnp.int32)
+
+    def by_sort(keys, vals):
+        return jax.lax.sort((keys, vals), num_keys=1)[1]
+
+    def k_gathers(w, inverse):
+        inv = inverse.reshape(t, k)
+        return jnp.stack(
+            [w.at[inv[:, j]].get(mode="promise_in_bounds") for j in range(k)], 1
+        )
+
+    cases = {
+        "v[order]: gather": (
+            lambda v, o, i: v.at[o].get(mode="promise_in_bounds"),
+            True,
+        ),
+        "v[order]: sort": (lambda v, o, i: by_sort(i, v), True),
+        "k columns: gathers": (lambda v, o, i: k_gathers(v, i), False),
+        "k columns: sort": (lambda v, o, i: by_sort(o, v).reshape(t, k), False),
+        "inverse: scatter": (
+            lambda v, o, i: jnp.zeros_like(o).at[o].set(iota, unique_indices=True),
+            None,
+        ),
+        "inverse: sort": (lambda v, o, i: by_sort(o, iota), None),
+    }
+    rows, want = [], {}
+    for label, (fn, group) in cases.items():
+        fn = jax.jit(fn)
+        got = np.asarray(fn(v, order, inverse))
+        want.setdefault(group, got)
+        err = float(np.max(np.abs(got - want[group])))
+        sec = timed(fn, v, order, inverse)
+        rows.append(dict(shape=name, row=label, ms=sec * 1e3, err=err))
+        print(
+            f"{name:9s} {label:20s} {sec * 1e3:8.3f} ms  max err {err:.1e}", flush=True
+        )
+    return rows
+
+
 def timed(fn, *args, repeats=10):
     jax.block_until_ready(fn(*args))
     best = float("inf")
@@ -140,9 +205,18 @@ def main():
     p.add_argument("--shapes", default="dsv2lite,qwen3")
     p.add_argument("--tm", type=int, default=64, help="tokens a DMA-kernel step")
     p.add_argument("--interpret", action="store_true")
+    p.add_argument("--vectors", action="store_true", help="single numbers too")
+    p.add_argument(
+        "--widths",
+        default="256,512",
+        type=lambda v: [int(w) for w in v.split(",") if w],
+        help="column slices' widths (`columns of W` rows)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
+    for name in args.shapes.split(",") if args.vectors else ():
+        rows += vector_rows(name, *SHAPES[name][:2])
     for name in args.shapes.split(","):
         t, k, d = SHAPES[name]
         pairs = t * k
@@ -169,6 +243,13 @@ def main():
                 (v3, w_tok, inverse),
             ),
         }
+        for width in args.widths:
+            for barrier in (False, True):
+                label = f"columns of {width}" + (", barrier" if barrier else "")
+                fn = ft.partial(
+                    column_slices, t=t, width=min(width, d), barrier=barrier
+                )
+                cases[label] = (jax.jit(fn), (values, weight, order, inverse))
         want = None
         moved = (pairs * d * 2 + t * d * 4) / 1e9
         for label, (fn, fargs) in cases.items():
