@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._checks import check_array
-from ._permute import inverse_permutation, permute_rows
+from ._permute import permute_rows, trimmed_inverse
 from ._rules import cumsum, div, histogram, rem
 
 
@@ -54,8 +54,8 @@ def _sort_pairs(
     per_row: int,
 ) -> tuple[SortedPairs, Int[Array, ""]]:
     key = jnp.where(valid, groups, num_groups)
-    order = _stable_order(key, num_groups + 1)[:capacity]
-    inverse = inverse_permutation(order, key.shape[0])
+    whole = _stable_order(key, num_groups + 1)
+    order, inverse = whole[:capacity], trimmed_inverse(whole, capacity)
     sizes = histogram(key, num_groups)
     total = jnp.sum(sizes)
     # Keep the first `capacity` pairs in sorted order: trim the group sizes to match.
@@ -108,7 +108,7 @@ def sort_by_expert(
         tokens, k = experts.shape
         flat = experts.ravel()
         order = _stable_order(flat, num_experts)
-        inverse = inverse_permutation(order, tokens * k)
+        inverse = trimmed_inverse(order, tokens * k)
         return SortedPairs(
             row=div(order, k),
             weight=permute_rows(weights.ravel(), order, inverse),
@@ -210,8 +210,8 @@ def dedup_rows(
             wts = jnp.where(valid, weights, 0.0)[:, :, None]
             width, num_rows = 1, tokens * k
         dest = jnp.where(is_first, dest_shard, num_shards).ravel()
-        order = _stable_order(dest, num_shards + 1)[:num_rows]
-        inverse = inverse_permutation(order, tokens * k)
+        whole = _stable_order(dest, num_shards + 1)
+        order, inverse = whole[:num_rows], trimmed_inverse(whole, num_rows)
         if dedup:
             token_rows = _token_rows(inverse, is_first, min(k, num_shards), num_rows)
         else:

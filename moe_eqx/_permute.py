@@ -52,10 +52,66 @@ def inverse_permutation(
         raise ValueError(
             f"`order` has {kept} entries, more than `num_candidates` ({num_candidates})."
         )
+    if kept == num_candidates:
+        return trimmed_inverse(order, kept)
+    return _scattered_inverse(order, num_candidates)
+
+
+def _scattered_inverse(order, num_candidates):
+    kept = order.shape[0]
     return (
         jnp.full((num_candidates,), kept, jnp.int32)
         .at[order]
         .set(jnp.arange(kept, dtype=jnp.int32), unique_indices=True)
+    )
+
+
+def trimmed_inverse(
+    whole_order: Int[Array, " candidates"], kept: int
+) -> Int[Array, " candidates"]:
+    """`inverse_permutation(whole_order[:kept], N)` from the whole order of the `N`
+    candidates (a permutation of them): on a TPU a sort of `(whole_order, iota)`,
+    which carries each position to its pair (there a scatter of single numbers
+    costs per number; `docs/measured.md`, "TPU"), clipped to `kept`; elsewhere the
+    scatter of the kept part."""
+    n = whole_order.shape[0]
+    kept = min(kept, n)
+
+    def by_sort(o):
+        positions = _by_sort(jnp.arange(n, dtype=jnp.int32), None, o)
+        return positions if kept == n else jnp.minimum(positions, kept)
+
+    return jax.lax.platform_dependent(
+        whole_order,
+        tpu=by_sort,
+        default=lambda o: _scattered_inverse(o[:kept], n),
+    )
+
+
+# Single numbers per pair (the routing weights and their cotangents) under a full
+# permutation: on a TPU a gather costs per number (about 7 ns; 0.34 ms for 49152,
+# docs/measured.md), and a sort that carries them to their places a fraction of
+# that; elsewhere the gather.
+
+
+def _by_sort(values, index, keys):
+    """`values[index]` for a permutation `index`, by sorting `(keys, values)` on
+    `keys`, the inverse permutation (`keys[index[i]] = i`): `values[p]` lands at
+    `keys[p]`."""
+    del index
+    return jax.lax.sort((keys, values), num_keys=1)[1]
+
+
+def _by_gather(values, index, keys):
+    del keys
+    return values.at[index].get(mode="promise_in_bounds")
+
+
+def _permuted(values, index, keys):
+    """`values[index]` (1-D) for a full permutation `index` whose inverse is
+    `keys`: a sort on a TPU, the gather elsewhere (equal, values and dtypes)."""
+    return jax.lax.platform_dependent(
+        values, index, keys, tpu=_by_sort, default=_by_gather
     )
 
 
@@ -81,13 +137,19 @@ def _sum_rows(values, weight, order, inverse, num_rows, full=None):
     per_row = _per_row(inverse, num_rows)
     full = order.shape[0] == inverse.shape[0] if full is None else full
     inv = inverse.reshape(num_rows, per_row)
+    if weight is not None:  # each row's pairs' weights, `[rows, per_row]`
+        if full and order.shape[0] == inverse.shape[0]:
+            weight = _permuted(weight, inverse, order)
+        else:
+            weight = _take(weight, inverse, full)
+        weight = weight.astype(jnp.float32).reshape(num_rows, per_row)
     total = None
     # One gather per `j`, summed elementwise: XLA fuses them into one loop with no
     # intermediate `[rows, per_row, d]` array.
     for j in range(per_row):
         term = _take(values, inv[:, j], full).astype(jnp.float32)
         if weight is not None:
-            term = term * _take(weight, inv[:, j], full).astype(jnp.float32)[:, None]
+            term = term * weight[:, j, None]
         total = term if total is None else total + term
     return total
 
@@ -124,13 +186,23 @@ def _rows_of(order: Array, inverse: Array, num_rows: int) -> Array:
     return div(order, _per_row(inverse, num_rows))
 
 
+def _single_numbers(x, order, inverse) -> bool:
+    """Whether `x` is one number per pair under a full permutation (the routing
+    weights of the single-device dispatch): moved by `_permuted` both ways."""
+    return x.ndim == 1 and order.shape[0] == inverse.shape[0] == x.shape[0]
+
+
 def _gather_rows(res, x):
     order, inverse, num_rows = res
+    if _single_numbers(x, order, inverse):
+        return _permuted(x, order, inverse)
     return x.at[_rows_of(order, inverse, num_rows)].get(mode="promise_in_bounds")
 
 
 def _gather_rows_t(res, g):
     order, inverse, num_rows = res
+    if _single_numbers(g, order, inverse):
+        return _permuted(g, inverse, order)
     # `g` has the dtype of `xs`, which is that of `x`.
     return _sum_rows(g, None, order, inverse, num_rows).astype(g.dtype)
 

@@ -1,13 +1,45 @@
 """Pair permutations as gathers (`moe_eqx._permute`) against the plain gather and
-scatter-add formulations, values and gradients."""
+scatter-add formulations, values and gradients; each on the CPU's branches and on the
+TPU's (the sorts that move single numbers there), taken here by patching
+`jax.lax.platform_dependent`."""
 
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import (
+    assert_matches_oracle,
+    layer_value_and_grad,
+    make_layer,
+    mesh,
+    tokens,
+)
 
+from moe_eqx import _permute
 from moe_eqx._permute import inverse_permutation, permute_rows, unpermute_sum
+
+
+def _tpu_branches(*args, default=None, **branches):
+    """`jax.lax.platform_dependent` taking the TPU's branch wherever there is one."""
+    return branches.get("tpu", default)(*args)
+
+
+@pytest.fixture(params=["cpu", "tpu"])
+def branches(request, monkeypatch):
+    """The test on the platform's own branches, then on the TPU's."""
+    if request.param == "tpu":
+        monkeypatch.setattr(jax.lax, "platform_dependent", _tpu_branches)
+    jax.clear_caches()  # no program traced on the other branches is reused
+    yield request.param
+    jax.clear_caches()
+
+
+def _primitives(fn, *args) -> set:
+    """Which of sort, scatter and gather the program lowered for this machine has
+    (the branches of other platforms are not lowered)."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return {op for op in ("sort", "scatter", "gather") if f"stablehlo.{op}" in text}
 
 
 def _sorted_pairs(key, rows, per_row, groups, kept):
@@ -41,7 +73,7 @@ CASES = [
 ]
 
 
-def test_inverse_permutation():
+def test_inverse_permutation(branches):
     order = jnp.array([4, 0, 5, 2], jnp.int32)
     np.testing.assert_array_equal(inverse_permutation(order, 6), [1, 4, 3, 4, 0, 2])
     order = jnp.array([2, 0, 1], jnp.int32)
@@ -52,7 +84,7 @@ def test_inverse_permutation():
 
 @pytest.mark.parametrize("rows,per_row,kept", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_permute_rows_matches_gather(getkey, rows, per_row, kept, dtype):
+def test_permute_rows_matches_gather(getkey, rows, per_row, kept, dtype, branches):
     order, inverse = _sorted_pairs(getkey(), rows, per_row, 4, kept)
     x = jr.normal(getkey(), (rows, 5)).astype(dtype)
     ct = jr.normal(getkey(), (kept, 5)).astype(dtype)
@@ -70,7 +102,7 @@ def test_permute_rows_matches_gather(getkey, rows, per_row, kept, dtype):
         assert np.all(np.asarray(dx, np.float32)[~sent] == 0)
 
 
-def test_permute_rows_trailing_shape_and_scalars(getkey):
+def test_permute_rows_trailing_shape_and_scalars(getkey, branches):
     order, inverse = _sorted_pairs(getkey(), 10, 2, 3, 20)
     w = jr.uniform(getkey(), (20,))
     ct = jr.normal(getkey(), (20,))
@@ -88,7 +120,9 @@ def test_permute_rows_trailing_shape_and_scalars(getkey):
 
 @pytest.mark.parametrize("rows,per_row,kept", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_unpermute_sum_matches_scatter_add(getkey, rows, per_row, kept, dtype):
+def test_unpermute_sum_matches_scatter_add(
+    getkey, rows, per_row, kept, dtype, branches
+):
     order, inverse = _sorted_pairs(getkey(), rows, per_row, 4, kept)
     values = jr.normal(getkey(), (kept, 6)).astype(dtype)
     weight = jr.uniform(getkey(), (kept,))
@@ -113,7 +147,7 @@ def test_unpermute_sum_matches_scatter_add(getkey, rows, per_row, kept, dtype):
     assert np.all(np.asarray(dv, np.float32)[kept // 2] == 0)
 
 
-def test_unpermute_sum_against_numpy(getkey):
+def test_unpermute_sum_against_numpy(getkey, branches):
     rows, per_row = 7, 3
     order, inverse = _sorted_pairs(getkey(), rows, per_row, 3, 15)
     values = np.asarray(jr.normal(getkey(), (15, 4)))
@@ -132,3 +166,68 @@ def test_bad_shapes_raise(getkey):
     # Caught by the runtime type check where it is on, else by the function itself.
     with pytest.raises((ValueError, TypeError), match="weight"):
         unpermute_sum(jnp.ones((12, 3)), jnp.ones((11,)), order, inverse, 6)
+
+
+@pytest.mark.parametrize("n,kept", [(20, 20), (20, 13), (20, 0), (1, 1)])
+def test_single_numbers_move_by_sorts_on_a_tpu(getkey, n, kept, branches):
+    """The TPU's branches sort where the CPU's gather and scatter (and the patch
+    really takes them: a plausible bug, the CPU's branch everywhere, shows here);
+    each of the sorted inverse, the weights' permutation and its transpose equals
+    the gather's, including a trimmed order and an empty one."""
+    whole = jr.permutation(getkey(), n).astype(jnp.int32)
+    want = np.full(n, kept, np.int32)
+    want[np.asarray(whole[:kept])] = np.arange(kept)
+    np.testing.assert_array_equal(_permute.trimmed_inverse(whole, kept), want)
+    if kept:
+        np.testing.assert_array_equal(inverse_permutation(whole[:kept], n), want)
+    inverse = _permute.trimmed_inverse(whole, n)
+    w = jr.uniform(getkey(), (n,))
+    ct = jr.normal(getkey(), (n,))
+    got, (dw,) = _vjp(lambda w: permute_rows(w, whole, inverse), (w,), ct)
+    np.testing.assert_array_equal(got, np.asarray(w)[np.asarray(whole)])
+    np.testing.assert_array_equal(dw, np.asarray(ct)[np.asarray(inverse)])
+    # Forward mode: the same permutation of the tangent.
+    _, tangent = jax.jvp(lambda w: permute_rows(w, whole, inverse), (w,), (ct,))
+    np.testing.assert_array_equal(tangent, np.asarray(ct)[np.asarray(whole)])
+    moves = _primitives(lambda w: permute_rows(w, whole, inverse), w)
+    moves |= _primitives(lambda o: _permute.trimmed_inverse(o, kept), whole)
+    if branches == "tpu":
+        assert "sort" in moves and "scatter" not in moves, moves
+    else:
+        assert "sort" not in moves and ("scatter" in moves or not kept), moves
+
+
+@pytest.mark.parametrize(
+    "num_shards,dedup,buffer_factor",
+    [(1, True, None), (2, True, None), (2, False, 0.5), (4, True, 0.5)],
+    ids=["one-device", "ep2-dedup", "ep2-fallback", "ep4-dedup-fallback"],
+)
+def test_the_layer_on_the_tpu_branches(
+    getkey, num_shards, dedup, buffer_factor, branches
+):
+    """The whole layer, values and every gradient, against the dense oracle on
+    either platform's branches (the TPU's sorts of the weights, their cotangents and
+    the inverse permutations; its masked picks of single numbers), one device and
+    EP, capped and with the fallback taken; and the two equal to float32's
+    rounding."""
+    extra = {} if buffer_factor is None else {"buffer_factor": buffer_factor}
+    layer = make_layer(
+        getkey(), mesh_size=num_shards, bias_kind="zipf", dedup=dedup, top_k=3, **extra
+    )
+    x = tokens(getkey(), 64)
+    stats = assert_matches_oracle(layer, x, mesh(num_shards))
+    if buffer_factor is not None:
+        assert bool(stats.fallback_used)
+    got = layer_value_and_grad(layer, x, mesh(num_shards))
+    with pytest.MonkeyPatch.context() as other:
+        if branches == "tpu":  # the CPU's own branches, to compare with
+            other.setattr(jax.lax, "platform_dependent", _platform_dependent)
+        jax.clear_caches()
+        want = layer_value_and_grad(layer, x, mesh(num_shards))
+    # Equal but for XLA's own order of float sums, which differs between the two
+    # programs (bitwise equal on one device).
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+_platform_dependent = jax.lax.platform_dependent
