@@ -7,7 +7,10 @@ at position `i`. Both the dispatch (`xs[i] = x[order[i] // per_row]`) and the co
 (`y[r] = sum_j w[inverse[r * per_row + j]] out[inverse[r * per_row + j]]`) are then
 gathers, and so are their transposes: each is the other's. Differentiating the plain
 gather instead gives a scatter-add, which XLA:CPU runs as a serial loop (the timings
-are in `docs/measured.md`).
+are in `docs/measured.md`). On a TPU, where a gather or scatter of single numbers
+costs per number, the single numbers of a full permutation (the routing weights,
+their cotangents, the combine's weights per row, the inverse permutation itself)
+move by sorts instead.
 
 Assumptions (the callers' contract):
 
@@ -89,9 +92,8 @@ def trimmed_inverse(
 
 
 # Single numbers per pair (the routing weights and their cotangents) under a full
-# permutation: on a TPU a gather costs per number (about 7 ns; 0.34 ms for 49152,
-# docs/measured.md), and a sort that carries them to their places a fraction of
-# that; elsewhere the gather.
+# permutation: on a TPU a gather costs per number, and a sort that carries them to
+# their places a fraction of that (docs/measured.md, "TPU"); elsewhere the gather.
 
 
 def _by_sort(values, index, keys):
