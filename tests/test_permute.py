@@ -25,13 +25,15 @@ def _tpu_branches(*args, default=None, **branches):
     return branches.get("tpu", default)(*args)
 
 
-@pytest.fixture(params=["cpu", "tpu"])
-def branches(request, monkeypatch):
-    """The test on the platform's own branches, then on the TPU's."""
-    if request.param == "tpu":
-        monkeypatch.setattr(jax.lax, "platform_dependent", _tpu_branches)
-    jax.clear_caches()  # no program traced on the other branches is reused
-    yield request.param
+@pytest.fixture(params=["cpu", "tpu"], scope="module")
+def branches(request):
+    """The module's tests on the platform's own branches, then on the TPU's (module
+    scope: the caches are cleared twice, not in every test)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "tpu":
+            patch.setattr(jax.lax, "platform_dependent", _tpu_branches)
+        jax.clear_caches()  # no program traced on the other branches is reused
+        yield request.param
     jax.clear_caches()
 
 
