@@ -217,10 +217,18 @@ def test_the_layer_on_the_tpu_branches(
         getkey(), mesh_size=num_shards, bias_kind="zipf", dedup=dedup, top_k=3, **extra
     )
     x = tokens(getkey(), 64)
+
+    def sorts():  # in the step's program as lowered now
+        text = layer_value_and_grad.lower(layer, x, mesh(num_shards)).as_text()
+        return text.count("stablehlo.sort")
+
+    # The CPU's own branches first, whatever the module's `branches` left patched.
+    monkeypatch.setattr(jax.lax, "platform_dependent", _platform_dependent)
     jax.clear_caches()
-    want = layer_value_and_grad(layer, x, mesh(num_shards))
+    want, cpu_sorts = layer_value_and_grad(layer, x, mesh(num_shards)), sorts()
     monkeypatch.setattr(jax.lax, "platform_dependent", _tpu_branches)
     jax.clear_caches()  # traced anew, on the TPU's branches
+    assert sorts() > cpu_sorts  # the two runs really are the two platforms' programs
     stats = assert_matches_oracle(layer, x, mesh(num_shards))
     if buffer_factor is not None:
         assert bool(stats.fallback_used)
@@ -230,3 +238,6 @@ def test_the_layer_on_the_tpu_branches(
     # programs (bitwise equal on one device).
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+_platform_dependent = jax.lax.platform_dependent
