@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from moe_eqx._permute import _sum_rows
+from moe_eqx._permute import _by_gather, _by_sort, _scattered_inverse, _sum_rows
 
 SHAPES = {  # tokens, k, d_model
     "dsv2lite": (8192, 6, 2048),
@@ -145,36 +145,27 @@ def column_slices(values, weight, order, inverse, t, width, barrier):
 
 
 def vector_rows(name, t, k):
-    """The single-number permutations of `T k` pairs (`--vectors`)."""
+    """The single-number permutations of `T k` pairs (`--vectors`), each way as the
+    library writes it (`moe_eqx._permute`: each platform's branch, taken here
+    directly)."""
     pairs = t * k
     key1, key2 = jr.split(jr.key(3))
     order = jr.permutation(key1, pairs).astype(jnp.int32)
-    inverse = jnp.zeros(pairs, jnp.int32).at[order].set(jnp.arange(pairs))
+    inverse = _scattered_inverse(order, pairs)
     v = jr.uniform(key2, (pairs,), jnp.float32)
     iota = jnp.arange(pairs, dtype=jnp.int32)
 
-    def by_sort(keys, vals):
-        return jax.lax.sort((keys, vals), num_keys=1)[1]
-
-    def k_gathers(w, inverse):
+    def k_gathers(w, inverse):  # the combine's weights as it gathered them before
         inv = inverse.reshape(t, k)
-        return jnp.stack(
-            [w.at[inv[:, j]].get(mode="promise_in_bounds") for j in range(k)], 1
-        )
+        return jnp.stack([_by_gather(w, inv[:, j], None) for j in range(k)], 1)
 
     cases = {
-        "v[order]: gather": (
-            lambda v, o, i: v.at[o].get(mode="promise_in_bounds"),
-            True,
-        ),
-        "v[order]: sort": (lambda v, o, i: by_sort(i, v), True),
+        "v[order]: gather": (lambda v, o, i: _by_gather(v, o, i), True),
+        "v[order]: sort": (lambda v, o, i: _by_sort(v, o, i), True),
         "k columns: gathers": (lambda v, o, i: k_gathers(v, i), False),
-        "k columns: sort": (lambda v, o, i: by_sort(o, v).reshape(t, k), False),
-        "inverse: scatter": (
-            lambda v, o, i: jnp.zeros_like(o).at[o].set(iota, unique_indices=True),
-            None,
-        ),
-        "inverse: sort": (lambda v, o, i: by_sort(o, iota), None),
+        "k columns: sort": (lambda v, o, i: _by_sort(v, i, o).reshape(t, k), False),
+        "inverse: scatter": (lambda v, o, i: _scattered_inverse(o, pairs), None),
+        "inverse: sort": (lambda v, o, i: _by_sort(iota, None, o), None),
     }
     rows, want = [], {}
     for label, (fn, group) in cases.items():

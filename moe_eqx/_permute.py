@@ -106,7 +106,7 @@ def _by_sort(values, index, keys):
 
 def _by_gather(values, index, keys):
     del keys
-    return values.at[index].get(mode="promise_in_bounds")
+    return _take(values, index, True)
 
 
 def _permuted(values, index, keys):
@@ -137,10 +137,11 @@ def _sum_rows(values, weight, order, inverse, num_rows, full=None):
     """`y[r] = sum_j weight[q] values[q]`, `q = inverse[r * per_row + j]`, in float32;
     `full`: every `q` in bounds (default: `inverse` a full permutation)."""
     per_row = _per_row(inverse, num_rows)
-    full = order.shape[0] == inverse.shape[0] if full is None else full
+    permutation = order.shape[0] == inverse.shape[0]
+    full = permutation if full is None else full
     inv = inverse.reshape(num_rows, per_row)
     if weight is not None:  # each row's pairs' weights, `[rows, per_row]`
-        if full and order.shape[0] == inverse.shape[0]:
+        if permutation:
             weight = _permuted(weight, inverse, order)
         else:
             weight = _take(weight, inverse, full)
