@@ -18,15 +18,18 @@
 #           same FLOPs and a minimal MoE, the one-chip mesh and the fallback, and
 #           the costliest ops;
 #   gather  benchmarks/tpu_gather.py: the combine's row gathers, as the layer runs
-#           them and other ways (3-D rows of whole tiles, a DMA kernel).
+#           them and other ways (3-D rows of whole tiles, a DMA kernel);
+#   activation  benchmarks/tpu_activation.py: the gated activation's backward, XLA's
+#           and the library's one-pass kernel, and each activation the kernel takes
+#           checked on the chip.
 # Results go to ${OUT:-benchmarks/results} (a .log and a .json per section).
 # TESTS_K (a pytest -k expression), GRID_ARGS (e.g. "--cases mixtral,int8 --ways
 # jit-closed,filter_jit --timeout 120", or "--in-process"), DECODE_ARGS (e.g.
 # "--profile --tokens 1,8", "--as-argument --hlo-dir DIR" or "--kernel"), GMM_ARGS,
-# SWEEP_ARGS, LAYER_ARGS and GATHER_ARGS pass options to the tests and the six
-# benchmarks.
+# SWEEP_ARGS, LAYER_ARGS, GATHER_ARGS and ACTIVATION_ARGS pass options to the tests
+# and the seven benchmarks.
 #
-#     bash benchmarks/tpu_check.sh [--quick] [section ...]   # default: all but sweep, gather
+#     bash benchmarks/tpu_check.sh [--quick] [section ...]   # default: all but sweep, gather, activation
 #
 # Wheels in .whl-tpu/ (equinox, jaxtyping, beartype, pytest, ...) are installed into
 # /tmp/site first when present, and .whl-tpu/peers/ (tokamax and its dependencies)
@@ -77,6 +80,9 @@ for s in $sections; do
     gather)
       python3 benchmarks/tpu_gather.py ${GATHER_ARGS:-} --out "$out/gather_tpu.json" \
         2>&1 | tee "$out/gather_tpu.log" ;;
+    activation)
+      python3 benchmarks/tpu_activation.py --activations ${ACTIVATION_ARGS:-} \
+        --out "$out/activation_tpu.json" 2>&1 | tee "$out/activation_tpu.log" ;;
     layer)
       python3 benchmarks/tpu_layer.py --mesh --profile --hlo-dir "$out" \
         ${LAYER_ARGS:-} --out "$out/layer_tpu.json" 2>&1 | tee "$out/layer_tpu.log" ;;

@@ -6,11 +6,13 @@ gated activation, `[gate | up]`; `[rows, d_ff]` ungated), to the hidden units
 slope, a soft-cap) is a field of the activation object that computes it.
 
 Every backend applies the activation between its two products as a plain JAX function
-of `h` in float32 (no backend fuses a particular activation into a kernel), so a
-user's own subclass runs wherever a built-in does: one device, expert parallel, the
-fallback, slots, quantized experts, forward mode and second order. Its derivatives are
-JAX's own (`jvp` and `vjp` below); between two whole products (`activate`) the backward
-keeps only `h` and recomputes the rest from it.
+of `h` in float32, so a user's own subclass runs wherever a built-in does: one device,
+expert parallel, the fallback, slots, quantized experts, forward mode and second
+order. Its derivatives are JAX's own (`jvp` and `vjp` below); between two whole
+products (`activate`) the backward keeps only `h` and recomputes the rest from it. A
+backend may form that backward's cotangent of `h` its own way for the built-in gated
+activations (`AbstractGMMBackend.hidden_vjp`: on a TPU one Pallas pass,
+`moe_eqx._gmm.activation_tpu`), with the same arithmetic.
 """
 
 import abc
@@ -261,7 +263,7 @@ def apply_activation(activation: AbstractActivation, h: Array) -> Array:
     return out.astype(jnp.float32)
 
 
-def activate(activation: AbstractActivation, h: Array, dtype) -> Array:
+def activate(activation: AbstractActivation, h: Array, dtype, vjp=None) -> Array:
     """`apply_activation(activation, h)` rounded to `dtype`: the hidden units the
     down projection takes, as the backends compute them between their products.
 
@@ -270,8 +272,12 @@ def activate(activation: AbstractActivation, h: Array, dtype) -> Array:
     pass that forms `h`'s cotangent. Plain autodiff keeps float32 `[rows, d_ff]`
     intermediates (or a float32 copy of `h`) alive between the forward and the
     backward, and every one of them is written and read once more in memory.
+
+    `vjp`: a backend's own way of forming that cotangent of a gated activation
+    (`AbstractGMMBackend.hidden_vjp`): `vjp(activation, h, ct)`, `h`'s cotangent in
+    `h.dtype`, the same values as `halves_vjp`'s rounded; `None`: JAX's.
     """
-    return _activate(activation, jnp.dtype(dtype).name, h)
+    return _activate(activation, jnp.dtype(dtype).name, vjp, h)
 
 
 def _as_float(activation: AbstractActivation, h: Array) -> Array:
@@ -285,32 +291,69 @@ def _as_float(activation: AbstractActivation, h: Array) -> Array:
     return jnp.concatenate([gate.astype(f32), up.astype(f32)], axis=-1)
 
 
-@ft.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _activate(activation, dtype, h):
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _activate(activation, dtype, vjp, h):
     return apply_activation(activation, _as_float(activation, h)).astype(dtype)
 
 
 @_activate.defjvp
-def _activate_jvp(activation, dtype, primals, tangents):
+def _activate_jvp(activation, dtype, vjp, primals, tangents):
     (h,), (t_h,) = primals, tangents
-    out = _activate(activation, dtype, h)
-    res = (h, activation, dtype)
+    out = _activate(activation, dtype, vjp, h)
+    res = (h, activation, dtype, vjp)
     return out, custom_linear(_activate_tangent, _activate_transpose, res, t_h, out)
 
 
 def _activate_tangent(res, t_h):
-    h, activation, dtype = res
+    h, activation, dtype, _ = res
     _, t_out = activation.jvp(_as_float(activation, h), _as_float(activation, t_h))
     return t_out.astype(dtype)
 
 
 def _activate_transpose(res, ct):
-    h, activation, _ = res
+    h, activation, _, vjp = res
     # `h` is read only once the cotangent exists: XLA can neither move its float32
     # copy into the forward (where it would stay alive until here) nor share the
     # forward's.
     h, ct = jax.lax.optimization_barrier((h, ct))
-    return activation.vjp(_as_float(activation, h), ct).astype(h.dtype)
+    if not _by_halves(activation, h):
+        return activation.vjp(_as_float(activation, h), ct).astype(h.dtype)
+    if vjp is not None:
+        return vjp(activation, h, ct)
+    return jnp.concatenate(
+        [part.astype(h.dtype) for part in halves_vjp(activation, h, ct)], axis=-1
+    )
+
+
+def _by_halves(activation: AbstractActivation, h: Array) -> bool:
+    """Whether `h`'s cotangent is formed a half at a time: a gated activation of an
+    even width whose `vjp` is JAX's own (a subclass's own `vjp` is called as it is)."""
+    return (
+        activation.gated
+        and h.shape[-1] % 2 == 0
+        and type(activation).vjp is AbstractActivation.vjp
+    )
+
+
+def halves_vjp(
+    activation: AbstractActivation, h: Array, ct: Array
+) -> tuple[Array, Array]:
+    """The cotangents of a gated activation's two halves of `h` (`[gate | up]`) for
+    the cotangent `ct` of its output, float32: `activation.vjp(h, ct)`'s two halves,
+    each from its own half of `h`.
+
+    The backward concatenates them only once each is in `h`'s dtype: XLA:TPU wrote
+    both float32 halves to memory and then a pass concatenated and rounded them (as
+    long as the activation's backward itself)."""
+    f32 = jnp.float32
+    gate, up = _halves(h)
+
+    def call(g, u):
+        return apply_activation(activation, jnp.concatenate([g, u], axis=-1))
+
+    _, pullback = jax.vjp(call, gate.astype(f32), up.astype(f32))
+    d_gate, d_up = pullback(ct.astype(f32))
+    return d_gate, d_up
 
 
 # The names `MoEConfig(activation=...)` takes as shorthands.

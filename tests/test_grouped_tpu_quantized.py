@@ -221,7 +221,8 @@ def _expert_arrays(text, g, k, n):
 def test_prefill_lowers_for_tpu_without_a_float_copy_of_the_experts(fmt, request):
     """A DeepSeek-V2-Lite-like expert FFN at 4096 tokens' pairs, bfloat16, lowered
     for TPU, forward and the input's gradient: Mosaic takes both products' kernels
-    and both of their input gradients', and no float array of either weight's
+    and both of their input gradients' (and the gated activation's backward
+    kernel between them), and no float array of either weight's
     shape is in the program (the experts dequantized whole before the kernels, as
     the forward once did and the input's gradient after it, would be; MXFP4 checks
     the kernels' FFN, the part outside its edge-scale check, in both
@@ -246,14 +247,15 @@ def test_prefill_lowers_for_tpu_without_a_float_copy_of_the_experts(fmt, request
     def value_and_grad(x, w1, w2, s):
         return jax.value_and_grad(lambda x: jnp.sum(ffn(x, w1, w2, s)))(x)
 
-    for fn, kernels in ((ffn, 2), (value_and_grad, 4)):
+    for fn, kernels, activation in ((ffn, 2, 0), (value_and_grad, 4, 1)):
         text = (
             jax.jit(fn)
             .trace(x, w1, w2, sizes)
             .lower(lowering_platforms=("tpu",))
             .as_text()
         )
-        assert text.count("tpu_custom_call") == kernels
+        assert text.count('kernel_name = "moe_eqx_gated_vjp"') == activation
+        assert text.count("tpu_custom_call") == kernels + activation
         assert not _expert_arrays(text, g, d, 2 * f) + _expert_arrays(text, g, f, d)
     assert asked is None or asked
 

@@ -87,6 +87,14 @@ class AbstractGMMBackend(eqx.Module):
         """
         return gmm_ffn(self, x, w_gate_up, w_down, group_sizes, grad_acc, activation)
 
+    def hidden_vjp(self, activation: AbstractActivation, rows: int):
+        """The backend's own way of forming the first product's cotangent from the
+        hidden units' in the backward of its two products (`activation` gated,
+        `rows` rows): a function `(activation, h, ct) -> h's cotangent` (in
+        `h.dtype`) for `moe_eqx._activation.activate`; `None` (the default): JAX's
+        own vjp."""
+        return None
+
 
 def gmm_ffn(
     backend: AbstractGMMBackend,
@@ -112,16 +120,18 @@ def _two_products(ffn, x, w_gate_up, w_down, group_sizes):
         # A quantized weight is dequantized whole here, before the product.
         return backend(lhs, as_float(w, lhs.dtype), sizes)
 
-    return two_products(product, x, w_gate_up, w_down, group_sizes, activation)
+    vjp = backend.hidden_vjp(activation, x.shape[0])
+    return two_products(product, x, w_gate_up, w_down, group_sizes, activation, vjp)
 
 
-def two_products(product, x, w_gate_up, w_down, group_sizes, activation):
+def two_products(product, x, w_gate_up, w_down, group_sizes, activation, vjp=None):
     """The expert FFN as `product(act(product(x, w_gate_up)), w_down)`, with the
     hidden product named for remat; `product(lhs, w, group_sizes)` is a grouped
-    matmul in `lhs.dtype` that takes the weights as given (float or quantized)."""
+    matmul in `lhs.dtype` that takes the weights as given (float or quantized);
+    `vjp` the backend's `hidden_vjp`."""
     gate_up = product(x, w_gate_up, group_sizes)
     gate_up = remat_name(gate_up, HIDDEN)
-    act = activate(activation, gate_up, x.dtype)
+    act = activate(activation, gate_up, x.dtype, vjp)
     return product(act, w_down, group_sizes)
 
 

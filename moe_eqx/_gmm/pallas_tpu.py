@@ -50,6 +50,7 @@ from .._quant import (
 from .._rules import match_varying
 from ._base import AbstractGMMBackend, GradAcc, gmm_ffn, group_ids, two_products
 from ._products import AbstractProducts, gmm
+from .activation_tpu import gated_vjp as _hidden_vjp
 from .gathered import GatheredGMM, _expert_matrix
 from .grouped_tpu import _GroupedProducts, _product, _row_tile
 from .quantized_tpu import (
@@ -587,8 +588,9 @@ class PallasTPUGMM(AbstractGMMBackend):
                 def product(lhs, w, sizes):
                     return whole(lhs, _by_expert(w, lhs.dtype), sizes)
 
+                vjp = whole.hidden_vjp(activation, x.shape[0])
                 return two_products(
-                    product, x, w_gate_up, w_down, group_sizes, activation
+                    product, x, w_gate_up, w_down, group_sizes, activation, vjp
                 )
             # One expert's float matrices at a time: no float copy of them all.
             return GatheredGMM().ffn(
@@ -614,8 +616,18 @@ class PallasTPUGMM(AbstractGMMBackend):
                 w = w.astype(lhs.dtype)
             return gmm(products, lhs, w, sizes)
 
+        vjp = self.hidden_vjp(activation, x.shape[0])
         with jax.named_scope("moe_eqx.gmm.pallas_tpu"):
             x, w_gate_up, w_down, sizes = match_varying(
                 x, w_gate_up, w_down, group_sizes.astype(jnp.int32)
             )
-            return two_products(product, x, w_gate_up, w_down, sizes, activation)
+            return two_products(product, x, w_gate_up, w_down, sizes, activation, vjp)
+
+    def hidden_vjp(self, activation: AbstractActivation, rows: int):
+        """For many rows, the library's gated activations' backward as one Pallas
+        pass (`moe_eqx._gmm.activation_tpu`); else JAX's own (or `fallback`'s)."""
+        if rows <= self.max_rows:
+            return None
+        if self.fallback is not None:
+            return self.fallback.hidden_vjp(activation, rows)
+        return ft.partial(_hidden_vjp, interpret=self.interpret)
