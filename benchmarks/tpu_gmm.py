@@ -178,7 +178,8 @@ def products(tokamax):
 
 def _own_tgmm(a, d, s, *, tiles, chunk, flags):
     """The own weights' kernel; `flags`: `p` partial column tiles, `d` only
-    dividing ones (neither: the kernel's default rule)."""
+    dividing ones (neither: the kernel's default rule); `r` a visit's run of chunks
+    one product (`runs`)."""
     partial = True if "p" in flags else False if "d" in flags else None
     return grouped_weight_gradient(
         a,
@@ -188,6 +189,7 @@ def _own_tgmm(a, d, s, *, tiles, chunk, flags):
         chunk=chunk,
         out_dtype=jnp.float32,
         partial_columns=partial,
+        runs="r" in flags,
         interpret=INTERPRET,
     )
 
@@ -362,7 +364,8 @@ def main():
         "--own-tgmm",
         default=None,
         help="the same for the weights' kernel, or rows x out rows x out x chunk; "
-        "a suffix p: partial column tiles, d: dividing ones (e.g. 512x2048x768x128p)",
+        "suffixes p: partial column tiles, d: dividing ones, r: a visit's run of "
+        "chunks one product (e.g. 512x2048x768x128p, 1024x768x256r)",
     )
     p.add_argument("--only", default=None, help="candidate name prefixes, e.g. own,me.")
     args = p.parse_args()
@@ -372,7 +375,7 @@ def main():
     OWN = specs(args.own) if args.own else OWN
     OWN_T = (
         [
-            (*(int(v) for v in s.rstrip("pd").split("x")), s[len(s.rstrip("pd")) :])
+            (*(int(v) for v in s.rstrip("pdr").split("x")), s[len(s.rstrip("pdr")) :])
             for s in args.own_tgmm.split(",")
         ]
         if args.own_tgmm

@@ -77,8 +77,9 @@ class OwnGMM(me.AbstractGMMBackend):
     `gmm` products and of the weights' gradient (the contraction whole); a third
     part sets the weights' kernel's options: `p` partial column tiles, `d` only
     dividing ones, and a number its output rows (`tk`), e.g.
-    `own:512x1536x128/512x768x128/d1024`; and `o`, both kernels' `overhang_rows`
-    (the library's default; a spec without `o` pads the rows to a tile multiple)."""
+    `own:512x1536x128/512x768x128/d1024`; `o`, both kernels' `overhang_rows`
+    (the library's default; a spec without `o` pads the rows to a tile multiple);
+    and `r`, the weights' kernel's `runs` (a visit's run of chunks one product)."""
 
     spec: str = eqx.field(static=True, default="")
 
@@ -99,6 +100,7 @@ class OwnGMM(me.AbstractGMMBackend):
                 chunk=c or None,
                 tgmm_partial=True if "p" in flags else False if "d" in flags else None,
                 overhang_rows="o" in flags,
+                tgmm_runs="r" in flags,
             )
             assert c == tc, "one chunk for both kernels"
         return gmm(_GroupedProducts(interpret=interpret, **kw), lhs, rhs, sizes)

@@ -154,22 +154,21 @@ def _layer(activation, backend, buffer_factor=2.0):
 
 
 @pytest.mark.parametrize(
-    "where", ["one device", "mesh capped", "mesh fallback", "other backend"]
+    "where", ["one device", "mesh capped", "mesh fallback", "megablox", "other backend"]
 )
 def test_the_layer_takes_it_on_every_path(where, monkeypatch):
     """`PallasTPUGMM` (many rows) takes the kernel between its products on one
     device and on a two-shard mesh, capped and with the chunked fallback taken (its
-    accumulating FFN): output and gradients against `reference_moe`. Another
-    backend (`dense`) does not."""
-    backend = (
-        "dense"
-        if where == "other backend"
-        else me.PallasTPUGMM(max_rows=16, interpret=True)
-    )
+    accumulating FFN); so does `MegabloxGMM`: output and gradients against
+    `reference_moe`. A backend off the TPU (`dense`) does not."""
+    backend = {
+        "other backend": "dense",
+        "megablox": me.MegabloxGMM(tiles=(128, 128, 128), interpret=True),
+    }.get(where, me.PallasTPUGMM(max_rows=16, interpret=True))
     act = me.SoftcapSwiGLU(gate_cap=2.0, up_cap=3.0)
     layer = _layer(act, backend, 0.6 if where == "mesh fallback" else 2.0)
     x = jr.normal(jr.key(11), (48, 64)) + 3.0 * layer.router.weight[None, :, 0]
-    mesh = None if where in ("one device", "other backend") else cpu_mesh(2)
+    mesh = cpu_mesh(2) if where.startswith("mesh") else None
 
     def loss(fn, layer, x):
         return jnp.sum(jnp.sin(fn(layer, x)))

@@ -262,6 +262,27 @@ def test_weight_gradient_with_overhanging_tiles_lowers_for_tpu():
     assert text.count("tpu_custom_call") == 1
 
 
+@pytest.mark.lowering_only
+@pytest.mark.parametrize("tiles", [(512, 4096, 768), (1024, 4096, 768)])
+def test_weight_gradient_by_runs_lowers_for_tpu(tiles):
+    """Mosaic's lowering accepts the weights' kernel with `runs` (a masked product
+    per run of chunks: 10 runs of 128-row chunks in a 512-row tile; a 1024-row tile
+    takes 256-row chunks) at the DeepSeek-V2-Lite-like gate+up."""
+    m, k, n, g = 49152, 2048, 2816, 64
+    lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    d = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+    chunk = tiles[0] // 4
+
+    def run(a, b, s):
+        return grouped_weight_gradient(a, b, s, tiles=tiles, chunk=chunk, runs=True)
+
+    traced = jax.jit(run).trace(lhs, d, sizes)
+    assert str(traced.jaxpr).count("dot_general") == 1 + 10
+    text = traced.lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1
+
+
 def test_products_have_the_derivatives_of_ragged_dot():
     """The three products on these kernels (`_GroupedProducts`) through
     `moe_eqx._gmm._products.gmm`: the value, both reverse-mode derivatives, forward
@@ -357,3 +378,33 @@ def test_tiles_shrink_to_the_vmem_a_call_may_ask_for(monkeypatch):
             atol=1e-3 * max(1, b - a),
             rtol=0,
         )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    ("tiles", "chunk"),
+    [((64, 32, 128), 16), ((128, 64, 128), 32)],
+    ids=["4x16", "4x32"],
+)
+def test_weight_gradient_by_runs_equals_by_chunks(layout, tiles, chunk):
+    """`runs`: a shared tile's visit multiplies its group's run of chunks as one
+    masked product. Every layout, edges first, gives what the chunk-at-a-time
+    product gives (rows past the groups NaN in both operands), and the kernel has
+    one product per run (4 chunks: 10 runs, and the whole tile's)."""
+    sizes = jnp.array(LAYOUTS[layout], jnp.int32)
+    total = int(jnp.sum(sizes))
+    lhs = jr.normal(jr.key(11), (M, K)).at[total:].set(jnp.nan)
+    d = jr.normal(jr.key(12), (M, N)).at[total:].set(jnp.nan)
+    kw = dict(tiles=tiles, chunk=chunk, interpret=True)
+    by_chunks = grouped_weight_gradient(lhs, d, sizes, **kw)
+    by_runs = grouped_weight_gradient(lhs, d, sizes, runs=True, **kw)
+    np.testing.assert_allclose(
+        np.asarray(by_runs), np.asarray(by_chunks), atol=1e-4, rtol=1e-5
+    )
+    assert not np.any(np.isnan(np.asarray(by_runs)))
+
+    def products(runs):
+        fn = lambda a, b: grouped_weight_gradient(a, b, sizes, runs=runs, **kw)  # noqa: E731
+        return str(jax.make_jaxpr(fn)(lhs, d)).count("dot_general")
+
+    assert (products(False), products(True)) == (1 + 2 * 4, 1 + 10)

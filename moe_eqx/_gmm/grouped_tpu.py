@@ -96,6 +96,9 @@ def _divisor(t: int, axis: int) -> int:
 GMM_TILES = (512, 4096, 1536)
 TGMM_TILES = (512, 4096, 768)
 CHUNK = 128
+# The most chunks a row tile may have for the weights' gradient to take a visit's
+# run of chunks as one product (`runs`): a branch per run, `c (c + 1) / 2` of them.
+MAX_RUN_CHUNKS = 8
 
 # The most scoped VMEM a call asks Mosaic for (below a v5e core's whole VMEM).
 _VMEM_CAP = 100 << 20
@@ -514,6 +517,7 @@ def grouped_weight_gradient(
     out_dtype=None,
     partial_columns: bool | None = None,
     overhang_rows: bool = True,
+    runs: bool = False,
     interpret: bool = False,
 ) -> Float[Array, "groups k_dim n_dim"]:
     """`lhs[rows of g]^T @ d[rows of g]` for each group `g` (see the module).
@@ -532,6 +536,12 @@ def grouped_weight_gradient(
         Lite-like gate+up: 256 columns a tile instead of 768).
     - `overhang_rows`: as `grouped_matmul`'s (rows past `M` are masked out of
         every product, as rows of no group are).
+    - `runs`: a visit of a shared tile multiplies the run of chunks its group has
+        rows in as one product (masked), instead of a product a chunk: each
+        product adds into the whole `[tk, tn]` float32 accumulator, so a visit of
+        `c` chunks reads and writes it `c` times, where its products' contraction
+        is only `c * chunk` rows. One branch per run (start, length) in the
+        kernel: taken where a tile has at most `MAX_RUN_CHUNKS` chunks.
     - `interpret`: run in Pallas' interpreter.
 
     **Returns:**
@@ -557,6 +567,7 @@ def grouped_weight_gradient(
     tm, tk, tn, ch, mp = _fit(
         tiles, chunk, m, k, n, lhs.dtype, blocks, partial_n=partial_columns
     )
+    by_runs = runs and 1 < tm // ch <= MAX_RUN_CHUNKS
     if not (overhang_rows and m >= tm):
         lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
         d = jnp.pad(d, ((0, mp - m), (0, 0)))
@@ -586,14 +597,24 @@ def grouped_weight_gradient(
             acc[...] += _product(a, b, (0, 0))
 
         # As in `grouped_matmul`: a tile of the group's rows only is one product,
-        # unmasked; a shared one a chunk at a time, masked where the chunk is shared.
+        # unmasked; a shared one a chunk at a time, masked where the chunk is shared
+        # (with `runs`: the chunks it has rows in, as one masked product).
         full = (lo == 0) & (hi == tm)
         pl.when(full)(lambda: piece(0, tm, False))
-        for c0 in range(0, tm, ch):
-            some = (lo < c0 + ch) & (hi > c0)
-            whole = (lo <= c0) & (hi >= c0 + ch)
-            pl.when(~full & whole)(lambda c0=c0: piece(c0, ch, False))
-            pl.when(~full & some & ~whole)(lambda c0=c0: piece(c0, ch, True))
+        if by_runs:
+            # The run's chunks (`lax.div`: `//` lowers through `sign` in Mosaic,
+            # and `lo`, `hi` are never negative).
+            start, end = jax.lax.div(lo, ch), jax.lax.div(hi + ch - 1, ch)
+            for a in range(tm // ch):
+                for b in range(a + 1, tm // ch + 1):
+                    run = ~full & (hi > lo) & (start == a) & (end == b)
+                    pl.when(run)(lambda a=a, b=b: piece(a * ch, (b - a) * ch, True))
+        else:
+            for c0 in range(0, tm, ch):
+                some = (lo < c0 + ch) & (hi > c0)
+                whole = (lo <= c0) & (hi >= c0 + ch)
+                pl.when(~full & whole)(lambda c0=c0: piece(c0, ch, False))
+                pl.when(~full & some & ~whole)(lambda c0=c0: piece(c0, ch, True))
 
         @pl.when(done)
         def _():
@@ -629,14 +650,15 @@ def grouped_weight_gradient(
 class _GroupedProducts(AbstractProducts):
     """The three products of `moe_eqx._gmm._products` on these kernels, at `tiles`
     (`(tm, tk, tn)` for `gmm` and `gmm_t`, and for `tgmm`), `chunk` rows a visit;
-    `tgmm_partial` is `grouped_weight_gradient`'s `partial_columns`, and
-    `overhang_rows` both kernels'."""
+    `tgmm_partial` and `tgmm_runs` are `grouped_weight_gradient`'s
+    `partial_columns` and `runs`, and `overhang_rows` both kernels'."""
 
     tiles: tuple[int, int, int] = eqx.field(static=True, default=GMM_TILES)
     tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=TGMM_TILES)
     chunk: int | None = eqx.field(static=True, default=CHUNK)
     tgmm_partial: bool | None = eqx.field(static=True, default=None)
     overhang_rows: bool = eqx.field(static=True, default=True)
+    tgmm_runs: bool = eqx.field(static=True, default=False)
     interpret: bool = eqx.field(static=True, default=False)
     has_effects: ClassVar[bool] = False
 
@@ -670,6 +692,7 @@ class _GroupedProducts(AbstractProducts):
             out_dtype=out,
             partial_columns=self.tgmm_partial,
             overhang_rows=self.overhang_rows,
+            runs=self.tgmm_runs,
             interpret=self.interpret,
         )
 

@@ -17,6 +17,7 @@ a quantized weight is dequantized whole first (as `RaggedDotGMM` does).
 """
 
 import contextlib
+import functools as ft
 import importlib
 from typing import ClassVar
 
@@ -29,6 +30,7 @@ from .._quant import as_float
 from .._rules import match_varying
 from ._base import AbstractGMMBackend, zero_past_groups
 from ._products import AbstractProducts, gmm
+from .activation_tpu import gated_vjp
 
 # The kernels' module (the package's own `gmm` attribute is the differentiable op).
 _mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -190,3 +192,8 @@ class MegabloxGMM(AbstractGMMBackend):
             lhs, rhs, sizes = match_varying(lhs, rhs, group_sizes.astype(jnp.int32))
             products = _MegabloxProducts(self.tiles, self.interpret)
             return gmm(products, lhs, rhs, sizes)
+
+    def hidden_vjp(self, activation, rows: int):
+        """The library's gated activations' backward in one Pallas pass
+        (`moe_eqx._gmm.activation_tpu`), as `PallasTPUGMM` takes it."""
+        return ft.partial(gated_vjp, interpret=self.interpret)
