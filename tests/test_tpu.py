@@ -5,8 +5,9 @@ Float32 at `jax.default_matmul_precision("highest")` (the suite's setting) is co
 tightly, bfloat16 loosely; one device and a one-chip mesh, capped and with the
 fallback taken, outputs and gradients (input, router, experts), every quantized
 format against its dequantized layer (the decode kernel at few tokens, the
-library's own grouped kernels at many), the hash router, routing replay, and `jax.jit` with the
-layer closed over (the call that once aborted the TPU compiler).
+library's own grouped kernels at many), the gated activation's backward kernel, the
+hash router, routing replay, and `jax.jit` with the layer closed over (the call that
+once aborted the TPU compiler).
 """
 
 import functools as ft
@@ -393,10 +394,12 @@ def test_own_grouped_matmul_matches_ragged_dot(transpose, chunk, overhang):
 
 
 @_OWN_CASES
-def test_own_weight_gradient_matches_ragged_dot(chunk, overhang):
+@pytest.mark.parametrize("runs", [False, True], ids=["", "runs"])
+def test_own_weight_gradient_matches_ragged_dot(chunk, overhang, runs):
     """The library's own weights'-gradient kernel compiled on the chip, skewed and
     empty groups, against `lax.ragged_dot`'s transpose in float32 (with
-    `overhang_rows`, the rows past the last whole tile read by an overhanging one)."""
+    `overhang_rows`, the rows past the last whole tile read by an overhanging one;
+    with `runs`, a visit's run of chunks one product)."""
     from moe_eqx._gmm.grouped_tpu import grouped_weight_gradient
 
     g, k, n, m = 128, 2048, 1536, 4000
@@ -413,6 +416,7 @@ def test_own_weight_gradient_matches_ragged_dot(chunk, overhang):
         chunk=chunk,
         out_dtype=jnp.float32,
         overhang_rows=overhang,
+        runs=runs,
     )
     out = jax.jit(run)(lhs, d, sizes)
 
