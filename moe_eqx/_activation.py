@@ -342,9 +342,9 @@ def halves_vjp(
     the cotangent `ct` of its output, float32: `activation.vjp(h, ct)`'s two halves,
     each from its own half of `h`.
 
-    The backward concatenates them only once each is in `h`'s dtype: XLA:TPU wrote
-    both float32 halves to memory and then a pass concatenated and rounded them (as
-    long as the activation's backward itself)."""
+    The backward rounds each to `h`'s dtype before concatenating them, and a
+    backend's `hidden_vjp` may write both halves in one pass (on a TPU, XLA's
+    concatenation was a pass of its own, as long as the rest of the backward)."""
     f32 = jnp.float32
     gate, up = _halves(h)
 
