@@ -67,7 +67,7 @@ def kernel(h, ct, *, interpret, tm=None, act=ACT):
     if tm is None:
         return activation_tpu.gated_vjp(act, h, ct, interpret=interpret)
     saved = activation_tpu._rows_per_step
-    activation_tpu._rows_per_step = lambda d_ff: tm
+    activation_tpu._rows_per_step = lambda *_: tm
     try:
         return activation_tpu._gated_vjp.__wrapped__(act, interpret, h, ct)
     finally:

@@ -80,7 +80,7 @@ def test_kernel_equals_the_vjp_of_the_halves(act, dtype, rows):
 def test_several_steps_each_take_their_own_rows(monkeypatch):
     """At 16 rows a step, 100 rows are seven steps (the last partial): each row's
     cotangent its own."""
-    monkeypatch.setattr(activation_tpu, "_rows_per_step", lambda d_ff: 16)
+    monkeypatch.setattr(activation_tpu, "_rows_per_step", lambda *_: 16)
     act = me.SwiGLU()
     h = jr.normal(jr.key(2), (100, 256))
     ct = jr.normal(jr.key(3), (100, 128))

@@ -57,10 +57,11 @@ def in_kernel(activation: AbstractActivation, h: Array) -> bool:
     )
 
 
-def _rows_per_step(d_ff: int) -> int:
-    # Per row: h, its cotangent and the hidden units' cotangent double-buffered,
-    # and about eight float32 rows of `d_ff` of temporaries.
-    per_row = 2 * 2 * (2 * d_ff) * 2 + 2 * 2 * d_ff + 8 * 4 * d_ff
+def _rows_per_step(d_ff: int, itemsize: int = 2) -> int:
+    # Per row: h, its cotangent and the hidden units' cotangent double-buffered
+    # (`itemsize` bytes a value), and about eight float32 rows of `d_ff` of
+    # temporaries.
+    per_row = 2 * itemsize * (2 * d_ff) * 2 + 2 * itemsize * d_ff + 8 * 4 * d_ff
     return max(16, min(512, _TILE_BYTES // per_row // 16 * 16))
 
 
@@ -85,7 +86,7 @@ def gated_vjp(
 def _gated_vjp(activation, interpret, h, ct):
     rows, width = h.shape
     d_ff = width // 2
-    tm = min(_rows_per_step(d_ff), -(-rows // 16) * 16)
+    tm = min(_rows_per_step(d_ff, h.dtype.itemsize), -(-rows // 16) * 16)
 
     def kernel(h_ref, ct_ref, out):
         d_gate, d_up = halves_vjp(activation, h_ref[...], ct_ref[...])
