@@ -275,7 +275,7 @@ def activate(activation: AbstractActivation, h: Array, dtype, vjp=None) -> Array
 
     `vjp`: a backend's own way of forming that cotangent of a gated activation
     (`AbstractGMMBackend.hidden_vjp`): `vjp(activation, h, ct)`, `h`'s cotangent in
-    `h.dtype`, the same values as `halves_vjp`'s rounded; `None`: JAX's.
+    `h.dtype`, the same values as `halves_cotangent`'s; `None`: that function.
     """
     return _activate(activation, jnp.dtype(dtype).name, vjp, h)
 
@@ -318,11 +318,7 @@ def _activate_transpose(res, ct):
     h, ct = jax.lax.optimization_barrier((h, ct))
     if not _by_halves(activation, h):
         return activation.vjp(_as_float(activation, h), ct).astype(h.dtype)
-    if vjp is not None:
-        return vjp(activation, h, ct)
-    return jnp.concatenate(
-        [part.astype(h.dtype) for part in halves_vjp(activation, h, ct)], axis=-1
-    )
+    return (halves_cotangent if vjp is None else vjp)(activation, h, ct)
 
 
 def _by_halves(activation: AbstractActivation, h: Array) -> bool:
@@ -354,6 +350,13 @@ def halves_vjp(
     _, pullback = jax.vjp(call, gate.astype(f32), up.astype(f32))
     d_gate, d_up = pullback(ct.astype(f32))
     return d_gate, d_up
+
+
+def halves_cotangent(activation: AbstractActivation, h: Array, ct: Array) -> Array:
+    """`h`'s cotangent in `h.dtype`: `halves_vjp`'s two halves, each rounded, then
+    concatenated (JAX's way; a backend's `hidden_vjp` gives the same values)."""
+    parts = halves_vjp(activation, h, ct)
+    return jnp.concatenate([p.astype(h.dtype) for p in parts], axis=-1)
 
 
 # The names `MoEConfig(activation=...)` takes as shorthands.

@@ -30,6 +30,7 @@ from .._activation import (
     GeGLU,
     SoftcapSwiGLU,
     SwiGLU,
+    halves_cotangent,
     halves_vjp,
 )
 
@@ -76,9 +77,7 @@ def gated_vjp(
     `activation(h)`: the kernel where `in_kernel(activation, h)`, else JAX's own
     vjp of the two halves."""
     if not in_kernel(activation, h):
-        return jnp.concatenate(
-            [p.astype(h.dtype) for p in halves_vjp(activation, h, ct)], axis=-1
-        )
+        return halves_cotangent(activation, h, ct)
     return _gated_vjp(activation, interpret, h, ct)
 
 
@@ -114,10 +113,5 @@ def _gated_vjp(activation, interpret, h, ct):
 def _gated_vjp_jvp(activation, interpret, primals, tangents):
     # The kernel's value; its tangent JAX's own of the same formula.
     out = _gated_vjp(activation, interpret, *primals)
-
-    def formula(h, ct):
-        parts = halves_vjp(activation, h, ct)
-        return jnp.concatenate([p.astype(h.dtype) for p in parts], axis=-1)
-
-    _, t_out = jax.jvp(formula, primals, tangents)
+    _, t_out = jax.jvp(ft.partial(halves_cotangent, activation), primals, tangents)
     return out, t_out
