@@ -189,6 +189,7 @@ def test_the_layer_takes_it_on_every_path(where, monkeypatch):
         assert calls and set(calls) == {act}
     y, stats = eqx.filter_jit(lambda l, x: l(x, mesh=mesh))(layer, x)
     stats.check()
+    assert int(stats.lost_pairs) == 0
     assert bool(stats.fallback_used) == (where == "mesh fallback")
     np.testing.assert_allclose(y, me.reference_moe(layer, x), atol=1e-5)
     want = eqx.filter_grad(lambda a: loss(me.reference_moe, *a))((layer, x))
