@@ -74,6 +74,8 @@ OWN_T = [
     (512, 512, 128, ""),
 ]
 ONLY = None  # candidate names to run (prefixes), or all
+FLAGS = "pdP"  # the weights' kernel's settings (`_own_tgmm`)
+PROFILE = False  # each candidate's device time from a profile too
 
 
 def sizes_of(rows: int, groups: int, skew: str) -> np.ndarray:
@@ -178,8 +180,8 @@ def products(tokamax):
 
 def _own_tgmm(a, d, s, *, tiles, chunk, flags):
     """The own weights' kernel; `flags`: `p` partial column tiles, `d` only
-    dividing ones (neither: the kernel's default rule); `r` a visit's run of chunks
-    one product (`runs`)."""
+    dividing ones (neither: the kernel's default rule); `P` the output written by
+    the pipeline instead of the kernel's own copies (`write_behind=False`)."""
     partial = True if "p" in flags else False if "d" in flags else None
     return grouped_weight_gradient(
         a,
@@ -189,9 +191,33 @@ def _own_tgmm(a, d, s, *, tiles, chunk, flags):
         chunk=chunk,
         out_dtype=jnp.float32,
         partial_columns=partial,
-        runs="r" in flags,
+        write_behind="P" not in flags,
         interpret=INTERPRET,
     )
+
+
+def device_times(fn, *args, flops=None):
+    """With `--profile`: the device ms of all of `fn(*args)`'s ops and of its
+    costliest one (and TFLOP/s by the device time), from a profiler trace."""
+    if not PROFILE:
+        return {}
+    from tpu_layer import device_ops
+
+    ops = device_ops(lambda *_: fn(*args), None, None)
+    if not ops:  # no device plane in the trace (off the TPU)
+        return {}
+    total = sum(ms for _, ms in ops)
+    out = dict(device_ms=total, top_op=ops[0][0][:80], top_op_ms=ops[0][1])
+    if flops is not None:
+        out["device_tflops"] = flops / total / 1e9
+    return out
+
+
+def _fmt(row):
+    text = f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s"
+    if "device_ms" in row:
+        text += f" | device {row['device_ms']:7.3f} ms (top {row['top_op_ms']:.3f})"
+    return text
 
 
 def operands(kind, rows, k, n, groups, key):
@@ -364,18 +390,26 @@ def main():
         "--own-tgmm",
         default=None,
         help="the same for the weights' kernel, or rows x out rows x out x chunk; "
-        "suffixes p: partial column tiles, d: dividing ones, r: a visit's run of "
-        "chunks one product (e.g. 512x2048x768x128p, 1024x768x256r)",
+        "suffixes p: partial column tiles, d: dividing ones, P: the output "
+        "written by the pipeline, not the kernel's own copies (e.g. "
+        "512x2048x768x128p, 512x768x128P)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="each candidate's device time (all its ops, and its costliest op) "
+        "from a profiler trace, beside the wall time",
     )
     p.add_argument("--only", default=None, help="candidate name prefixes, e.g. own,me.")
     args = p.parse_args()
-    global INTERPRET, OWN, OWN_T, ONLY
+    global INTERPRET, OWN, OWN_T, ONLY, PROFILE
     INTERPRET = args.interpret
+    PROFILE = args.profile
     specs = lambda arg: [tuple(int(v) for v in s.split("x")) for s in arg.split(",")]
     OWN = specs(args.own) if args.own else OWN
     OWN_T = (
         [
-            (*(int(v) for v in s.rstrip("pdr").split("x")), s[len(s.rstrip("pdr")) :])
+            (*(int(v) for v in s.rstrip(FLAGS).split("x")), s[len(s.rstrip(FLAGS)) :])
             for s in args.own_tgmm.split(",")
         ]
         if args.own_tgmm
@@ -425,6 +459,29 @@ def main():
                     tflops=flops / dense / 1e12,
                 )
             )
+            if "tgmm" in args.kinds.split(","):
+                # XLA's dense weights' gradient of the same FLOPs: `a^T d`.
+                d_ = jr.normal(jr.key(3), (rows, n), jnp.bfloat16)
+                dense_t = jax.jit(
+                    lambda a, d: jax.lax.dot_general(
+                        a,
+                        d,
+                        (((0,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    )
+                )
+                sec = timed(dense_t, a, d_)
+                row = dict(
+                    matrix=label,
+                    skew=skew,
+                    kind="tgmm",
+                    candidate="dense",
+                    ms=sec * 1e3,
+                    tflops=flops / sec / 1e12,
+                )
+                row.update(device_times(dense_t, a, d_, flops=flops))
+                rows_out.append(row)
+                print(f"{label:16s} {skew:8s} tgmm   dense {_fmt(row)}", flush=True)
             refs = {}  # each product's value by `me.RaggedDotGMM`'s, to check against
             for name, prods in products(tokamax).items():
                 for kind, fn in prods.items():
@@ -447,20 +504,19 @@ def main():
                             f"{type(e).__name__}: {str(e)[:200]}"
                         )
                         continue
-                    rows_out.append(
-                        dict(
-                            matrix=label,
-                            skew=skew,
-                            kind=kind,
-                            candidate=name,
-                            ms=sec * 1e3,
-                            tflops=flops / sec / 1e12,
-                            max_rel_err=err,
-                        )
+                    row = dict(
+                        matrix=label,
+                        skew=skew,
+                        kind=kind,
+                        candidate=name,
+                        ms=sec * 1e3,
+                        tflops=flops / sec / 1e12,
+                        max_rel_err=err,
                     )
+                    row.update(device_times(jax.jit(fn), x, y, sizes, flops=flops))
+                    rows_out.append(row)
                     print(
-                        f"{label:16s} {skew:8s} {kind:6s} {name:18s} "
-                        f"{sec * 1e3:8.3f} ms {flops / sec / 1e12:6.1f} TFLOP/s "
+                        f"{label:16s} {skew:8s} {kind:6s} {name:18s} {_fmt(row)} "
                         f"err {err:.1e}",
                         flush=True,
                     )

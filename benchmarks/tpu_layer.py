@@ -79,7 +79,8 @@ class OwnGMM(me.AbstractGMMBackend):
     dividing ones, and a number its output rows (`tk`), e.g.
     `own:512x1536x128/512x768x128/d1024`; `o`, both kernels' `overhang_rows`
     (the library's default; a spec without `o` pads the rows to a tile multiple);
-    and `r`, the weights' kernel's `runs` (a visit's run of chunks one product)."""
+    and `P`, the weights' kernel's output written by the pipeline instead of its
+    own copies (`write_behind=False`)."""
 
     spec: str = eqx.field(static=True, default="")
 
@@ -100,7 +101,7 @@ class OwnGMM(me.AbstractGMMBackend):
                 chunk=c or None,
                 tgmm_partial=True if "p" in flags else False if "d" in flags else None,
                 overhang_rows="o" in flags,
-                tgmm_runs="r" in flags,
+                tgmm_write_behind="P" not in flags,
             )
             assert c == tc, "one chunk for both kernels"
         return gmm(_GroupedProducts(interpret=interpret, **kw), lhs, rhs, sizes)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from moe_eqx._gmm.grouped_tpu import grouped_matmul, grouped_weight_gradient
 
@@ -263,22 +264,22 @@ def test_weight_gradient_with_overhanging_tiles_lowers_for_tpu():
 
 
 @pytest.mark.lowering_only
-@pytest.mark.parametrize("tiles", [(512, 4096, 768), (1024, 4096, 768)])
-def test_weight_gradient_by_runs_lowers_for_tpu(tiles):
-    """Mosaic's lowering accepts the weights' kernel with `runs` (a masked product
-    per run of chunks: 10 runs of 128-row chunks in a 512-row tile; a 1024-row tile
-    takes 256-row chunks) at the DeepSeek-V2-Lite-like gate+up."""
-    m, k, n, g = 49152, 2048, 2816, 64
+@pytest.mark.parametrize("write_behind", [True, False], ids=["own copies", "pipeline"])
+def test_weight_gradient_lowers_for_tpu_both_writes(write_behind):
+    """Mosaic's lowering accepts the weights' kernel at the Qwen3-like down
+    projection (65536 rows, 128 groups, 768 x 2048, dividing column tiles), its
+    output copied by its own DMAs (`write_behind`, the default) or by the
+    pipeline."""
+    m, k, n, g = 65536, 768, 2048, 128
     lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     d = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
-    chunk = tiles[0] // 4
 
     def run(a, b, s):
-        return grouped_weight_gradient(a, b, s, tiles=tiles, chunk=chunk, runs=True)
+        return grouped_weight_gradient(a, b, s, write_behind=write_behind)
 
     traced = jax.jit(run).trace(lhs, d, sizes)
-    assert str(traced.jaxpr).count("dot_general") == 1 + 10
+    assert ("dma_start" in str(traced.jaxpr)) == write_behind
     text = traced.lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 1
 
@@ -380,31 +381,72 @@ def test_tiles_shrink_to_the_vmem_a_call_may_ask_for(monkeypatch):
         )
 
 
+# The weights' kernel's own copies of each group's result (`write_behind`) under
+# Pallas' TPU interpreter, its DMAs and semaphores modelled (a wait for a copy
+# never started does not return), and race detection on.
+_TPU_INTERPRET = pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize(
-    ("tiles", "chunk"),
-    [((64, 32, 128), 16), ((128, 64, 128), 32)],
-    ids=["4x16", "4x32"],
+    ("tiles", "n", "dtype"),
+    [((64, 4096, 128), 384, "float32"), ((64, 32, 256), 640, "bfloat16")],
+    ids=["3 column tiles", "overhanging column tile, 2 row tiles of out"],
 )
-def test_weight_gradient_by_runs_equals_by_chunks(layout, tiles, chunk):
-    """`runs`: a shared tile's visit multiplies its group's run of chunks as one
-    masked product. Every layout, edges first, gives what the chunk-at-a-time
-    product gives (rows past the groups NaN in both operands), and the kernel has
-    one product per run (4 chunks: 10 runs, and the whole tile's)."""
+def test_weight_gradient_writes_behind(layout, tiles, n, dtype):
+    """`write_behind` (the default): each group's result copied to the output by
+    the kernel's own DMA, two staging buffers in turn. Every layout, edges first
+    (no rows, empty groups first, between and last, one group), several column
+    tiles and output row tiles, the last column tile overhanging `N` (its copies
+    narrower), both output dtypes: the values the pipeline's own write gives, and
+    the reference's; rows past the groups NaN."""
     sizes = jnp.array(LAYOUTS[layout], jnp.int32)
     total = int(jnp.sum(sizes))
-    lhs = jr.normal(jr.key(11), (M, K)).at[total:].set(jnp.nan)
-    d = jr.normal(jr.key(12), (M, N)).at[total:].set(jnp.nan)
-    kw = dict(tiles=tiles, chunk=chunk, interpret=True)
-    by_chunks = grouped_weight_gradient(lhs, d, sizes, **kw)
-    by_runs = grouped_weight_gradient(lhs, d, sizes, runs=True, **kw)
-    np.testing.assert_allclose(
-        np.asarray(by_runs), np.asarray(by_chunks), atol=1e-4, rtol=1e-5
+    lhs = jr.normal(jr.key(13), (M, K)).at[total:].set(jnp.nan)
+    d = jr.normal(jr.key(14), (M, n)).at[total:].set(jnp.nan)
+    kw = dict(tiles=tiles, chunk=16, out_dtype=jnp.dtype(dtype), partial_columns=True)
+    behind = grouped_weight_gradient(
+        lhs, d, sizes, write_behind=True, interpret=_TPU_INTERPRET, **kw
     )
-    assert not np.any(np.isnan(np.asarray(by_runs)))
+    piped = grouped_weight_gradient(
+        lhs, d, sizes, write_behind=False, interpret=True, **kw
+    )
+    np.testing.assert_array_equal(
+        np.asarray(behind, np.float32), np.asarray(piped, np.float32)
+    )
+    ends = np.cumsum(np.asarray(sizes))
+    for e, (a, b) in enumerate(zip(ends - np.asarray(sizes), ends, strict=True)):
+        np.testing.assert_allclose(
+            np.asarray(behind[e], np.float32),
+            np.asarray(lhs[a:b].T @ d[a:b]),
+            atol=(1e-3 if dtype == "float32" else 3e-2) * max(1, b - a),
+            rtol=1e-2 if dtype == "bfloat16" else 0,
+        )
 
-    def products(runs):
-        fn = lambda a, b: grouped_weight_gradient(a, b, sizes, runs=runs, **kw)  # noqa: E731
-        return str(jax.make_jaxpr(fn)(lhs, d)).count("dot_general")
 
-    assert (products(False), products(True)) == (1 + 2 * 4, 1 + 10)
+def test_weight_gradient_write_behind_copies_each_group_once():
+    """The kernel with `write_behind` starts one copy per group and column tile
+    and waits for each (two staging buffers: each wait before its buffer is
+    refilled, the last two at the sweep's end); without it, none. Counted from the
+    kernel's program: two branches (the overhanging tile's width and the others')
+    for each start and each wait, and the pipeline's output block replaced by the
+    output in HBM."""
+    sizes = jnp.array(LAYOUTS["even"], jnp.int32)
+    lhs, d = jr.normal(jr.key(15), (M, K)), jr.normal(jr.key(16), (M, 384))
+
+    def kernel_text(behind):
+        fn = lambda a, b: grouped_weight_gradient(  # noqa: E731
+            a,
+            b,
+            sizes,
+            tiles=(64, 4096, 256),
+            partial_columns=True,
+            write_behind=behind,
+            interpret=True,
+        )
+        return str(jax.make_jaxpr(fn)(lhs, d))
+
+    text, piped = kernel_text(True), kernel_text(False)
+    # one start per width; a wait per width before refilling, and two at the end
+    assert (text.count("dma_start"), text.count("dma_wait")) == (2, 6)
+    assert "dma_start" not in piped and "dma_wait" not in piped

@@ -393,12 +393,14 @@ def test_own_grouped_matmul_matches_ragged_dot(transpose, chunk, overhang):
 
 
 @_OWN_CASES
-@pytest.mark.parametrize("runs", [False, True], ids=["", "runs"])
-def test_own_weight_gradient_matches_ragged_dot(chunk, overhang, runs):
+@pytest.mark.parametrize("mode", ["", "pipeline write", "overhanging columns"])
+def test_own_weight_gradient_matches_ragged_dot(chunk, overhang, mode):
     """The library's own weights'-gradient kernel compiled on the chip, skewed and
     empty groups, against `lax.ragged_dot`'s transpose in float32 (with
     `overhang_rows`, the rows past the last whole tile read by an overhanging one;
-    with `runs`, a visit's run of chunks one product)."""
+    `pipeline write`, the output written by the pipeline instead of the kernel's
+    own copies (`write_behind`); `overhanging columns`, 640-column tiles over
+    1536, the last tile's copies 256 wide)."""
     from moe_eqx._gmm.grouped_tpu import grouped_weight_gradient
 
     g, k, n, m = 128, 2048, 1536, 4000
@@ -411,11 +413,12 @@ def test_own_weight_gradient_matches_ragged_dot(chunk, overhang, runs):
     d = jr.normal(jr.key(4), (m, n), jnp.bfloat16)
     run = ft.partial(
         grouped_weight_gradient,
-        tiles=(256, 2048, 512),
+        tiles=(256, 2048, 640 if mode == "overhanging columns" else 512),
         chunk=chunk,
         out_dtype=jnp.float32,
+        partial_columns=mode == "overhanging columns",
         overhang_rows=overhang,
-        runs=runs,
+        write_behind=mode != "pipeline write",
     )
     out = jax.jit(run)(lhs, d, sizes)
 

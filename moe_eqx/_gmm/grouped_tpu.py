@@ -24,7 +24,9 @@ copy of them.
 for each group (the weights' gradient): the grid is `(K tiles, N tiles, visits)`,
 each group's visits accumulating into its output block, an empty group visited once
 to write its zeros; a visit masks and multiplies only the chunks its group has rows
-in.
+in. Each group's finished block is copied to the output by the kernel's own DMA,
+which runs while the next groups' products are computed (`write_behind`): the
+pipeline's own write of an output block held up the visit after it.
 
 `_GroupedProducts` makes them the three products of `moe_eqx._gmm._products`, which
 `PallasTPUGMM` (`gmm_backend="auto"` on a TPU) takes for many rows.
@@ -96,9 +98,6 @@ def _divisor(t: int, axis: int) -> int:
 GMM_TILES = (512, 4096, 1536)
 TGMM_TILES = (512, 4096, 768)
 CHUNK = 128
-# The most chunks a row tile may have for the weights' gradient to take a visit's
-# run of chunks as one product (`runs`): a branch per run, `c (c + 1) / 2` of them.
-MAX_RUN_CHUNKS = 8
 
 # The most scoped VMEM a call asks Mosaic for (below a v5e core's whole VMEM).
 _VMEM_CAP = 100 << 20
@@ -517,8 +516,8 @@ def grouped_weight_gradient(
     out_dtype=None,
     partial_columns: bool | None = None,
     overhang_rows: bool = True,
-    runs: bool = False,
-    interpret: bool = False,
+    write_behind: bool = True,
+    interpret: bool | pltpu.InterpretParams = False,
 ) -> Float[Array, "groups k_dim n_dim"]:
     """`lhs[rows of g]^T @ d[rows of g]` for each group `g` (see the module).
 
@@ -536,12 +535,11 @@ def grouped_weight_gradient(
         Lite-like gate+up: 256 columns a tile instead of 768).
     - `overhang_rows`: as `grouped_matmul`'s (rows past `M` are masked out of
         every product, as rows of no group are).
-    - `runs`: a visit of a shared tile multiplies the run of chunks its group has
-        rows in as one product (masked), instead of a product a chunk: each
-        product adds into the whole `[tk, tn]` float32 accumulator, so a visit of
-        `c` chunks reads and writes it `c` times, where its products' contraction
-        is only `c * chunk` rows. One branch per run (start, length) in the
-        kernel: taken where a tile has at most `MAX_RUN_CHUNKS` chunks.
+    - `write_behind`: each group's result is copied out by a DMA of the kernel's
+        own, started as its last visit ends and waited for two groups later (two
+        staging buffers), so that it runs while the next groups' products are
+        computed. `False`: the pipeline's own write of the output block, which
+        the next visit waits for.
     - `interpret`: run in Pallas' interpreter.
 
     **Returns:**
@@ -567,7 +565,6 @@ def grouped_weight_gradient(
     tm, tk, tn, ch, mp = _fit(
         tiles, chunk, m, k, n, lhs.dtype, blocks, partial_n=partial_columns
     )
-    by_runs = runs and 1 < tm // ch <= MAX_RUN_CHUNKS
     if not (overhang_rows and m >= tm):
         lhs = jnp.pad(lhs, ((0, mp - m), (0, 0)))
         d = jnp.pad(d, ((0, mp - m), (0, 0)))
@@ -575,7 +572,7 @@ def grouped_weight_gradient(
         group_sizes.astype(jnp.int32), mp, tm, visit_empty_groups=True
     )
 
-    def kernel(offsets, groups, row_tiles, lhs, d, out, acc):
+    def kernel(offsets, groups, row_tiles, lhs, d, out, acc, *staging):
         v, last = pl.program_id(2), pl.num_programs(2) - 1
         group, tile = groups[v], row_tiles[v]
         lo, hi = _rows(offsets, group, tile, tm)
@@ -597,28 +594,22 @@ def grouped_weight_gradient(
             acc[...] += _product(a, b, (0, 0))
 
         # As in `grouped_matmul`: a tile of the group's rows only is one product,
-        # unmasked; a shared one a chunk at a time, masked where the chunk is shared
-        # (with `runs`: the chunks it has rows in, as one masked product).
+        # unmasked; a shared one a chunk at a time, masked where the chunk is shared.
         full = (lo == 0) & (hi == tm)
         pl.when(full)(lambda: piece(0, tm, False))
-        if by_runs:
-            # The run's chunks (`lax.div`: `//` lowers through `sign` in Mosaic,
-            # and `lo`, `hi` are never negative).
-            start, end = jax.lax.div(lo, ch), jax.lax.div(hi + ch - 1, ch)
-            for a in range(tm // ch):
-                for b in range(a + 1, tm // ch + 1):
-                    run = ~full & (hi > lo) & (start == a) & (end == b)
-                    pl.when(run)(lambda a=a, b=b: piece(a * ch, (b - a) * ch, True))
-        else:
-            for c0 in range(0, tm, ch):
-                some = (lo < c0 + ch) & (hi > c0)
-                whole = (lo <= c0) & (hi >= c0 + ch)
-                pl.when(~full & whole)(lambda c0=c0: piece(c0, ch, False))
-                pl.when(~full & some & ~whole)(lambda c0=c0: piece(c0, ch, True))
+        for c0 in range(0, tm, ch):
+            some = (lo < c0 + ch) & (hi > c0)
+            whole = (lo <= c0) & (hi >= c0 + ch)
+            pl.when(~full & whole)(lambda c0=c0: piece(c0, ch, False))
+            pl.when(~full & some & ~whole)(lambda c0=c0: piece(c0, ch, True))
 
-        @pl.when(done)
-        def _():
-            out[...] = acc[...].astype(out.dtype)
+        if write_behind:
+            _write_behind(out, acc, *staging, group, done, v == last, tk, tn, n, g)
+        else:
+
+            @pl.when(done)
+            def _():
+                out[...] = acc[...].astype(out.dtype)
 
     def lhs_map(i, j, v, offsets, groups, row_tiles):
         return row_tiles[v], i
@@ -636,8 +627,15 @@ def grouped_weight_gradient(
             num_scalar_prefetch=3,
             grid=(k // tk, -(-n // tn), visits),
             in_specs=[pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((tm, tn), d_map)],
-            out_specs=pl.BlockSpec((None, tk, tn), out_map),
-            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY)
+            if write_behind
+            else pl.BlockSpec((None, tk, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]
+            + (
+                [pltpu.VMEM((2, tk, tn), out_dtype), pltpu.SemaphoreType.DMA((2,))]
+                if write_behind
+                else []
+            ),
         ),
         compiler_params=_params(
             ("parallel", "parallel", "arbitrary"), _vmem_need(blocks(tm, tk, tn))
@@ -647,18 +645,61 @@ def grouped_weight_gradient(
     return call(offsets, groups, row_tiles, lhs, d)
 
 
+def _write_behind(out, acc, stage, sems, group, done, end, tk, tn, n, num_groups):
+    """`grouped_weight_gradient`'s `write_behind`: at a group's last visit, its
+    accumulator into staging buffer `group % 2` and a DMA of it to `out[group]`
+    (in HBM) started; first the wait for the copy that buffer held (group
+    `group - 2`'s), and at the column tile's last visit the waits for the copies
+    still running. Every group is visited, in order, in each column tile's sweep.
+    The last column tile may overhang `n`: its copies take its columns below `n`
+    (their static width under a branch)."""
+    i, j = pl.program_id(0), pl.program_id(1)
+    last_j, rest = divmod(n, tn)
+
+    def copy(grp, slot, width):
+        return pltpu.make_async_copy(
+            stage.at[slot] if width == tn else stage.at[slot, :, pl.ds(0, width)],
+            out.at[grp, pl.ds(i * tk, tk), pl.ds(j * tn, width)],
+            sems.at[slot],
+        )
+
+    def each_width(fn):  # fn(width of this column tile's copies)
+        if not rest:
+            fn(tn)
+        else:
+            pl.when(j == last_j)(lambda: fn(rest))
+            pl.when(j != last_j)(lambda: fn(tn))
+
+    slot = jax.lax.rem(group, 2)
+
+    @pl.when(done)
+    def _():
+        @pl.when(group >= 2)
+        def _():
+            each_width(lambda w: copy(group - 2, slot, w).wait())
+
+        stage[slot] = acc[...].astype(stage.dtype)
+        each_width(lambda w: copy(group, slot, w).start())
+
+    @pl.when(end)
+    def _():
+        each_width(lambda w: copy(group, slot, w).wait())
+        if num_groups > 1:
+            each_width(lambda w: copy(group - 1, 1 - slot, w).wait())
+
+
 class _GroupedProducts(AbstractProducts):
     """The three products of `moe_eqx._gmm._products` on these kernels, at `tiles`
     (`(tm, tk, tn)` for `gmm` and `gmm_t`, and for `tgmm`), `chunk` rows a visit;
-    `tgmm_partial` and `tgmm_runs` are `grouped_weight_gradient`'s
-    `partial_columns` and `runs`, and `overhang_rows` both kernels'."""
+    `tgmm_partial` and `tgmm_write_behind` are `grouped_weight_gradient`'s
+    `partial_columns` and `write_behind`, and `overhang_rows` both kernels'."""
 
     tiles: tuple[int, int, int] = eqx.field(static=True, default=GMM_TILES)
     tgmm_tiles: tuple[int, int, int] = eqx.field(static=True, default=TGMM_TILES)
     chunk: int | None = eqx.field(static=True, default=CHUNK)
     tgmm_partial: bool | None = eqx.field(static=True, default=None)
     overhang_rows: bool = eqx.field(static=True, default=True)
-    tgmm_runs: bool = eqx.field(static=True, default=False)
+    tgmm_write_behind: bool = eqx.field(static=True, default=True)
     interpret: bool = eqx.field(static=True, default=False)
     has_effects: ClassVar[bool] = False
 
@@ -692,7 +733,7 @@ class _GroupedProducts(AbstractProducts):
             out_dtype=out,
             partial_columns=self.tgmm_partial,
             overhang_rows=self.overhang_rows,
-            runs=self.tgmm_runs,
+            write_behind=self.tgmm_write_behind,
             interpret=self.interpret,
         )
 
