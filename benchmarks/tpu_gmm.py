@@ -9,7 +9,8 @@ Zipf(1.0)-skewed. For each product (`gmm`, its transposes `gmm_t` = d_lhs and `t
 d_rhs) and candidate, the min time of 10 after warm-up, its TFLOP/s, and its largest
 difference from `me.RaggedDotGMM`'s value over that value's largest (`max_rel_err`):
 
-- `dense`: one dense matmul of the same FLOPs (the practical roofline);
+- `dense`: one dense matmul of the same FLOPs (the practical roofline), and for
+  `tgmm` XLA's dense `a^T d` of the same FLOPs (the same contraction);
 - `lax.ragged_dot`: called directly, bfloat16 out;
 - `me.ragged_dot`: `me.RaggedDotGMM`'s products;
 - `me.megablox`: `me.MegabloxGMM`'s (its tile table, or the heuristic);
@@ -23,7 +24,9 @@ difference from `me.RaggedDotGMM`'s value over that value's largest (`max_rel_er
 - `tokamax`: tokamax's `ragged_dot` (its Mosaic TPU kernel and its v5e tile table),
   where it imports.
 
-`--only own,me.megablox` keeps the candidates whose names start so.
+`--only own,me.megablox` keeps the candidates whose names start so. `--profile` adds
+each candidate's device time from a profiler trace (wall times carry the host's
+dispatch of a lone program, about 0.5 ms).
 `--sweep` searches tiles (one dimension at a time from the default, twice): of the
 own kernels (`--sweep-kernel own`, the default: rows, columns, chunk) or of
 `me.MegabloxGMM` (`--sweep-kernel megablox`, whose `TUNED` entries in
@@ -211,6 +214,22 @@ def device_times(fn, *args, flops=None):
     if flops is not None:
         out["device_tflops"] = flops / total / 1e9
     return out
+
+
+def dense_row(label, skew, kind, fn, args, flops):
+    """The row (printed) of a dense product of the same FLOPs, `fn(*args)`."""
+    sec = timed(fn, *args)
+    row = dict(
+        matrix=label,
+        skew=skew,
+        kind=kind,
+        candidate="dense",
+        ms=sec * 1e3,
+        tflops=flops / sec / 1e12,
+    )
+    row.update(device_times(fn, *args, flops=flops))
+    print(f"{label:16s} {skew:8s} {kind:6s} dense {_fmt(row)}", flush=True)
+    return row
 
 
 def _fmt(row):
@@ -448,20 +467,11 @@ def main():
             flops = 2 * rows * k * n
             a = jr.normal(jr.key(0), (rows, k), jnp.bfloat16)
             w = jr.normal(jr.key(1), (k, n), jnp.bfloat16)
-            dense = timed(jax.jit(lambda a, w: a @ w), a, w)
-            rows_out.append(
-                dict(
-                    matrix=label,
-                    skew=skew,
-                    kind="all",
-                    candidate="dense",
-                    ms=dense * 1e3,
-                    tflops=flops / dense / 1e12,
-                )
-            )
+            dense = jax.jit(lambda a, w: a @ w)
+            rows_out.append(dense_row(label, skew, "all", dense, (a, w), flops))
             if "tgmm" in args.kinds.split(","):
                 # XLA's dense weights' gradient of the same FLOPs: `a^T d`.
-                d_ = jr.normal(jr.key(3), (rows, n), jnp.bfloat16)
+                d = jr.normal(jr.key(3), (rows, n), jnp.bfloat16)
                 dense_t = jax.jit(
                     lambda a, d: jax.lax.dot_general(
                         a,
@@ -470,18 +480,7 @@ def main():
                         preferred_element_type=jnp.float32,
                     )
                 )
-                sec = timed(dense_t, a, d_)
-                row = dict(
-                    matrix=label,
-                    skew=skew,
-                    kind="tgmm",
-                    candidate="dense",
-                    ms=sec * 1e3,
-                    tflops=flops / sec / 1e12,
-                )
-                row.update(device_times(dense_t, a, d_, flops=flops))
-                rows_out.append(row)
-                print(f"{label:16s} {skew:8s} tgmm   dense {_fmt(row)}", flush=True)
+                rows_out.append(dense_row(label, skew, "tgmm", dense_t, (a, d), flops))
             refs = {}  # each product's value by `me.RaggedDotGMM`'s, to check against
             for name, prods in products(tokamax).items():
                 for kind, fn in prods.items():
