@@ -540,7 +540,8 @@ def grouped_weight_gradient(
         staging buffers), so that it runs while the next groups' products are
         computed. `False`: the pipeline's own write of the output block, which
         the next visit waits for.
-    - `interpret`: run in Pallas' interpreter.
+    - `interpret`: run in Pallas' interpreter (`True`, or a
+        `pltpu.InterpretParams` for its TPU interpreter, which models the DMAs).
 
     **Returns:**
 
